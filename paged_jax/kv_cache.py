@@ -1,0 +1,123 @@
+"""The KV page pool: K and V pages for every layer, written through slot mappings.
+
+Layout, per layer: ``[num_kv_heads, num_pages, page_size, head_dim]`` (the
+layout of JAX's Pallas paged-attention kernels: one KV head's pages are
+contiguous, so a kernel program that owns a KV head streams its pages). All
+layers are stacked in front, ``[num_layers, K, P, L, H]``, so the decoder can
+``lax.scan`` over layers with the pool in the carry and update it in place.
+
+Token ``t`` of a sequence lives in page ``block_table[t // L]`` at offset
+``t % L``: flat slot ``page * L + offset`` of the pool viewed as
+``[K, P * L, H]`` (vLLM's *slot mapping*). Slot ``-1`` means "no token"
+(padding) and is dropped on write.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from paged_jax.page_state import NO_PAGE
+
+
+@struct.dataclass
+class KVPool:
+    """K and V pages for all layers.
+
+    Attributes:
+      k: [num_layers, num_kv_heads, num_pages, page_size, head_dim].
+      v: same shape and dtype as ``k``.
+    """
+
+    k: jax.Array  # [layers, K, P, L, H]
+    v: jax.Array  # [layers, K, P, L, H]
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[4]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by K and V together."""
+        return self.k.nbytes + self.v.nbytes
+
+
+def init_kv_pool(
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    num_pages: int,
+    page_size: int,
+    head_dim: int,
+    dtype=jnp.float32,
+) -> KVPool:
+    """A zeroed pool. Memory: ``2 * num_layers * num_kv_heads * num_pages *
+    page_size * head_dim * itemsize`` bytes.
+
+    Raises:
+      ValueError: a size that is not a positive int (``num_pages`` >= 2: the
+        null page plus one usable page).
+    """
+    for name, value, low in (
+        ("num_layers", num_layers, 1),
+        ("num_kv_heads", num_kv_heads, 1),
+        ("num_pages", num_pages, 2),
+        ("page_size", page_size, 1),
+        ("head_dim", head_dim, 1),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {name}={value!r}")
+    shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
+    return KVPool(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def write_pages(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
+    """Writes new tokens' K (or V) into one layer's pages.
+
+    Args:
+      pages: [K, P, L, H] one layer's pages.
+      new: [N_tok, K, H] values for ``N_tok`` tokens.
+      slots: i32[N_tok] flat slot per token; -1 (padding) is skipped.
+
+    Returns:
+      [K, P, L, H] the updated pages.
+    """
+    num_kv_heads, num_pages, page_size, head_dim = pages.shape
+    flat = pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
+    slots = jnp.where(slots < 0, num_pages * page_size, slots)  # out of range: dropped
+    flat = flat.at[:, slots].set(new.swapaxes(0, 1).astype(pages.dtype), mode="drop")
+    return flat.reshape(pages.shape)
+
+
+def copy_pages(pool: KVPool, src: jax.Array, dst: jax.Array) -> KVPool:
+    """Copies whole pages ``src[i] -> dst[i]`` in every layer (copy-on-write).
+
+    Args:
+      pool: the pool.
+      src, dst: i32[n] page ids; ``NO_PAGE`` (-1) entries are skipped.
+    """
+    skip = (src == NO_PAGE) | (dst == NO_PAGE)
+    dst = jnp.where(skip, pool.num_pages, dst)
+    src = jnp.where(skip, 0, src)
+
+    def one(x):
+        return x.at[:, :, dst].set(x[:, :, src], mode="drop")
+
+    return KVPool(k=one(pool.k), v=one(pool.v))

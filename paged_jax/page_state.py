@@ -1,0 +1,354 @@
+"""Functional page state: block tables, reference counts and a free-page queue.
+
+Every operation is a pure function ``state -> state`` that jits with static
+shapes (PagedAttention, Kwon et al., SOSP 2023, section 4.2 "KV cache
+manager"). The state lives on device as a pytree of arrays; the host never
+mutates it in place.
+
+Vocabulary (vLLM's): a *page* (block) holds ``page_size`` token slots of K and
+V for every layer and KV head; a sequence's *block table* lists its pages in
+logical order; ``ref_counts[p]`` counts the sequences whose block tables hold
+page ``p`` (more than one after ``fork``: copy-on-write).
+
+The null page. Page id ``NULL_PAGE = 0`` is reserved: it is never handed out,
+never freed and never counted. Every unused block-table entry points at it, so
+a kernel that reads a padded entry reads a real (garbage) page instead of
+going out of bounds; attention masks such positions by length, so the null
+page's content never reaches an output. A pool of ``num_pages`` pages
+therefore has ``num_pages - 1`` usable pages.
+
+The free queue. Free pages sit in a FIFO ring buffer: allocation takes pages
+from the head, freeing appends them at the tail, so the page freed longest ago
+is handed out first (the order vLLM's ``FreeKVCacheBlockQueue`` keeps so that
+a prefix cache evicts the least recently used page first). Pages freed in one
+call are appended in ascending page id, which makes page ids exact and
+testable.
+
+Running out of pages is not an error: ``allocate`` and ``append`` return
+``ok = False`` together with the *unchanged* state, and the caller (the
+engine) decides whom to preempt.
+
+Capacity versus length. A sequence holds ``num_seq_pages[s]`` pages
+(capacity ``num_seq_pages[s] * page_size`` slots) and ``seq_lens[s]`` tokens.
+Normally capacity is the smallest multiple of ``page_size`` above the length;
+``allocate(..., reserve_tokens=n)`` can hold more, which is how the engine
+models pre-paging servers that reserve a request's maximum length up front.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+NULL_PAGE = 0
+"""Reserved page id: padding in block tables; never allocated, never freed."""
+
+NO_PAGE = -1
+"""Marks "no copy" in the copy-on-write pairs returned by :func:`append`."""
+
+
+@struct.dataclass
+class PageState:
+    """Device-side page bookkeeping for up to ``max_seqs`` sequences.
+
+    Attributes:
+      block_tables: i32[max_seqs, max_pages_per_seq] page ids in logical
+        order; unused entries hold ``NULL_PAGE``.
+      seq_lens: i32[max_seqs] tokens stored per sequence slot (0 = empty).
+      num_seq_pages: i32[max_seqs] pages held per sequence slot.
+      ref_counts: i32[num_pages] sequences holding each page; ``NULL_PAGE``
+        stays 0.
+      free_queue: i32[num_pages - 1] ring buffer of free page ids.
+      free_head: i32[] index in ``free_queue`` of the next page handed out.
+      num_free_pages: i32[] free pages (excludes the null page).
+      page_size: tokens per page (static).
+    """
+
+    block_tables: jax.Array  # i32[max_seqs, max_pages_per_seq]
+    seq_lens: jax.Array  # i32[max_seqs]
+    num_seq_pages: jax.Array  # i32[max_seqs]
+    ref_counts: jax.Array  # i32[num_pages]
+    free_queue: jax.Array  # i32[num_pages - 1]
+    free_head: jax.Array  # i32[]
+    num_free_pages: jax.Array  # i32[]
+    page_size: int = struct.field(pytree_node=False)
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the pool, the null page included."""
+        return self.ref_counts.shape[0]
+
+    @property
+    def max_seqs(self) -> int:
+        return self.block_tables.shape[0]
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return self.block_tables.shape[1]
+
+    @property
+    def max_seq_len(self) -> int:
+        """Most tokens one sequence can hold: max_pages_per_seq * page_size."""
+        return self.max_pages_per_seq * self.page_size
+
+
+def init_page_state(
+    *, num_pages: int, max_seqs: int, max_pages_per_seq: int, page_size: int
+) -> PageState:
+    """An empty page state: every usable page free, every sequence slot empty.
+
+    Args:
+      num_pages: pages in the pool, the null page included (>= 2).
+      max_seqs: sequence slots (rows of the block table), >= 1.
+      max_pages_per_seq: block-table columns, >= 1.
+      page_size: tokens per page, >= 1.
+
+    Raises:
+      ValueError: any argument out of range; the message names it.
+    """
+    for name, value, low in (
+        ("num_pages", num_pages, 2),
+        ("max_seqs", max_seqs, 1),
+        ("max_pages_per_seq", max_pages_per_seq, 1),
+        ("page_size", page_size, 1),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {name}={value!r}")
+    return PageState(
+        block_tables=jnp.full((max_seqs, max_pages_per_seq), NULL_PAGE, jnp.int32),
+        seq_lens=jnp.zeros((max_seqs,), jnp.int32),
+        num_seq_pages=jnp.zeros((max_seqs,), jnp.int32),
+        ref_counts=jnp.zeros((num_pages,), jnp.int32),
+        free_queue=jnp.arange(1, num_pages, dtype=jnp.int32),
+        free_head=jnp.zeros((), jnp.int32),
+        num_free_pages=jnp.asarray(num_pages - 1, jnp.int32),
+        page_size=page_size,
+    )
+
+
+def pages_for_tokens(num_tokens, page_size: int):
+    """ceil(num_tokens / page_size): pages needed to hold ``num_tokens``."""
+    return (num_tokens + page_size - 1) // page_size
+
+
+def _select(ok, new: PageState, old: PageState) -> PageState:
+    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
+
+def _pop_pages(state: PageState, need: jax.Array):
+    """Takes ``need[s]`` pages (i32[max_seqs]) off the free queue's head, slot
+    by slot. Returns ``(pages, valid, ok, free_head, num_free_pages)`` with
+    ``pages``: i32[max_seqs, max_pages_per_seq] (entry ``[s, j]`` meaningful
+    where ``valid[s, j] = j < need[s]``). Nothing is changed; the caller
+    commits the new head and count only when ``ok``."""
+    cap = state.free_queue.shape[0]
+    total = need.sum()
+    ok = total <= state.num_free_pages
+    offset = jnp.cumsum(need) - need  # exclusive prefix sum, i32[max_seqs]
+    j = jnp.arange(state.max_pages_per_seq, dtype=jnp.int32)[None, :]
+    valid = j < need[:, None]  # [max_seqs, max_pages]
+    pages = state.free_queue[(state.free_head + offset[:, None] + j) % cap]
+    return pages, valid, ok, (state.free_head + total) % cap, state.num_free_pages - total
+
+
+def _take_pages(state: PageState, need: jax.Array) -> tuple[PageState, jax.Array]:
+    """Hands ``need[s]`` new pages to each sequence slot ``s``, appended to its
+    block table after the pages it holds. Returns the new state (unchanged
+    when the pool is short) and ``ok``."""
+    max_pages = state.max_pages_per_seq
+    pages, valid, ok, head, num_free = _pop_pages(state, need)
+    j = jnp.arange(max_pages, dtype=jnp.int32)[None, :]
+    col = jnp.where(valid, state.num_seq_pages[:, None] + j, max_pages)
+    rows = jnp.broadcast_to(jnp.arange(state.max_seqs)[:, None], col.shape)
+    new = state.replace(
+        block_tables=state.block_tables.at[rows, col].set(pages, mode="drop"),
+        num_seq_pages=state.num_seq_pages + need,
+        ref_counts=state.ref_counts.at[jnp.where(valid, pages, state.num_pages)].add(
+            1, mode="drop"
+        ),
+        free_head=head,
+        num_free_pages=num_free,
+    )
+    return _select(ok, new, state), ok
+
+
+def _release_pages(state: PageState, page_mask: jax.Array) -> PageState:
+    """Appends the pages in ``page_mask`` (bool[num_pages]) to the free queue's
+    tail in ascending page id."""
+    cap = state.free_queue.shape[0]
+    rank = jnp.cumsum(page_mask) - 1
+    tail = (state.free_head + state.num_free_pages + rank) % cap
+    ids = jnp.arange(state.num_pages, dtype=jnp.int32)
+    free_queue = state.free_queue.at[jnp.where(page_mask, tail, cap)].set(ids, mode="drop")
+    return state.replace(
+        free_queue=free_queue,
+        num_free_pages=state.num_free_pages + page_mask.sum(dtype=jnp.int32),
+    )
+
+
+@jax.jit
+def allocate(
+    state: PageState, seq_id: jax.Array, num_tokens: jax.Array, reserve_tokens: jax.Array = 0
+) -> tuple[PageState, jax.Array]:
+    """Gives an empty sequence slot the pages for a prompt of ``num_tokens``.
+
+    The slot then holds ``num_tokens`` tokens (their K/V still to be written
+    through :func:`slot_mapping`) in ``ceil(max(num_tokens, reserve_tokens) /
+    page_size)`` pages.
+
+    Args:
+      state: the page state.
+      seq_id: i32[] an empty sequence slot (``seq_lens == num_seq_pages == 0``).
+      num_tokens: i32[] prompt tokens, 0 <= num_tokens <= max_seq_len.
+      reserve_tokens: i32[] slots to hold beyond need (contiguous-style
+        reservation); 0 for paging.
+
+    Returns:
+      ``(state, ok)``; ``ok`` is False when the pool has too few free pages,
+      and the state is then returned unchanged. Arguments are not checked
+      here (this function is traced); :class:`paged_jax.engine.Engine` and
+      :func:`check_allocate` validate at the door.
+    """
+    want = jnp.maximum(num_tokens, reserve_tokens)
+    need = jnp.zeros((state.max_seqs,), jnp.int32).at[seq_id].set(
+        pages_for_tokens(want, state.page_size).astype(jnp.int32)
+    )
+    state, ok = _take_pages(state, need)
+    seq_lens = jnp.where(ok, state.seq_lens.at[seq_id].set(num_tokens), state.seq_lens)
+    return state.replace(seq_lens=seq_lens), ok
+
+
+def check_allocate(state: PageState, seq_id: int, num_tokens: int, reserve_tokens: int = 0) -> None:
+    """Eager validation for :func:`allocate` (reads the state back to host).
+
+    Raises:
+      ValueError: ``seq_id`` out of range or not empty, ``num_tokens`` or
+        ``reserve_tokens`` negative or above ``max_seq_len``.
+    """
+    if not 0 <= seq_id < state.max_seqs:
+        raise ValueError(f"seq_id must be in [0, {state.max_seqs}), got {seq_id=}")
+    for name, value in (("num_tokens", num_tokens), ("reserve_tokens", reserve_tokens)):
+        if not 0 <= value <= state.max_seq_len:
+            raise ValueError(
+                f"{name} must be in [0, max_seq_len={state.max_seq_len}], got {name}={value}"
+            )
+    if int(state.num_seq_pages[seq_id]) or int(state.seq_lens[seq_id]):
+        raise ValueError(f"seq_id={seq_id} already holds a sequence; free it first")
+
+
+@jax.jit
+def append(state: PageState, active: jax.Array) -> tuple[PageState, jax.Array, jax.Array, jax.Array]:
+    """Adds one token slot to every active sequence (one decode step).
+
+    A sequence takes a new page only when its pages are full. If the page the
+    new token lands in is shared (``ref_counts > 1`` after :func:`fork`), the
+    sequence gets a private copy of it (copy-on-write): the shared page keeps
+    its other owners, this sequence's block table points at a fresh page, and
+    the caller must copy the KV content ``src -> dst`` before writing.
+
+    Args:
+      state: the page state.
+      active: bool[max_seqs] sequences that grow by one token.
+
+    Returns:
+      ``(state, ok, cow_src, cow_dst)``: ``ok`` is False when the pool has too
+      few free pages for all active sequences at once (state unchanged);
+      ``cow_src, cow_dst``: i32[max_seqs] page copies to make, ``NO_PAGE``
+      where none.
+    """
+    page_size = state.page_size
+    rows = jnp.arange(state.max_seqs)
+    idx = state.seq_lens // page_size  # page index the new token lands in
+    has_page = idx < state.num_seq_pages
+    cur = state.block_tables[rows, jnp.minimum(idx, state.max_pages_per_seq - 1)]
+    cow = active & has_page & (state.ref_counts[cur] > 1)
+    grow = active & ~has_page
+    need = (cow | grow).astype(jnp.int32)
+    pages, _, ok, head, num_free = _pop_pages(state, need)
+    new_page = pages[:, 0]  # i32[max_seqs], meaningful where cow | grow
+    # A growing sequence appends its page; a copy-on-write one swaps the
+    # shared page in column ``idx`` for its private copy.
+    col = jnp.where(cow | grow, idx, state.max_pages_per_seq)
+    ref_counts = state.ref_counts.at[jnp.where(cow | grow, new_page, state.num_pages)].add(
+        1, mode="drop"
+    )
+    ref_counts = ref_counts.at[jnp.where(cow, cur, state.num_pages)].add(-1, mode="drop")
+    new = state.replace(
+        block_tables=state.block_tables.at[rows, col].set(new_page, mode="drop"),
+        seq_lens=state.seq_lens + active.astype(jnp.int32),
+        num_seq_pages=state.num_seq_pages + grow.astype(jnp.int32),
+        ref_counts=ref_counts,
+        free_head=head,
+        num_free_pages=num_free,
+    )
+    new = _select(ok, new, state)
+    cow_ok = cow & ok
+    cow_src = jnp.where(cow_ok, cur, NO_PAGE)
+    cow_dst = jnp.where(cow_ok, new_page, NO_PAGE)
+    return new, ok, cow_src, cow_dst
+
+
+@jax.jit
+def free(state: PageState, seq_mask: jax.Array) -> PageState:
+    """Frees every sequence in ``seq_mask`` (bool[max_seqs]).
+
+    Each of their pages loses one reference; a page whose count reaches zero
+    goes back to the free queue at once (ascending page id). The slots become
+    empty: length 0, no pages, block-table rows all ``NULL_PAGE``. Freeing an
+    empty slot is a no-op.
+    """
+    max_pages = state.max_pages_per_seq
+    j = jnp.arange(max_pages)[None, :]
+    held = seq_mask[:, None] & (j < state.num_seq_pages[:, None])  # [max_seqs, max_pages]
+    pages = jnp.where(held, state.block_tables, state.num_pages)
+    ref_counts = state.ref_counts.at[pages].add(-1, mode="drop")
+    released = (state.ref_counts > 0) & (ref_counts == 0)
+    state = state.replace(
+        ref_counts=ref_counts,
+        block_tables=jnp.where(seq_mask[:, None], NULL_PAGE, state.block_tables),
+        seq_lens=jnp.where(seq_mask, 0, state.seq_lens),
+        num_seq_pages=jnp.where(seq_mask, 0, state.num_seq_pages),
+    )
+    return _release_pages(state, released)
+
+
+@jax.jit
+def fork(state: PageState, src: jax.Array, dst: jax.Array) -> PageState:
+    """Makes empty slot ``dst`` share ``src``'s tokens (parallel sampling,
+    beam search; paper section 4.4). The pages holding ``src``'s tokens gain
+    a reference; reserved pages beyond its length are not shared. Later
+    appends to either sequence copy a shared page before writing
+    (:func:`append`)."""
+    n = pages_for_tokens(state.seq_lens[src], state.page_size)
+    j = jnp.arange(state.max_pages_per_seq)
+    shared = j < n
+    row = jnp.where(shared, state.block_tables[src], NULL_PAGE)
+    ref_counts = state.ref_counts.at[jnp.where(shared, row, state.num_pages)].add(1, mode="drop")
+    return state.replace(
+        block_tables=state.block_tables.at[dst].set(row),
+        seq_lens=state.seq_lens.at[dst].set(state.seq_lens[src]),
+        num_seq_pages=state.num_seq_pages.at[dst].set(n),
+        ref_counts=ref_counts,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("page_size",))
+def slot_mapping(
+    block_tables: jax.Array, positions: jax.Array, valid: jax.Array, *, page_size: int
+) -> jax.Array:
+    """Flat KV slots for token positions: ``page * page_size + offset``.
+
+    Args:
+      block_tables: i32[B, pages_per_seq].
+      positions: i32[B, T] token positions (0-based) within each sequence.
+      valid: bool[B, T] positions that exist; others map to -1.
+
+    Returns:
+      i32[B, T] slot ids into a pool flattened to ``[num_pages * page_size]``.
+    """
+    col = jnp.clip(positions // page_size, 0, block_tables.shape[1] - 1)
+    page = jnp.take_along_axis(block_tables, col, axis=1)
+    return jnp.where(valid, page * page_size + positions % page_size, -1)
