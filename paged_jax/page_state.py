@@ -264,7 +264,11 @@ def append(state: PageState, active: jax.Array) -> tuple[PageState, jax.Array, j
     idx = state.seq_lens // page_size  # page index the new token lands in
     has_page = idx < state.num_seq_pages
     cur = state.block_tables[rows, jnp.minimum(idx, state.max_pages_per_seq - 1)]
-    cow = active & has_page & (state.ref_counts[cur] > 1)
+    shared = active & has_page & (state.ref_counts[cur] > 1)
+    # Sharers of one page that all append in this step: each earlier one
+    # takes a private copy, the last keeps the original (else it would leak).
+    earlier = (cur[None, :] == cur[:, None]) & shared[None, :] & (rows[None, :] < rows[:, None])
+    cow = shared & (state.ref_counts[cur] - earlier.sum(axis=1) > 1)
     grow = active & ~has_page
     need = (cow | grow).astype(jnp.int32)
     pages, _, ok, head, num_free = _pop_pages(state, need)

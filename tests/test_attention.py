@@ -1,0 +1,163 @@
+"""Reference paged attention equals dense causal attention on the same tokens."""
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paged_jax.attention import paged_attention, ref_paged_attention, ref_paged_decode_attention
+from paged_jax.kv_cache import write_pages
+from paged_jax.page_state import NULL_PAGE
+
+
+def dense_causal(q, k, v, q_start, soft_cap=None, window=None):
+    """Plain attention for one sequence. q: [T, N, H], k, v: [S, K, H];
+    query t sits at position q_start + t. Returns [T, N, H] (float64)."""
+    t_len, n_heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    g = n_heads // kv_heads
+    q = q.astype(np.float64).reshape(t_len, kv_heads, g, head_dim)
+    logits = np.einsum("TKGH,SKH->KGTS", q, k.astype(np.float64)) / np.sqrt(head_dim)
+    if soft_cap is not None:
+        logits = soft_cap * np.tanh(logits / soft_cap)
+    qp = q_start + np.arange(t_len)[:, None]
+    kp = np.arange(k.shape[0])[None, :]
+    visible = kp <= qp
+    if window is not None:
+        visible &= kp > qp - window
+    logits = np.where(visible, logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("KGTS,SKH->TKGH", p, v.astype(np.float64)).reshape(t_len, n_heads, head_dim)
+
+
+def build_paged(rng, lens, kv_heads, head_dim, page_size, extra_pages=3):
+    """Random K/V for sequences of ``lens`` tokens, scattered over a randomly
+    permuted pool; every slot no sequence owns (null page included) is NaN."""
+    pages_per_seq = max(1, max(-(-n // page_size) for n in lens))
+    needed = sum(-(-n // page_size) for n in lens)
+    num_pages = 1 + needed + extra_pages
+    perm = rng.permutation(np.arange(1, num_pages))
+    k_pages = np.full((kv_heads, num_pages, page_size, head_dim), np.nan, np.float32)
+    v_pages = k_pages.copy()
+    block_tables = np.full((len(lens), pages_per_seq), NULL_PAGE, np.int32)
+    ks, vs, c = [], [], 0
+    for b, n in enumerate(lens):
+        k = rng.normal(size=(n, kv_heads, head_dim)).astype(np.float32)
+        v = rng.normal(size=(n, kv_heads, head_dim)).astype(np.float32)
+        for j in range(-(-n // page_size)):
+            block_tables[b, j] = perm[c]
+            c += 1
+        for t in range(n):
+            k_pages[:, block_tables[b, t // page_size], t % page_size] = k[t]
+            v_pages[:, block_tables[b, t // page_size], t % page_size] = v[t]
+        ks.append(k)
+        vs.append(v)
+    return k_pages, v_pages, block_tables, ks, vs
+
+
+@pytest.mark.parametrize(
+    "page_size, kv_heads, group, head_dim", [(4, 1, 1, 8), (4, 3, 3, 16), (8, 2, 4, 8), (16, 3, 3, 64)]
+)
+def test_prefill_equals_dense(page_size, kv_heads, group, head_dim):
+    rng = np.random.default_rng(page_size * 100 + kv_heads * 10 + group)
+    lens = [1, page_size - 1, page_size, page_size + 1, 3 * page_size + 2]
+    lens = [n for n in lens if n > 0]
+    k_pages, v_pages, bt, ks, vs = build_paged(rng, lens, kv_heads, head_dim, page_size)
+    t_max = max(lens) + 2  # padding query rows
+    q = rng.normal(size=(len(lens), t_max, kv_heads * group, head_dim)).astype(np.float32)
+    lens_a = jnp.asarray(lens, jnp.int32)
+    out = np.asarray(ref_paged_attention(q, k_pages, v_pages, bt, lens_a, lens_a))
+    assert not np.isnan(out).any()
+    for b, n in enumerate(lens):
+        want = dense_causal(q[b, :n], ks[b], vs[b], 0)
+        np.testing.assert_allclose(out[b, :n], want, atol=2e-5, rtol=1e-5)
+        assert (out[b, n:] == 0).all()
+
+
+def test_decode_and_chunked_queries_equal_dense():
+    rng = np.random.default_rng(1)
+    page_size, kv_heads, group, head_dim = 4, 3, 3, 16
+    lens = [1, 3, 4, 5, 9, 17]
+    k_pages, v_pages, bt, ks, vs = build_paged(rng, lens, kv_heads, head_dim, page_size)
+    lens_a = jnp.asarray(lens, jnp.int32)
+    # Decode: the last token of each sequence attends to everything.
+    qd = rng.normal(size=(len(lens), kv_heads * group, head_dim)).astype(np.float32)
+    out = np.asarray(ref_paged_decode_attention(qd, k_pages, v_pages, bt, lens_a))
+    for b, n in enumerate(lens):
+        np.testing.assert_allclose(out[b], dense_causal(qd[b][None], ks[b], vs[b], n - 1)[0], atol=2e-5)
+    # A chunk: the last min(3, n) tokens of each sequence are queries.
+    q_lens = np.minimum(lens, 3).astype(np.int32)
+    q = rng.normal(size=(len(lens), 4, kv_heads * group, head_dim)).astype(np.float32)
+    out = np.asarray(ref_paged_attention(q, k_pages, v_pages, bt, lens_a, jnp.asarray(q_lens)))
+    for b, n in enumerate(lens):
+        m = q_lens[b]
+        np.testing.assert_allclose(out[b, :m], dense_causal(q[b, :m], ks[b], vs[b], n - m), atol=2e-5)
+        assert (out[b, m:] == 0).all()
+
+
+@pytest.mark.parametrize("soft_cap, window", [(5.0, None), (None, 3), (2.0, 5)])
+def test_soft_cap_and_sliding_window(soft_cap, window):
+    rng = np.random.default_rng(2)
+    lens = [2, 7, 12]
+    k_pages, v_pages, bt, ks, vs = build_paged(rng, lens, 2, 8, 4)
+    q = rng.normal(size=(3, 12, 4, 8)).astype(np.float32) * 3
+    la = jnp.asarray(lens, jnp.int32)
+    out = np.asarray(ref_paged_attention(q, k_pages, v_pages, bt, la, la, soft_cap=soft_cap, sliding_window=window))
+    for b, n in enumerate(lens):
+        want = dense_causal(q[b, :n], ks[b], vs[b], 0, soft_cap=soft_cap, window=window)
+        np.testing.assert_allclose(out[b, :n], want, atol=2e-5, rtol=1e-5)
+
+
+def test_zero_length_sequence_gives_zeros():
+    rng = np.random.default_rng(3)
+    k_pages, v_pages, bt, _, _ = build_paged(rng, [5], 1, 8, 4)
+    bt = np.concatenate([bt, np.zeros_like(bt)])  # second sequence: empty, null page
+    q = rng.normal(size=(2, 8)).reshape(2, 1, 8).astype(np.float32)
+    out = np.asarray(ref_paged_decode_attention(q, k_pages, v_pages, bt, jnp.asarray([5, 0], jnp.int32)))
+    assert (out[1] == 0).all() and not np.isnan(out).any()
+
+
+def test_write_pages_through_slot_mapping():
+    pages = jnp.zeros((2, 3, 4, 1))  # K=2, P=3, L=4, H=1
+    new = jnp.arange(1, 7, dtype=jnp.float32).reshape(3, 2, 1)  # 3 tokens
+    slots = jnp.asarray([5, -1, 11])  # page 1 offset 1; padding; page 2 offset 3
+    out = np.asarray(write_pages(pages, new, slots))
+    assert out[:, 1, 1, 0].tolist() == [1, 2] and out[:, 2, 3, 0].tolist() == [5, 6]
+    assert np.count_nonzero(out) == 4  # the padding token wrote nothing
+
+
+@pytest.mark.parametrize(
+    "shapes, needle",
+    [
+        (dict(q=(2, 1, 6, 8), k=(4, 5, 4, 8)), "multiple of num_kv_heads"),
+        (dict(q=(2, 1, 6, 8), k=(3, 5, 4, 16)), "head_dim"),
+        (dict(q=(2, 6, 8), k=(3, 5, 4, 8)), "q must be"),
+        (dict(q=(2, 1, 6, 8), k=(3, 5, 4, 8), bt=(3, 2)), "block_tables"),
+        (dict(q=(2, 1, 6, 8), k=(3, 5, 4, 8), lens=(3,)), "kv_lens"),
+    ],
+)
+def test_bad_inputs_are_named(shapes, needle):
+    q = jnp.zeros(shapes["q"])
+    k = jnp.zeros(shapes["k"])
+    bt = jnp.zeros(shapes.get("bt", (2, 2)), jnp.int32)
+    lens = jnp.ones(shapes.get("lens", (2,)), jnp.int32)
+    with pytest.raises(ValueError, match=needle):
+        paged_attention(q, k, k, bt, lens, jnp.ones((2,), jnp.int32))
+    with pytest.raises(ValueError, match="impl"):
+        paged_attention(jnp.zeros((2, 1, 6, 8)), jnp.zeros((3, 5, 4, 8)), jnp.zeros((3, 5, 4, 8)),
+                        jnp.zeros((2, 2), jnp.int32), jnp.ones((2,), jnp.int32), jnp.ones((2,), jnp.int32),
+                        impl="cuda-magic")
+
+
+def test_dispatch_auto_matches_reference():
+    rng = np.random.default_rng(4)
+    lens = [3, 9]
+    k_pages, v_pages, bt, _, _ = build_paged(rng, lens, 3, 8, 4)
+    q = rng.normal(size=(2, 9, 9, 8)).astype(np.float32)
+    la = jnp.asarray(lens, jnp.int32)
+    for a, b in itertools.combinations(
+        [ref_paged_attention(q, k_pages, v_pages, bt, la, la), paged_attention(q, k_pages, v_pages, bt, la, la)], 2
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

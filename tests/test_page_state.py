@@ -1,0 +1,189 @@
+"""Page state: exact page ids, copy-on-write, out-of-pages as a value, all pages back."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paged_jax import page_state as ps
+
+
+def mask(n, *idx):
+    m = np.zeros(n, bool)
+    m[list(idx)] = True
+    return jnp.asarray(m)
+
+
+def row(state, seq):
+    return np.asarray(state.block_tables[seq]).tolist()
+
+
+@pytest.fixture
+def state():
+    # 8 pages: the null page 0 and usable pages 1..7; page size 4; 3 slots of 4 pages.
+    return ps.init_page_state(num_pages=8, max_seqs=3, max_pages_per_seq=4, page_size=4)
+
+
+def test_init(state):
+    assert int(state.num_free_pages) == 7
+    assert np.asarray(state.free_queue).tolist() == [1, 2, 3, 4, 5, 6, 7]
+    assert (np.asarray(state.block_tables) == ps.NULL_PAGE).all()
+    assert state.max_seq_len == 16
+
+
+def test_allocate_append_free_exact_ids(state):
+    # 5 tokens -> ceil(5/4) = 2 pages, taken from the queue head: 1, 2.
+    state, ok = ps.allocate(state, 0, 5)
+    assert bool(ok) and row(state, 0) == [1, 2, 0, 0]
+    # 4 tokens -> exactly 1 page: 3.
+    state, ok = ps.allocate(state, 1, 4)
+    assert bool(ok) and row(state, 1) == [3, 0, 0, 0]
+    assert int(state.num_free_pages) == 4
+    # Seq 0 has 5 tokens in 8 slots: no new page. Seq 1 is full (4/4): page 4.
+    state, ok, src, dst = ps.append(state, mask(3, 0, 1))
+    assert bool(ok)
+    assert row(state, 0) == [1, 2, 0, 0] and row(state, 1) == [3, 4, 0, 0]
+    assert np.asarray(state.seq_lens).tolist() == [6, 5, 0]
+    assert np.asarray(src).tolist() == [-1, -1, -1] and np.asarray(dst).tolist() == [-1, -1, -1]
+    # Free seq 0: pages 1, 2 go to the queue tail; the next allocation takes 5 first.
+    state = ps.free(state, mask(3, 0))
+    assert int(state.num_free_pages) == 5
+    assert row(state, 0) == [0, 0, 0, 0] and int(state.seq_lens[0]) == 0
+    state, ok = ps.allocate(state, 2, 16)
+    assert bool(ok) and row(state, 2) == [5, 6, 7, 1]
+    assert np.asarray(state.ref_counts).tolist() == [0, 1, 0, 1, 1, 1, 1, 1]
+
+
+def test_out_of_pages_is_a_value_and_state_unchanged(state):
+    state, ok = ps.allocate(state, 0, 16)  # 4 pages, 3 left
+    assert bool(ok)
+    before = state
+    after, ok = ps.allocate(state, 1, 13)  # needs 4
+    assert not bool(ok)
+    for a, b in zip(np.asarray(after.block_tables), np.asarray(before.block_tables)):
+        np.testing.assert_array_equal(a, b)
+    assert int(after.num_free_pages) == 3 and int(after.seq_lens[1]) == 0
+    # Append for three sequences each at a page boundary with only two pages left.
+    state, ok = ps.allocate(state, 1, 4)
+    state, ok = ps.allocate(state, 2, 4)
+    assert bool(ok) and int(state.num_free_pages) == 1
+    state_seq_lens = np.asarray(state.seq_lens).tolist()
+    new, ok, _, _ = ps.append(state, mask(3, 1, 2))  # both full: need 2 pages, 1 free
+    assert not bool(ok)
+    assert np.asarray(new.seq_lens).tolist() == state_seq_lens
+    assert int(new.num_free_pages) == 1
+
+
+def test_reserve_tokens_holds_capacity(state):
+    # Contiguous-style: 1 token with 16 reserved holds all 4 pages; appends take none.
+    state, ok = ps.allocate(state, 0, 1, 16)
+    assert bool(ok) and row(state, 0) == [1, 2, 3, 4]
+    for _ in range(15):
+        state, ok, _, _ = ps.append(state, mask(3, 0))
+        assert bool(ok)
+    assert int(state.seq_lens[0]) == 16 and int(state.num_free_pages) == 3
+
+
+def test_fork_and_copy_on_write(state):
+    state, _ = ps.allocate(state, 0, 6)  # pages 1, 2 (page 2 half full)
+    state = ps.fork(state, 0, 1)
+    assert row(state, 1) == [1, 2, 0, 0]
+    assert np.asarray(state.ref_counts)[[1, 2]].tolist() == [2, 2]
+    # Seq 1 appends into shared page 2 -> private copy on page 3.
+    state, ok, src, dst = ps.append(state, mask(3, 1))
+    assert bool(ok)
+    assert row(state, 1) == [1, 3, 0, 0] and row(state, 0) == [1, 2, 0, 0]
+    assert np.asarray(src).tolist() == [-1, 2, -1] and np.asarray(dst).tolist() == [-1, 3, -1]
+    assert np.asarray(state.ref_counts)[[1, 2, 3]].tolist() == [2, 1, 1]
+    # Seq 0 now owns page 2 alone: no copy.
+    state, ok, src, _ = ps.append(state, mask(3, 0))
+    assert bool(ok) and np.asarray(src).tolist() == [-1, -1, -1]
+    # Freeing both returns every page once.
+    state = ps.free(state, mask(3, 0, 1))
+    assert int(state.num_free_pages) == 7
+    assert (np.asarray(state.ref_counts) == 0).all()
+    assert sorted(np.asarray(state.free_queue).tolist()) == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_fork_does_not_share_reserved_pages(state):
+    state, _ = ps.allocate(state, 0, 3, 16)  # 4 pages reserved, 1 holds tokens
+    state = ps.fork(state, 0, 1)
+    assert row(state, 1) == [1, 0, 0, 0] and int(state.num_seq_pages[1]) == 1
+
+
+def test_random_workload_returns_every_page():
+    rng = np.random.default_rng(0)
+    state = ps.init_page_state(num_pages=33, max_seqs=6, max_pages_per_seq=8, page_size=4)
+    for _ in range(200):
+        lens = np.asarray(state.seq_lens)
+        op = rng.integers(3)
+        seq = int(rng.integers(6))
+        if op == 0 and lens[seq] == 0:
+            state, _ = ps.allocate(state, seq, int(rng.integers(1, 20)))
+        elif op == 1:
+            active = (lens > 0) & (lens < 32) & (rng.random(6) < 0.7)
+            state, _, _, _ = ps.append(state, jnp.asarray(active))
+        elif op == 2 and lens[seq] > 0 and int(state.seq_lens[(seq + 1) % 6]) == 0 and rng.random() < 0.3:
+            state = ps.fork(state, seq, (seq + 1) % 6)
+        elif rng.random() < 0.3:
+            state = ps.free(state, mask(6, seq))
+        # Invariant: every held reference is counted; no page both free and held.
+        bt = np.asarray(state.block_tables)
+        held = np.concatenate([bt[s, : int(state.num_seq_pages[s])] for s in range(6)])
+        counts = np.bincount(held, minlength=33)
+        np.testing.assert_array_equal(counts, np.asarray(state.ref_counts))
+        cap = 32
+        head, nfree = int(state.free_head), int(state.num_free_pages)
+        free_ids = np.asarray(state.free_queue)[(head + np.arange(nfree)) % cap]
+        assert set(free_ids.tolist()).isdisjoint(held.tolist())
+        assert len(set(free_ids.tolist())) == nfree
+        assert ps.NULL_PAGE not in free_ids and ps.NULL_PAGE not in held
+        assert nfree + len(set(held.tolist())) == 32
+    state = ps.free(state, jnp.ones(6, bool))
+    assert int(state.num_free_pages) == 32 and (np.asarray(state.ref_counts) == 0).all()
+
+
+def test_slot_mapping():
+    bt = jnp.asarray([[5, 2, 0], [7, 0, 0]], jnp.int32)
+    pos = jnp.asarray([[0, 3, 4, 5], [0, 1, 2, 3]], jnp.int32)
+    valid = jnp.asarray([[1, 1, 1, 1], [1, 1, 0, 0]], bool)
+    # page size 4: pos 0 -> 5*4+0 = 20, pos 3 -> 23, pos 4 -> page 2 -> 8, pos 5 -> 9.
+    slots = ps.slot_mapping(bt, pos, valid, page_size=4)
+    assert np.asarray(slots).tolist() == [[20, 23, 8, 9], [28, 29, -1, -1]]
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(num_pages=1, max_seqs=1, max_pages_per_seq=1, page_size=4), "num_pages"),
+        (dict(num_pages=4, max_seqs=1, max_pages_per_seq=1, page_size=0), "page_size=0"),
+        (dict(num_pages=4, max_seqs=1, max_pages_per_seq=1, page_size=-3), "page_size=-3"),
+        (dict(num_pages=4, max_seqs=0, max_pages_per_seq=1, page_size=4), "max_seqs"),
+    ],
+)
+def test_bad_sizes(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        ps.init_page_state(**kwargs)
+
+
+def test_check_allocate(state):
+    state, _ = ps.allocate(state, 0, 3)
+    with pytest.raises(ValueError, match="already holds"):
+        ps.check_allocate(state, 0, 2)
+    with pytest.raises(ValueError, match="num_tokens=17"):
+        ps.check_allocate(state, 1, 17)
+    with pytest.raises(ValueError, match="seq_id"):
+        ps.check_allocate(state, 3, 1)
+    ps.check_allocate(state, 1, 16)
+
+
+def test_all_sharers_append_together(state):
+    # Seqs 0 and 1 share half-full page 2 and append in the same step: the
+    # first copies (to 3), the last keeps page 2; nothing leaks.
+    state, _ = ps.allocate(state, 0, 6)  # pages 1, 2
+    state = ps.fork(state, 0, 1)
+    state, ok, src, dst = ps.append(state, mask(3, 0, 1))
+    assert bool(ok)
+    assert row(state, 0) == [1, 3, 0, 0] and row(state, 1) == [1, 2, 0, 0]
+    assert np.asarray(src).tolist() == [2, -1, -1] and np.asarray(dst).tolist() == [3, -1, -1]
+    assert np.asarray(state.ref_counts)[[1, 2, 3]].tolist() == [2, 1, 1]
+    assert int(state.num_free_pages) == 4
