@@ -88,6 +88,38 @@ def init_kv_pool(
     return KVPool(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
+def write_layer_pages(pool: jax.Array, layer: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
+    """Writes new tokens' K (or V) into one layer of the stacked pool, in place.
+
+    Same semantics as :func:`write_pages` applied to
+    ``pool[layer]``, but as one scatter on the whole ``[layers, K, P, L, H]``
+    array. Why: inside the layer scan the pool is a loop carry, and XLA
+    updates a carry in place only if the scatter targets the carry itself;
+    ``pool.at[layer].set(write_pages(pool[layer], ...))`` copies the layer
+    out and back, which moves the whole pool every step. Measured on CPU,
+    SmolLM2 shapes, 1024 pages of 16 tokens, the 30 layers' KV writes and
+    decode attention alone: 112 ms a step that way, 6.7 ms this way (and
+    independent of the pool size). Indexing the 5-D pool directly matters
+    too: the same scatter on a ``[layers, K, P * L, H]`` view ran ~150x
+    slower.
+
+    Args:
+      pool: [layers, K, P, L, H].
+      layer: i32[] layer index.
+      new: [N_tok, K, H] values for ``N_tok`` tokens.
+      slots: i32[N_tok] flat slot ``page * L + offset``; -1 (padding) is
+        skipped.
+
+    Returns:
+      [layers, K, P, L, H] the updated pool.
+    """
+    num_pages, page_size = pool.shape[2], pool.shape[3]
+    page = jnp.where(slots < 0, num_pages, slots // page_size)  # out of range: dropped
+    offset = slots % page_size
+    # pool[layer, :, page[n], offset[n]] = new[n]: updates [N_tok, K, H]
+    return pool.at[layer, :, page, offset].set(new.astype(pool.dtype), mode="drop")
+
+
 def write_pages(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
     """Writes new tokens' K (or V) into one layer's pages.
 
@@ -99,11 +131,7 @@ def write_pages(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array
     Returns:
       [K, P, L, H] the updated pages.
     """
-    num_kv_heads, num_pages, page_size, head_dim = pages.shape
-    flat = pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
-    slots = jnp.where(slots < 0, num_pages * page_size, slots)  # out of range: dropped
-    flat = flat.at[:, slots].set(new.swapaxes(0, 1).astype(pages.dtype), mode="drop")
-    return flat.reshape(pages.shape)
+    return write_layer_pages(pages[None], 0, new, slots)[0]
 
 
 def copy_pages(pool: KVPool, src: jax.Array, dst: jax.Array) -> KVPool:

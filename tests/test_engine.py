@@ -14,7 +14,7 @@ import pytest
 
 from paged_jax.attention import paged_attention, query_positions
 from paged_jax.engine import Engine, EngineConfig, Request, bucket
-from paged_jax.kv_cache import KVPool, init_kv_pool, write_pages
+from paged_jax.kv_cache import KVPool, init_kv_pool, write_layer_pages
 from paged_jax.page_state import slot_mapping
 from paged_jax.sampling import SamplingParams
 
@@ -49,7 +49,7 @@ def make_toy_step(params):
         k = (x @ params["wk"]).reshape(b * t, KV_HEADS, HEAD_DIM)
         v = (x @ params["wv"]).reshape(b * t, KV_HEADS, HEAD_DIM)
         slots = slot_mapping(block_tables, pos, valid, page_size=kv.page_size).reshape(-1)
-        kv = KVPool(k=kv.k.at[0].set(write_pages(kv.k[0], k, slots)), v=kv.v.at[0].set(write_pages(kv.v[0], v, slots)))
+        kv = KVPool(k=write_layer_pages(kv.k, 0, k, slots), v=write_layer_pages(kv.v, 0, v, slots))
         o = paged_attention(q, kv.k[0], kv.v[0], block_tables, kv_lens, q_lens)
         h = x + o.reshape(b, t, -1) @ params["wo"]
         last = h[jnp.arange(b), jnp.maximum(q_lens - 1, 0)]  # [B, D]

