@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(PY) -m experiments.serve_sharegpt
 
+tables: setup
+	$(PY) -m experiments.reproduce
+
 test: setup
 	$(PY) -m pytest -q
 

