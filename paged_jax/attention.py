@@ -163,13 +163,33 @@ def ref_paged_decode_attention(
     return ref_paged_attention(q[:, None], k_pages, v_pages, block_tables, lengths, q_lens, **kwargs)[:, 0]
 
 
-IMPLS = ("auto", "xla")
-"""Implementations :func:`paged_attention` can dispatch to."""
+IMPLS = ("auto", "xla", "xla_loop", "pallas_gpu", "pallas_tpu", "pallas_ragged")
+"""Implementations :func:`paged_attention` can dispatch to.
+
+* ``"auto"``: ``"pallas_tpu"`` on a TPU, ``"pallas_gpu"`` on a GPU, ``"xla"``
+  elsewhere (CPU).
+* ``"xla"``: :func:`ref_paged_attention`, any ``T``.
+* ``"xla_loop"``: ``pallas_kernels.paged_attention_cpu`` for decode (XLA
+  loops over sequences and their page blocks, stopping at each length; the
+  fast CPU decode path, see ``experiments/kernel_bench``); the XLA reference
+  for ``T > 1``.
+* ``"pallas_gpu"``: ``pallas_kernels.paged_attention_gpu`` (Triton lowering)
+  for decode (``T == 1``), ``pallas_kernels.ragged_paged_attention`` for
+  ``T > 1``. Page size times pages per compute block must be a power of two
+  >= 16.
+* ``"pallas_tpu"``: ``pallas_kernels.paged_attention_tpu`` for decode; for
+  ``T > 1`` the XLA path (there is no TPU ragged kernel).
+* ``"pallas_ragged"``: ``pallas_kernels.ragged_paged_attention`` for every
+  ``T`` (what chunked prefill uses).
+
+A Pallas kernel forced on a backend it was not written for runs in Pallas
+interpret mode (TPU interpret mode for ``"pallas_tpu"``): slow, for tests.
+"""
 
 
 def paged_attention(
     q: jax.Array,  # [B, T, N, H]
-    k_pages: jax.Array,  # [K, P, L, H]
+    k_pages: jax.Array,  # [K, P, L, H] float, or int8 with scales
     v_pages: jax.Array,  # [K, P, L, H]
     block_tables: jax.Array,  # i32[B, pages_per_seq]
     kv_lens: jax.Array,  # i32[B]
@@ -179,21 +199,57 @@ def paged_attention(
     scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    k_scales: jax.Array | None = None,  # f32[K, P, L] with int8 pages
+    v_scales: jax.Array | None = None,  # f32[K, P, L] with int8 pages
 ) -> jax.Array:
-    """Paged attention with a choice of implementation.
+    """Paged attention with a choice of implementation (see :data:`IMPLS`).
 
-    Same arguments and result as :func:`ref_paged_attention`. ``impl``:
-    ``"auto"`` picks the best implementation for the default backend (the
-    XLA reference on CPU), ``"xla"`` forces the reference.
+    Same arguments and result as :func:`ref_paged_attention`, plus ``impl``
+    and per-token scales for int8 pages (``pallas_kernels.common``; the XLA
+    path dequantizes the whole pool first, the kernels never do). Queries are
+    unscaled: every implementation applies ``scale`` (default
+    ``1 / sqrt(H)``) exactly once. Jittable (``impl`` and the options static).
 
     Raises:
       ValueError: unknown ``impl``, or inputs that fail
-        :func:`validate_inputs`.
+        :func:`validate_inputs` / ``pallas_kernels.common.validate_inputs``.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl=!r}")
     validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens)
-    return ref_paged_attention(
-        q, k_pages, v_pages, block_tables, kv_lens, q_lens,
-        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+    if impl == "auto":
+        impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "xla")
+    options = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    num_q_tokens, page_size = q.shape[1], k_pages.shape[2]
+    if impl == "xla" or (impl in ("pallas_tpu", "xla_loop") and num_q_tokens > 1):
+        if k_scales is not None:
+            from pallas_kernels.common import dequantize_kv
+
+            k_pages, v_pages = dequantize_kv(k_pages, k_scales), dequantize_kv(v_pages, v_scales)
+        return ref_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_lens, **options)
+
+    from pallas_kernels import paged_attention_cpu, paged_attention_gpu, paged_attention_tpu, ragged_paged_attention
+
+    if impl == "xla_loop":
+        lengths = jnp.where(q_lens > 0, kv_lens, 0)  # a padding row attends to nothing
+        sizes = paged_attention_cpu.CPUBlockSizes(pages_per_compute_block=max(1, 128 // page_size))
+        out = paged_attention_cpu.paged_attention_cpu(
+            q[:, 0], k_pages, v_pages, block_tables, lengths, k_scales, v_scales, block_sizes=sizes, **options)
+        return out[:, None]
+    # At least 64 keys per compute block: fewer loop steps, and Triton's >= 16.
+    ppcb = max(1, 64 // page_size)
+    if num_q_tokens == 1 and impl in ("pallas_gpu", "pallas_tpu"):
+        lengths = jnp.where(q_lens > 0, kv_lens, 0)  # a padding row attends to nothing
+        if impl == "pallas_gpu":
+            sizes = paged_attention_gpu.GPUBlockSizes(pages_per_compute_block=ppcb)
+            kernel = paged_attention_gpu.paged_attention_gpu
+        else:
+            sizes = paged_attention_tpu.TPUBlockSizes(pages_per_compute_block=ppcb)
+            kernel = paged_attention_tpu.paged_attention_tpu
+        out = kernel(q[:, 0], k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
+                     block_sizes=sizes, **options)
+        return out[:, None]
+    sizes = ragged_paged_attention.RaggedBlockSizes(pages_per_compute_block=ppcb)
+    return ragged_paged_attention.ragged_paged_attention(
+        q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales, block_sizes=sizes, **options
     )

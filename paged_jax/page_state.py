@@ -138,18 +138,19 @@ def _select(ok, new: PageState, old: PageState) -> PageState:
     return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
 
 
-def _pop_pages(state: PageState, need: jax.Array):
-    """Takes ``need[s]`` pages (i32[max_seqs]) off the free queue's head, slot
-    by slot. Returns ``(pages, valid, ok, free_head, num_free_pages)`` with
-    ``pages``: i32[max_seqs, max_pages_per_seq] (entry ``[s, j]`` meaningful
-    where ``valid[s, j] = j < need[s]``). Nothing is changed; the caller
-    commits the new head and count only when ``ok``."""
+def _pop_pages(state: PageState, need: jax.Array, width: int | None = None):
+    """Takes ``need[s]`` pages (i32[max_seqs], each <= ``width``) off the free
+    queue's head, slot by slot. Returns ``(pages, valid, ok, free_head,
+    num_free_pages)`` with ``pages``: i32[max_seqs, width] (entry ``[s, j]``
+    meaningful where ``valid[s, j] = j < need[s]``); ``width`` defaults to
+    ``max_pages_per_seq``. Nothing is changed; the caller commits the new
+    head and count only when ``ok``."""
     cap = state.free_queue.shape[0]
     total = need.sum()
     ok = total <= state.num_free_pages
     offset = jnp.cumsum(need) - need  # exclusive prefix sum, i32[max_seqs]
-    j = jnp.arange(state.max_pages_per_seq, dtype=jnp.int32)[None, :]
-    valid = j < need[:, None]  # [max_seqs, max_pages]
+    j = jnp.arange(width or state.max_pages_per_seq, dtype=jnp.int32)[None, :]
+    valid = j < need[:, None]  # [max_seqs, width]
     pages = state.free_queue[(state.free_head + offset[:, None] + j) % cap]
     return pages, valid, ok, (state.free_head + total) % cap, state.num_free_pages - total
 
@@ -271,7 +272,7 @@ def append(state: PageState, active: jax.Array) -> tuple[PageState, jax.Array, j
     cow = shared & (state.ref_counts[cur] - earlier.sum(axis=1) > 1)
     grow = active & ~has_page
     need = (cow | grow).astype(jnp.int32)
-    pages, _, ok, head, num_free = _pop_pages(state, need)
+    pages, _, ok, head, num_free = _pop_pages(state, need, width=1)
     new_page = pages[:, 0]  # i32[max_seqs], meaningful where cow | grow
     # A growing sequence appends its page; a copy-on-write one swaps the
     # shared page in column ``idx`` for its private copy.

@@ -1,0 +1,283 @@
+"""What every paged-attention kernel and reference in this package shares.
+
+* :func:`validate_inputs`: the one input check, run eagerly (on shapes and
+  dtypes only, so it also works under ``jit``) by every kernel and every
+  ``ref_<name>``.
+* :func:`ref_sequence_attention`: attention over one sequence's contiguous
+  K/V, plain NumPy in f64; the ``ref_<name>`` functions gather each
+  sequence's owned slots and call it in a per-sequence Python loop
+  (:func:`ref_ragged_loop`). It is the truth.
+* int8 KV pages with per-token scales (:func:`quantize_kv`).
+* The scale convention (:func:`resolve_scale`).
+
+Batch convention ("padded ragged", the same as ``paged_jax.attention``):
+sequence ``b`` has ``kv_lens[b]`` tokens in the cache, the last ``q_lens[b]``
+of which are its query tokens (their K/V already written). Query row ``t <
+q_lens[b]`` sits at position ``kv_lens[b] - q_lens[b] + t`` and sees keys at
+positions ``<=`` its own (causal), and with a sliding window ``w`` only those
+``> position - w``. Decode is ``q_lens = 1``. Query rows ``t >= q_lens[b]`` and
+sequences with ``kv_lens[b] = 0`` give zeros.
+
+Scaling. Logits are ``(q * scale) . k`` with ``scale = 1 / sqrt(head_dim)``
+unless a scale is given (:func:`resolve_scale`). Each kernel applies it
+exactly once, to the f32 query block inside the kernel body; callers must pass
+unscaled queries. A logits soft cap (Gemma 2) is applied to the scaled logits:
+``soft_cap * tanh(logits / soft_cap)``.
+
+int8 KV. A quantized pool stores K and V as int8 ``[K, P, L, H]`` plus one f32
+scale per token and KV head, ``[K, P, L]``: ``x ~= x_int8 * scale`` with
+``scale = max|x| / 127`` over the head dim. Per token and KV head that is
+``H + 4`` bytes instead of ``4 H`` (f32) or ``2 H`` (bf16): at ``H = 64``,
+26.6 % of an f32 pool (about a quarter) and 53.1 % of a bf16 pool (about a
+half); at ``H = 128``, 25.8 % and 51.6 % (:func:`kv_bytes_per_token`).
+Kernels apply the K scale to the logits columns and the V scale to the
+probabilities, so pages are never dequantized in memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Axis alphabet: B batch, T query tokens, S key tokens, N query heads,
+# K KV heads, G queries per KV head, H head dim, P pages, L page size.
+
+INT8_MAX = 127.0
+"""int8 quantization maps ``[-max|x|, max|x|]`` onto ``[-127, 127]``."""
+
+
+def resolve_scale(scale: float | None, head_dim: int) -> float:
+    """The logit scale: ``scale`` if given, else ``1 / sqrt(head_dim)``."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def validate_options(
+    *, scale: float | None, soft_cap: float | None, sliding_window: int | None
+) -> None:
+    """Checks the keyword options shared by all kernels.
+
+    Raises:
+      ValueError: ``scale`` or ``soft_cap`` not a positive finite number, or
+        ``sliding_window`` not an int >= 1.
+    """
+    for name, value in (("scale", scale), ("soft_cap", soft_cap)):
+        if value is not None and not (isinstance(value, (int, float)) and 0 < value < math.inf):
+            raise ValueError(f"{name} must be a positive finite number or None, got {name}={value!r}")
+    if sliding_window is not None and (
+        not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1
+    ):
+        raise ValueError(f"sliding_window must be an int >= 1 or None, got {sliding_window=!r}")
+
+
+def validate_inputs(
+    q: jax.Array,  # [B, N, H] (decode) or [B, T, N, H] (ragged)
+    k_pages: jax.Array,  # [K, P, L, H] float or int8
+    v_pages: jax.Array,  # [K, P, L, H] same dtype as k_pages
+    block_tables: jax.Array,  # i32[B, pages_per_seq]
+    kv_lens: jax.Array,  # i32[B]
+    q_lens: jax.Array | None = None,  # i32[B]; None for decode
+    k_scales: jax.Array | None = None,  # f32[K, P, L]; with int8 pages only
+    v_scales: jax.Array | None = None,  # f32[K, P, L]; with int8 pages only
+) -> None:
+    """Checks the shapes and dtypes of a paged-attention call.
+
+    Static facts only (no values are read), so it runs under ``jit``.
+    ``q`` of rank 3 is a decode call and takes ``q_lens=None``; rank 4 is a
+    ragged call and needs ``q_lens``.
+
+    Raises:
+      ValueError: a rank, shape or dtype mismatch; the message names the
+        argument, what it got and what was expected.
+    """
+    if q.ndim == 3:
+        if q_lens is not None:
+            raise ValueError(f"decode q [batch, num_q_heads, head_dim] takes q_lens=None, got q_lens of shape {q_lens.shape}")
+    elif q.ndim == 4:
+        if q_lens is None:
+            raise ValueError("ragged q [batch, q_tokens, num_q_heads, head_dim] needs q_lens")
+    else:
+        raise ValueError(
+            f"q must be [batch, num_q_heads, head_dim] or [batch, q_tokens, num_q_heads, head_dim], got shape {q.shape}"
+        )
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q must be a float array, got dtype {q.dtype}")
+    batch, num_q_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
+    if k_pages.ndim != 4:
+        raise ValueError(f"k_pages must be [num_kv_heads, num_pages, page_size, head_dim], got shape {k_pages.shape}")
+    if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
+        raise ValueError(
+            f"v_pages {v_pages.dtype}{list(v_pages.shape)} must match k_pages {k_pages.dtype}{list(k_pages.shape)}"
+        )
+    num_kv_heads, num_pages, page_size, kv_head_dim = k_pages.shape
+    if kv_head_dim != head_dim:
+        raise ValueError(f"head_dim of q ({head_dim}) and k_pages ({kv_head_dim}) differ")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads must be a multiple of num_kv_heads, got {num_q_heads=} {num_kv_heads=}")
+    quantized = k_pages.dtype == jnp.int8
+    if not (quantized or jnp.issubdtype(k_pages.dtype, jnp.floating)):
+        raise ValueError(f"k_pages must be float or int8, got dtype {k_pages.dtype}")
+    if quantized != (k_scales is not None) or quantized != (v_scales is not None):
+        raise ValueError(
+            "k_scales and v_scales must be given exactly when the pages are int8, got "
+            f"pages {k_pages.dtype}, k_scales {'set' if k_scales is not None else 'None'}, "
+            f"v_scales {'set' if v_scales is not None else 'None'}"
+        )
+    if quantized:
+        for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if s.shape != (num_kv_heads, num_pages, page_size) or s.dtype != jnp.float32:
+                raise ValueError(
+                    f"{name} must be f32[{num_kv_heads}, {num_pages}, {page_size}], got {s.dtype}{list(s.shape)}"
+                )
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch or block_tables.shape[1] < 1:
+        raise ValueError(f"block_tables must be [batch={batch}, pages_per_seq >= 1], got shape {block_tables.shape}")
+    lens = (("kv_lens", kv_lens),) + ((("q_lens", q_lens),) if q_lens is not None else ())
+    for name, x in lens:
+        if x.shape != (batch,):
+            raise ValueError(f"{name} must have shape ({batch},), got {x.shape}")
+    for name, x in (("block_tables", block_tables),) + lens:
+        if x.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32, got dtype {x.dtype}")
+
+
+def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """int8 quantization with one scale per vector over the last axis.
+
+    Args:
+      x: [..., H] float K or V (e.g. pages ``[K, P, L, H]``).
+
+    Returns:
+      ``(x_int8, scales)``: int8 ``[..., H]`` and f32 ``[...]`` with
+      ``x ~= x_int8 * scales[..., None]``; all-zero vectors get scale 0.
+      NaN inputs give undefined values (use them only in slots no one reads).
+    """
+    xf = x.astype(jnp.float32)
+    scales = jnp.max(jnp.abs(xf), axis=-1) / INT8_MAX  # [...]
+    safe = jnp.where(scales > 0, scales, 1.0)
+    q = jnp.clip(jnp.round(xf / safe[..., None]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    return q, scales
+
+
+def dequantize_kv(x_int8: jax.Array, scales: jax.Array) -> jax.Array:
+    """f32 ``x_int8 * scales[..., None]``: [..., H] int8, f32[...] -> f32[..., H]."""
+    return x_int8.astype(jnp.float32) * scales[..., None]
+
+
+def kv_bytes_per_token(head_dim: int, dtype) -> int:
+    """Bytes of K *or* V one token takes per KV head: ``H * itemsize``, plus a
+    4-byte f32 scale for int8."""
+    dtype = jnp.dtype(dtype)
+    return head_dim * dtype.itemsize + (4 if dtype == jnp.int8 else 0)
+
+
+def pad_block_tables(block_tables: jax.Array, multiple: int) -> jax.Array:
+    """Pads ``i32[B, pages_per_seq]`` with page id 0 to a multiple of
+    ``multiple`` pages, so a kernel may read whole compute blocks. Page 0 is a
+    valid index; the padded pages lie past every sequence's length and are
+    masked, so their content (even NaN) never reaches an output."""
+    extra = -block_tables.shape[1] % multiple
+    return jnp.pad(block_tables, ((0, 0), (0, extra))) if extra else block_tables
+
+
+def interpret_default(interpret: bool | None, backend: str) -> bool:
+    """Interpret mode unless we run on ``backend`` ("gpu" or "tpu")."""
+    return jax.default_backend() != backend if interpret is None else bool(interpret)
+
+
+def ref_sequence_attention(
+    q: np.ndarray,  # f64[T, N, H] the sequence's real query rows
+    k: np.ndarray,  # f64[S, K, H] the sequence's S = kv_len keys
+    v: np.ndarray,  # f64[S, K, H]
+    *,
+    scale: float,
+    soft_cap: float | None,
+    sliding_window: int | None,
+) -> np.ndarray:
+    """Causal GQA attention over one sequence's contiguous K/V, on the host.
+
+    NumPy in f64 (exact enough to be the truth for f32 kernels, and fast on
+    the many small, differently shaped sequences of a test; jnp would compile
+    every shape). Query row ``t`` is at position ``S - T + t``. Plain softmax
+    over the keys each row may see (there is always at least its own key).
+
+    Returns:
+      f64[T, N, H].
+    """
+    num_q_tokens, num_q_heads, head_dim = q.shape
+    num_keys, num_kv_heads, _ = k.shape
+    group = num_q_heads // num_kv_heads
+    q_pos = num_keys - num_q_tokens + np.arange(num_q_tokens)  # [T]
+    k_pos = np.arange(num_keys)  # [S]
+    visible = k_pos[None, :] <= q_pos[:, None]  # [T, S]
+    if sliding_window is not None:
+        visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    qg = q.reshape(num_q_tokens, num_kv_heads, group, head_dim) * scale
+    logits = np.einsum("TKGH,SKH->KGTS", qg, k)
+    if soft_cap is not None:
+        logits = soft_cap * np.tanh(logits / soft_cap)
+    logits = np.where(visible, logits, -np.inf)
+    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out = np.einsum("KGTS,SKH->TKGH", probs, v)
+    return out.reshape(num_q_tokens, num_q_heads, head_dim)
+
+
+def ref_ragged_loop(
+    q: jax.Array,  # [B, T, N, H]
+    k_pages: jax.Array,  # [K, P, L, H]
+    v_pages: jax.Array,  # [K, P, L, H]
+    block_tables: jax.Array,  # i32[B, pages_per_seq]
+    kv_lens: jax.Array,  # i32[B]
+    q_lens: jax.Array,  # i32[B]
+    k_scales: jax.Array | None,  # f32[K, P, L]
+    v_scales: jax.Array | None,  # f32[K, P, L]
+    *,
+    scale: float | None,
+    soft_cap: float | None,
+    sliding_window: int | None,
+) -> jax.Array:
+    """The per-sequence Python loop behind every ``ref_<name>``.
+
+    Copies everything to the host (not jittable), gathers exactly the
+    ``kv_lens[b]`` owned slots of each sequence through its block table
+    (dequantizing int8 pages) and calls :func:`ref_sequence_attention`.
+
+    Returns:
+      [B, T, N, H] in ``q.dtype``; zeros for rows ``t >= q_lens[b]``.
+
+    Raises:
+      ValueError: ``q_lens[b] > min(T, kv_lens[b])``, a negative length, or
+        a sequence longer than its block table.
+    """
+    batch, num_q_tokens, _, head_dim = q.shape
+    page_size = k_pages.shape[2]
+    scale = resolve_scale(scale, head_dim)
+    host = lambda x: None if x is None else np.asarray(x).astype(np.float64)  # noqa: E731
+    q_np, k_np, v_np, ks_np, vs_np = map(host, (q, k_pages, v_pages, k_scales, v_scales))
+    kv_lens_np, q_lens_np, tables = np.asarray(kv_lens), np.asarray(q_lens), np.asarray(block_tables)
+    out = np.zeros(q.shape, np.float64)
+    for b in range(batch):
+        kv_len, q_len = int(kv_lens_np[b]), int(q_lens_np[b])
+        if not 0 <= q_len <= min(num_q_tokens, kv_len) or kv_len > tables.shape[1] * page_size:
+            raise ValueError(
+                f"sequence {b}: need 0 <= q_len <= min(T={num_q_tokens}, kv_len) and "
+                f"kv_len <= {tables.shape[1] * page_size}, got {q_len=} {kv_len=}"
+            )
+        if q_len == 0:
+            continue
+        slots = np.arange(kv_len)
+        pages, offsets = tables[b, slots // page_size], slots % page_size
+
+        def gather(p, s):
+            x = p[:, pages, offsets]  # [K, S, H]
+            if s is not None:
+                x = x * s[:, pages, offsets][..., None]
+            return x.swapaxes(0, 1)  # [S, K, H]
+
+        out[b, :q_len] = ref_sequence_attention(
+            q_np[b, :q_len], gather(k_np, ks_np), gather(v_np, vs_np),
+            scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        )
+    return jnp.asarray(out.astype(np.float32)).astype(q.dtype)
