@@ -225,8 +225,8 @@ def machine() -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m experiments.serve_sharegpt", description=__doc__.split("\n\n")[0])
-    p.add_argument("--num-requests", type=int, default=64, help="ShareGPT requests to serve (default 64)")
-    p.add_argument("--max-output-len", type=int, default=64, help="cap on each request's output tokens (default 64)")
+    p.add_argument("--num-requests", type=int, default=48, help="ShareGPT requests to serve (default 48)")
+    p.add_argument("--max-output-len", type=int, default=48, help="cap on each request's output tokens (default 48)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     p.add_argument(
         "--kv-budget-tokens", type=int, default=8192,

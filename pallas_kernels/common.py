@@ -186,6 +186,23 @@ def interpret_default(interpret: bool | None, backend: str) -> bool:
     return jax.default_backend() != backend if interpret is None else bool(interpret)
 
 
+
+def check_block_sizes(obj, *, positive: tuple[str, ...], pow2: tuple[str, ...] = ()) -> None:
+    """``__post_init__`` check shared by the block-size dataclasses.
+
+    Raises:
+      ValueError: a field in ``positive`` that is not an int >= 1, or one in
+        ``pow2`` that is not a power of two; the message names it.
+    """
+    for name in positive:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {name}={value!r}")
+    for name in pow2:
+        value = getattr(obj, name)
+        if value & (value - 1):
+            raise ValueError(f"{name} must be a power of two, got {name}={value}")
+
 def ref_sequence_attention(
     q: np.ndarray,  # f64[T, N, H] the sequence's real query rows
     k: np.ndarray,  # f64[S, K, H] the sequence's S = kv_len keys
@@ -281,3 +298,39 @@ def ref_ragged_loop(
             scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
         )
     return jnp.asarray(out.astype(np.float32)).astype(q.dtype)
+
+
+def ref_paged_decode_loop(
+    q: jax.Array,  # [B, N, H] float
+    k_pages: jax.Array,  # [K, P, L, H] float or int8
+    v_pages: jax.Array,  # [K, P, L, H]
+    block_tables: jax.Array,  # i32[B, pages_per_seq]
+    lengths: jax.Array,  # i32[B]
+    k_scales: jax.Array | None = None,  # f32[K, P, L]
+    v_scales: jax.Array | None = None,  # f32[K, P, L]
+    *,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    **unused_kernel_options,
+) -> jax.Array:
+    """The truth for every decode kernel (``ref_paged_attention_gpu``,
+    ``_tpu``, ``_cpu`` are this function): one query per sequence, a
+    per-sequence loop over exactly the ``lengths[b]`` owned slots
+    (:func:`ref_ragged_loop`). Same positional arguments as the kernels;
+    kernel-only options (``block_sizes``, ``interpret``) are ignored. Not
+    jittable (reads lengths on the host).
+
+    Returns:
+      [B, N, H] in ``q.dtype``; zeros where ``lengths == 0``.
+
+    Raises:
+      ValueError: inputs failing :func:`validate_inputs` or
+        :func:`validate_options`.
+    """
+    validate_inputs(q, k_pages, v_pages, block_tables, lengths, None, k_scales, v_scales)
+    validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    return ref_ragged_loop(
+        q[:, None], k_pages, v_pages, block_tables, lengths, jnp.minimum(lengths, 1), k_scales, v_scales,
+        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+    )[:, 0]

@@ -67,13 +67,11 @@ class GPUBlockSizes:
     num_stages: int = 2
 
     def __post_init__(self):
-        for name in ("pages_per_compute_block", "k_splits", "num_warps", "num_stages"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {name}={value!r}")
-        for name in ("pages_per_compute_block", "k_splits"):
-            if not _is_pow2(getattr(self, name)):
-                raise ValueError(f"{name} must be a power of two, got {name}={getattr(self, name)}")
+        common.check_block_sizes(
+            self,
+            positive=("pages_per_compute_block", "k_splits", "num_warps", "num_stages"),
+            pow2=("pages_per_compute_block", "k_splits"),
+        )
 
     def keys_per_block(self, page_size: int) -> int:
         """Keys per compute block, checked: a power of two >= 16 (Triton).
@@ -346,28 +344,6 @@ def paged_attention_gpu(
     )
 
 
-def ref_paged_attention_gpu(
-    q: jax.Array,  # [B, N, H] float
-    k_pages: jax.Array,  # [K, P, L, H] float or int8
-    v_pages: jax.Array,  # [K, P, L, H]
-    block_tables: jax.Array,  # i32[B, pages_per_seq]
-    lengths: jax.Array,  # i32[B]
-    k_scales: jax.Array | None = None,  # f32[K, P, L]
-    v_scales: jax.Array | None = None,  # f32[K, P, L]
-    *,
-    scale: float | None = None,
-    soft_cap: float | None = None,
-    sliding_window: int | None = None,
-    **unused_kernel_options,
-) -> jax.Array:
-    """The truth for :func:`paged_attention_gpu`: a per-sequence loop over
-    exactly the owned slots (``common.ref_ragged_loop``); same arguments and
-    result, kernel-only options (``block_sizes``, ``interpret``) ignored.
-    Not jittable (reads lengths on the host)."""
-    common.validate_inputs(q, k_pages, v_pages, block_tables, lengths, None, k_scales, v_scales)
-    common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    q_lens = jnp.minimum(lengths, 1)
-    return common.ref_ragged_loop(
-        q[:, None], k_pages, v_pages, block_tables, lengths, q_lens, k_scales, v_scales,
-        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
-    )[:, 0]
+ref_paged_attention_gpu = common.ref_paged_decode_loop
+"""The truth for :func:`paged_attention_gpu` (same positional arguments):
+:func:`pallas_kernels.common.ref_paged_decode_loop`."""

@@ -49,9 +49,7 @@ class TPUBlockSizes:
     pages_per_compute_block: int = 4
 
     def __post_init__(self):
-        value = self.pages_per_compute_block
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"pages_per_compute_block must be an int >= 1, got {value!r}")
+        common.check_block_sizes(self, positive=("pages_per_compute_block",))
 
 
 def _kernel(
@@ -252,26 +250,6 @@ def paged_attention_tpu(
     )
 
 
-def ref_paged_attention_tpu(
-    q: jax.Array,  # [B, N, H] float
-    k_pages: jax.Array,  # [K, P, L, H] float or int8
-    v_pages: jax.Array,  # [K, P, L, H]
-    block_tables: jax.Array,  # i32[B, pages_per_seq]
-    lengths: jax.Array,  # i32[B]
-    k_scales: jax.Array | None = None,  # f32[K, P, L]
-    v_scales: jax.Array | None = None,  # f32[K, P, L]
-    *,
-    scale: float | None = None,
-    soft_cap: float | None = None,
-    sliding_window: int | None = None,
-    **unused_kernel_options,
-) -> jax.Array:
-    """The truth for :func:`paged_attention_tpu`: a per-sequence loop over
-    exactly the owned slots (``common.ref_ragged_loop``); same arguments and
-    result, kernel-only options ignored. Not jittable."""
-    common.validate_inputs(q, k_pages, v_pages, block_tables, lengths, None, k_scales, v_scales)
-    common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    return common.ref_ragged_loop(
-        q[:, None], k_pages, v_pages, block_tables, lengths, jnp.minimum(lengths, 1), k_scales, v_scales,
-        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
-    )[:, 0]
+ref_paged_attention_tpu = common.ref_paged_decode_loop
+"""The truth for :func:`paged_attention_tpu` (same positional arguments):
+:func:`pallas_kernels.common.ref_paged_decode_loop`."""

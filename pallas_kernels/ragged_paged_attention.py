@@ -48,14 +48,11 @@ class RaggedBlockSizes:
     num_stages: int = 2
 
     def __post_init__(self):
-        for name in ("block_q", "pages_per_compute_block", "num_warps", "num_stages"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {name}={value!r}")
-        for name in ("block_q", "pages_per_compute_block"):
-            value = getattr(self, name)
-            if value & (value - 1):
-                raise ValueError(f"{name} must be a power of two, got {name}={value}")
+        common.check_block_sizes(
+            self,
+            positive=("block_q", "pages_per_compute_block", "num_warps", "num_stages"),
+            pow2=("block_q", "pages_per_compute_block"),
+        )
 
     def check_page_size(self, page_size: int) -> None:
         """Raises ValueError unless ``pages_per_compute_block * page_size`` is
