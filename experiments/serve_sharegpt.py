@@ -157,7 +157,14 @@ def serve(
     engine = Engine(
         step_fn,
         pool,
-        EngineConfig(max_seqs=max_seqs, max_seq_len=MAX_SEQ_LEN, reserve_max_len=mode == "contiguous"),
+        EngineConfig(
+            max_seqs=max_seqs,
+            max_seq_len=MAX_SEQ_LEN,
+            reserve_max_len=mode == "contiguous",
+            # The XLA attention on CPU pads each decode row to the longest;
+            # splitting long from short rows pays there (see EngineConfig).
+            decode_split_overhead=128 if jax.default_backend() == "cpu" else None,
+        ),
         stop_ids=stop_ids,
         vocab_size=model.config.vocab_size,
     )

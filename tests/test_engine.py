@@ -83,12 +83,12 @@ def shared_step():
     return make_toy_step(toy_params())
 
 
-def serve(requests, num_pages, page_size=4, max_seqs=8, max_seq_len=80, reserve=False, stop_ids=()):
+def serve(requests, num_pages, page_size=4, max_seqs=8, max_seq_len=80, reserve=False, stop_ids=(), split=None):
     step = shared_step()
     engine = Engine(
         step,
         toy_pool(num_pages, page_size),
-        EngineConfig(max_seqs=max_seqs, max_seq_len=max_seq_len, reserve_max_len=reserve),
+        EngineConfig(max_seqs=max_seqs, max_seq_len=max_seq_len, reserve_max_len=reserve, decode_split_overhead=split),
         stop_ids=stop_ids,
         vocab_size=VOCAB,
     )
@@ -146,6 +146,16 @@ def test_contiguous_reservation_matches_paged_outputs_with_less_concurrency():
     assert pe.stats.kv_token_fraction > 0.85
 
 
+def test_decode_split_by_length_keeps_outputs():
+    reqs = toy_requests(12, seed=7)
+    one, e1 = serve(reqs, num_pages=400)
+    two, e2 = serve(reqs, num_pages=400, split=0)  # split whenever it saves any padding
+    assert e2.stats.decode_calls > e1.stats.decode_calls
+    for i in one:
+        assert one[i].output_ids == two[i].output_ids
+    assert e2.num_free_pages == 399
+
+
 def test_stop_tokens_end_requests_and_free_pages():
     reqs = toy_requests(6, max_new=(40, 41))
     first, _ = serve(reqs, num_pages=200)
@@ -196,6 +206,15 @@ def test_bad_requests_are_refused_and_change_nothing(req, needle):
 def test_pool_too_small_for_one_sequence():
     with pytest.raises(ValueError, match="max_seq_len=80"):
         Engine(make_toy_step(toy_params()), toy_pool(10, 4), EngineConfig(max_seq_len=80))
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [(dict(max_seqs=0), "max_seqs=0"), (dict(max_seq_len=-5), "max_seq_len=-5"), (dict(decode_split_overhead=-1.0), "decode_split_overhead")],
+)
+def test_bad_engine_config(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        EngineConfig(**kwargs)
 
 
 @pytest.mark.parametrize("kwargs, needle", [(dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p")])
