@@ -11,6 +11,7 @@ uses one length for every request instead.
 from __future__ import annotations
 
 import argparse
+import math
 
 import numpy as np
 
@@ -64,7 +65,20 @@ def parse_args(argv=None):
     p.add_argument("--fixed-length", type=int, default=None,
                    help="every request has this final length (default: ShareGPT lengths)")
     p.add_argument("--num-requests", type=int, default=1000, help="ShareGPT requests to sample")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # Named as flags, before any data is loaded.
+    if not 0 < args.device_memory_gb < math.inf:
+        p.error(f"--device-memory-gb must be a positive finite number, got {args.device_memory_gb}")
+    if not 0 < args.cache_fraction <= 1:
+        p.error(f"--cache-fraction must be in (0, 1], got {args.cache_fraction}")
+    for flag in ("num_devices", "page_size", "max_seq_len", "num_requests"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.fixed_length is not None and args.fixed_length < 1:
+        p.error(f"--fixed-length must be >= 1, got {args.fixed_length}")
+    if args.kv_dtype == "int4":
+        p.error("--kv-dtype int4 is not a KV cache format here (int4 is for weights)")
+    return args
 
 
 def main(argv=None) -> CapacityPlan:

@@ -345,9 +345,9 @@ def parse_args(argv=None):
     p.add_argument("--pool-tokens", type=int, default=32_768, help="simulated KV pool, slots")
     p.add_argument("--arrival-rate", type=float, default=1.0, help="simulated requests per iteration")
     # Small on purpose: SmolLM2 on 2 CPU cores serves a few tokens per second.
-    p.add_argument("--serve-requests", type=int, default=8, help="requests per KV-budget row")
-    p.add_argument("--serve-block-requests", type=int, default=4, help="requests per page-size row")
-    p.add_argument("--serve-max-output", type=int, default=16, help="cap on output tokens")
+    p.add_argument("--serve-requests", type=int, default=24, help="requests per KV-budget row")
+    p.add_argument("--serve-block-requests", type=int, default=8, help="requests per page-size row")
+    p.add_argument("--serve-max-output", type=int, default=32, help="cap on output tokens")
     p.add_argument("--skip-serving", action="store_true", help="leave out the SmolLM2 serving rows")
     p.add_argument("--declared-max", type=int, default=256, help="reservation drawn in layout.png")
     args = p.parse_args(argv)

@@ -147,9 +147,12 @@ def serve(
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode=!r}")
-    if kv_budget_tokens < MAX_SEQ_LEN:
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be an int >= 1, got {page_size=!r}")
+    if kv_budget_tokens // page_size * page_size < MAX_SEQ_LEN:
         raise ValueError(
-            f"kv_budget_tokens must be >= {MAX_SEQ_LEN} (one maximum-length request), got {kv_budget_tokens=}"
+            f"kv_budget_tokens rounded down to whole pages must hold one maximum-length request "
+            f"({MAX_SEQ_LEN} tokens), got {kv_budget_tokens=} {page_size=}"
         )
     step_fn = step_fn or make_step_fn(model)
     num_pages = kv_budget_tokens // page_size + 1  # + the null page
@@ -246,8 +249,19 @@ def parse_args(argv=None):
     for name in ("num_requests", "max_output_len", "page_size", "max_seqs"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.kv_budget_tokens < MAX_SEQ_LEN:
-        p.error(f"--kv-budget-tokens must be >= {MAX_SEQ_LEN} (one maximum-length request), got {args.kv_budget_tokens}")
+    if args.kv_budget_tokens // args.page_size * args.page_size < MAX_SEQ_LEN:
+        p.error(
+            f"--kv-budget-tokens rounded down to whole pages of --page-size {args.page_size} must hold one "
+            f"maximum-length request ({MAX_SEQ_LEN} tokens), got {args.kv_budget_tokens}"
+        )
+    # Fail now, not after minutes of serving.
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+        probe = args.out / ".write_test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        p.error(f"--out {str(args.out)!r} is not a writable folder: {e}")
     return args
 
 

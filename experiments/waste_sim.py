@@ -283,8 +283,8 @@ def _advance(
     return jax.lax.fori_loop(0, num_steps, body, init)
 
 
-_allocate = jax.jit(page_state.allocate.__wrapped__, donate_argnums=(0,))
-_free = jax.jit(page_state.free.__wrapped__, donate_argnums=(0,))
+_allocate = jax.jit(page_state.unchecked_allocate.__wrapped__, donate_argnums=(0,))
+_free = jax.jit(page_state.unchecked_free.__wrapped__, donate_argnums=(0,))
 
 
 def poisson_arrivals(num_requests: int, rate: float, seed: int = 0) -> np.ndarray:

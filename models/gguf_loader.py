@@ -218,11 +218,18 @@ def read_config(reader) -> dict[str, Any]:
 
 def dequantize_tensor(tensor) -> np.ndarray:
     """f32 numpy array of one ``gguf.ReaderTensor`` in numpy order (GGUF lists
-    the innermost dimension first; the result is reversed: ``[out, in]``)."""
+    the innermost dimension first; the result is reversed: ``[out, in]``).
+
+    Raises:
+      ValueError: the values are not all finite (a corrupt file).
+    """
     from gguf.quants import dequantize
 
     shape = tuple(int(d) for d in reversed(tensor.shape))
-    return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+    out = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+    if not np.isfinite(out).all():  # a corrupt file can parse and still hold garbage
+        raise ValueError(f"tensor {tensor.name!r} holds NaN or infinite values: the GGUF file is corrupt")
+    return out
 
 
 def load_gguf(path: str | os.PathLike | None = None) -> GGUFCheckpoint:

@@ -406,6 +406,7 @@ class StepFn:
             raise ValueError(f"impl must be one of {paged_attn.IMPLS}, got {impl=!r}")
         graphdef, params = nnx.split(model)
         self.config: LlamaConfig = model.config
+        self.vocab_size = model.config.vocab_size  # the engine checks prompt ids against it
         self.impl = impl
         self.all_logits = all_logits
         self.num_compilations = 0

@@ -29,41 +29,24 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import common
+
 # Axis alphabet: B batch, T query tokens, S key tokens, N query heads,
 # K KV heads, G queries per KV head, H head dim, P pages, L page size.
 
 
-def validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens) -> None:
-    """Checks shapes and dtypes of a paged-attention call (static facts only).
+def validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales=None, v_scales=None) -> None:
+    """Checks shapes and dtypes of a paged-attention call (static facts
+    only, so it runs under ``jit``): ``pallas_kernels.common.validate_inputs``,
+    the one validator the reference and every kernel share.
 
     Raises:
       ValueError: a rank, shape or dtype mismatch; the message names the
         argument, what it got and what was expected.
     """
-    if q.ndim != 4:
-        raise ValueError(f"q must be [batch, q_tokens, num_q_heads, head_dim], got shape {q.shape}")
-    batch, _, num_q_heads, head_dim = q.shape
-    if k_pages.ndim != 4:
-        raise ValueError(
-            f"k_pages must be [num_kv_heads, num_pages, page_size, head_dim], got shape {k_pages.shape}"
-        )
-    if v_pages.shape != k_pages.shape:
-        raise ValueError(f"v_pages shape {v_pages.shape} must equal k_pages shape {k_pages.shape}")
-    num_kv_heads, _, _, kv_head_dim = k_pages.shape
-    if kv_head_dim != head_dim:
-        raise ValueError(f"head_dim of q ({head_dim}) and k_pages ({kv_head_dim}) differ")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"num_q_heads must be a multiple of num_kv_heads, got {num_q_heads=} {num_kv_heads=}"
-        )
-    if block_tables.ndim != 2 or block_tables.shape[0] != batch:
-        raise ValueError(f"block_tables must be [batch={batch}, pages_per_seq], got shape {block_tables.shape}")
-    for name, x in (("kv_lens", kv_lens), ("q_lens", q_lens)):
-        if x.shape != (batch,):
-            raise ValueError(f"{name} must have shape ({batch},), got {x.shape}")
-    for name, x in (("block_tables", block_tables), ("kv_lens", kv_lens), ("q_lens", q_lens)):
-        if not jnp.issubdtype(x.dtype, jnp.integer):
-            raise ValueError(f"{name} must be an integer array, got dtype {x.dtype}")
+    if getattr(q, "ndim", None) != 4:
+        raise ValueError(f"q must be [batch, q_tokens, num_q_heads, head_dim], got shape {getattr(q, 'shape', q)}")
+    common.validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales)
 
 
 def query_positions(kv_lens: jax.Array, q_lens: jax.Array, num_q_tokens: int) -> jax.Array:
@@ -78,8 +61,35 @@ def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
     return pages[:, block_tables].reshape(num_kv_heads, batch, pages_per_seq * page_size, head_dim)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window"))
 def ref_paged_attention(
+    q: jax.Array,  # [B, T, N, H]
+    k_pages: jax.Array,  # [K, P, L, H]
+    v_pages: jax.Array,  # [K, P, L, H]
+    block_tables: jax.Array,  # i32[B, pages_per_seq]
+    kv_lens: jax.Array,  # i32[B]
+    q_lens: jax.Array,  # i32[B]
+    *,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Causal GQA attention of ``q`` over each sequence's paged K/V; see
+    :func:`_ref_paged_attention` for the arguments and result.
+
+    Raises:
+      ValueError: inputs failing :func:`validate_inputs`, or options that
+        are not positive (``pallas_kernels.common.validate_options``).
+    """
+    validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens)
+    common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    return _ref_paged_attention(
+        q, k_pages, v_pages, block_tables, kv_lens, q_lens,
+        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window"))
+def _ref_paged_attention(
     q: jax.Array,  # [B, T, N, H]
     k_pages: jax.Array,  # [K, P, L, H]
     v_pages: jax.Array,  # [K, P, L, H]
@@ -225,16 +235,15 @@ def paged_attention(
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl=!r}")
-    validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens)
+    validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales)
+    common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
     if impl == "auto":
         impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "xla")
     options = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
     num_q_tokens, page_size = q.shape[1], k_pages.shape[2]
     if impl == "xla" or (impl in ("pallas_tpu", "xla_loop") and num_q_tokens > 1):
         if k_scales is not None:
-            from pallas_kernels.common import dequantize_kv
-
-            k_pages, v_pages = dequantize_kv(k_pages, k_scales), dequantize_kv(v_pages, v_scales)
+            k_pages, v_pages = common.dequantize_kv(k_pages, k_scales), common.dequantize_kv(v_pages, v_scales)
         return ref_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_lens, **options)
 
     from pallas_kernels import paged_attention_cpu, paged_attention_gpu, paged_attention_tpu, ragged_paged_attention

@@ -96,10 +96,13 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {name}={value!r}")
-        if self.decode_split_overhead is not None and not self.decode_split_overhead >= 0:
+        split = self.decode_split_overhead
+        if split is not None and (isinstance(split, bool) or not isinstance(split, (int, float)) or not split >= 0):
             raise ValueError(
                 f"decode_split_overhead must be None or >= 0, got decode_split_overhead={self.decode_split_overhead!r}"
             )
+        if not isinstance(self.reserve_max_len, bool):
+            raise ValueError(f"reserve_max_len must be a bool, got reserve_max_len={self.reserve_max_len!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -206,7 +209,8 @@ class Engine:
         ``page_size`` define the page state.
       config: scheduler limits.
       stop_ids: token ids that end a request (unless it ignores EOS).
-      vocab_size: if given, prompt ids are checked against it.
+      vocab_size: prompt ids are checked against it; default: the step
+        function's ``vocab_size`` attribute, if it has one.
 
     Raises:
       ValueError: the pool cannot hold one sequence of ``config.max_seq_len``
@@ -233,6 +237,10 @@ class Engine:
         self.kv = kv_pool
         self.config = config
         self.stop_ids = frozenset(int(t) for t in stop_ids)
+        if vocab_size is None:
+            vocab_size = getattr(step_fn, "vocab_size", None)
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
+            raise ValueError(f"vocab_size must be None or an int >= 1, got vocab_size={vocab_size!r}")
         self.vocab_size = vocab_size
         self.page_size = page_size
         self.max_pages_per_seq = ps.pages_for_tokens(config.max_seq_len, page_size)
@@ -256,35 +264,46 @@ class Engine:
         """Queues a request.
 
         Raises:
-          ValueError: empty prompt, ``max_new_tokens < 1``, prompt plus
-            ``max_new_tokens`` above ``max_seq_len``, a token id outside the
-            vocabulary, or a duplicate ``request_id``. The engine is then
-            unchanged.
+          ValueError: empty prompt, a prompt id that is not an integer or is
+            outside the vocabulary, ``max_new_tokens`` not an integer >= 1,
+            prompt plus ``max_new_tokens`` above ``max_seq_len``, sampling
+            that is not a :class:`SamplingParams`, or a duplicate
+            ``request_id``. The engine is then unchanged.
         """
+        self._check(request, self._ids)
+        self._ids.add(request.request_id)
         prompt = [int(t) for t in request.prompt_ids]
-        if not prompt:
-            raise ValueError(f"request {request.request_id!r}: prompt_ids is empty; need at least one token")
-        if not isinstance(request.max_new_tokens, int) or request.max_new_tokens < 1:
-            raise ValueError(
-                f"request {request.request_id!r}: max_new_tokens must be an int >= 1, "
-                f"got {request.max_new_tokens!r}"
-            )
-        total = len(prompt) + request.max_new_tokens
+        self.waiting.append(_Seq(request=request, tokens=prompt, num_prompt=len(prompt)))
+
+    def _check(self, request: Request, taken: set) -> None:
+        rid = request.request_id
+        ids = request.prompt_ids
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
+            raise ValueError(f"request {rid!r}: prompt_ids must be a sequence of token ids, got {ids!r}")
+        if len(ids) == 0:
+            raise ValueError(f"request {rid!r}: prompt_ids is empty; need at least one token")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise ValueError(f"request {rid!r}: token id {t!r} is not an integer")
+            if t < 0 or (self.vocab_size is not None and t >= self.vocab_size):
+                raise ValueError(f"request {rid!r}: token id {t} outside the vocabulary [0, {self.vocab_size})")
+        n = request.max_new_tokens
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"request {rid!r}: max_new_tokens must be an int >= 1, got {n!r}")
+        total = len(ids) + int(n)
         if total > self.config.max_seq_len:
             raise ValueError(
-                f"request {request.request_id!r}: prompt length {len(prompt)} + max_new_tokens "
-                f"{request.max_new_tokens} = {total} exceeds max_seq_len={self.config.max_seq_len}"
+                f"request {rid!r}: prompt length {len(ids)} + max_new_tokens "
+                f"{n} = {total} exceeds max_seq_len={self.config.max_seq_len}"
             )
-        bad = [t for t in prompt if t < 0 or (self.vocab_size is not None and t >= self.vocab_size)]
-        if bad:
-            raise ValueError(
-                f"request {request.request_id!r}: token id {bad[0]} outside the vocabulary "
-                f"[0, {self.vocab_size})"
-            )
-        if request.request_id in self._ids:
-            raise ValueError(f"request_id {request.request_id!r} was already added")
-        self._ids.add(request.request_id)
-        self.waiting.append(_Seq(request=request, tokens=prompt, num_prompt=len(prompt)))
+        if not isinstance(request.sampling, SamplingParams):
+            raise ValueError(f"request {rid!r}: sampling must be a SamplingParams, got {request.sampling!r}")
+        try:
+            duplicate = rid in taken
+        except TypeError:
+            raise ValueError(f"request_id must be hashable, got {rid!r}") from None
+        if duplicate:
+            raise ValueError(f"request_id {rid!r} was already added")
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -294,6 +313,11 @@ class Engine:
 
         Returns the outputs in the order the requests finished.
         """
+        requests = list(requests)
+        taken = set(self._ids)
+        for r in requests:  # all or nothing: check every request before adding any
+            self._check(r, taken)
+            taken.add(r.request_id)
         for r in requests:
             self.add_request(r)
         bar = None

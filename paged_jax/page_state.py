@@ -28,6 +28,13 @@ Running out of pages is not an error: ``allocate`` and ``append`` return
 ``ok = False`` together with the *unchanged* state, and the caller (the
 engine) decides whom to preempt.
 
+Two tiers. :func:`allocate`, :func:`append`, :func:`free` and :func:`fork`
+check their arguments at the door (shapes and dtypes always; values and
+slot occupancy when called eagerly, reading the state back to the host) and
+raise ``ValueError`` naming what is wrong, with the state untouched. Their
+``unchecked_*`` twins are the bare jitted functions, for callers that
+guarantee the arguments themselves (inside ``jit``, simulators).
+
 Capacity versus length. A sequence holds ``num_seq_pages[s]`` pages
 (capacity ``num_seq_pages[s] * page_size`` slots) and ``seq_lens[s]`` tokens.
 Normally capacity is the smallest multiple of ``page_size`` above the length;
@@ -41,6 +48,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 NULL_PAGE = 0
@@ -191,28 +199,10 @@ def _release_pages(state: PageState, page_mask: jax.Array) -> PageState:
 
 
 @jax.jit
-def allocate(
+def unchecked_allocate(
     state: PageState, seq_id: jax.Array, num_tokens: jax.Array, reserve_tokens: jax.Array = 0
 ) -> tuple[PageState, jax.Array]:
-    """Gives an empty sequence slot the pages for a prompt of ``num_tokens``.
-
-    The slot then holds ``num_tokens`` tokens (their K/V still to be written
-    through :func:`slot_mapping`) in ``ceil(max(num_tokens, reserve_tokens) /
-    page_size)`` pages.
-
-    Args:
-      state: the page state.
-      seq_id: i32[] an empty sequence slot (``seq_lens == num_seq_pages == 0``).
-      num_tokens: i32[] prompt tokens, 0 <= num_tokens <= max_seq_len.
-      reserve_tokens: i32[] slots to hold beyond need (contiguous-style
-        reservation); 0 for paging.
-
-    Returns:
-      ``(state, ok)``; ``ok`` is False when the pool has too few free pages,
-      and the state is then returned unchanged. Arguments are not checked
-      here (this function is traced); :class:`paged_jax.engine.Engine` and
-      :func:`check_allocate` validate at the door.
-    """
+    """:func:`allocate` without the door checks (jitted)."""
     want = jnp.maximum(num_tokens, reserve_tokens)
     need = jnp.zeros((state.max_seqs,), jnp.int32).at[seq_id].set(
         pages_for_tokens(want, state.page_size).astype(jnp.int32)
@@ -222,26 +212,133 @@ def allocate(
     return state.replace(seq_lens=seq_lens), ok
 
 
-def check_allocate(state: PageState, seq_id: int, num_tokens: int, reserve_tokens: int = 0) -> None:
+def _is_traced(*args) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
+
+
+def _index(name: str, value, high: int) -> int:
+    """An integer in [0, high) from a Python/NumPy int or a 0-d integer array."""
+    if isinstance(value, bool) or not (
+        isinstance(value, (int, np.integer))
+        or (hasattr(value, "dtype") and getattr(value, "ndim", 1) == 0 and jnp.issubdtype(value.dtype, jnp.integer))
+    ):
+        raise ValueError(f"{name} must be an integer, got {name}={value!r}")
+    value = int(value)
+    if not 0 <= value < high:
+        raise ValueError(f"{name} must be in [0, {high}), got {name}={value}")
+    return value
+
+
+def _mask(name: str, mask, state: PageState) -> np.ndarray:
+    shape = getattr(mask, "shape", None)
+    dtype = getattr(mask, "dtype", None)
+    if shape != (state.max_seqs,) or dtype is None or dtype != jnp.bool_:
+        raise ValueError(
+            f"{name} must be bool[max_seqs={state.max_seqs}], got shape {shape} dtype {dtype}"
+        )
+    return mask
+
+
+def check_allocate(state: PageState, seq_id, num_tokens, reserve_tokens=0) -> None:
     """Eager validation for :func:`allocate` (reads the state back to host).
 
     Raises:
-      ValueError: ``seq_id`` out of range or not empty, ``num_tokens`` or
-        ``reserve_tokens`` negative or above ``max_seq_len``.
+      ValueError: ``seq_id`` not an integer in ``[0, max_seqs)`` or not
+        empty; ``num_tokens`` or ``reserve_tokens`` not an integer in
+        ``[0, max_seq_len]``.
     """
-    if not 0 <= seq_id < state.max_seqs:
-        raise ValueError(f"seq_id must be in [0, {state.max_seqs}), got {seq_id=}")
-    for name, value in (("num_tokens", num_tokens), ("reserve_tokens", reserve_tokens)):
-        if not 0 <= value <= state.max_seq_len:
-            raise ValueError(
-                f"{name} must be in [0, max_seq_len={state.max_seq_len}], got {name}={value}"
-            )
+    seq_id = _index("seq_id", seq_id, state.max_seqs)
+    _index("num_tokens", num_tokens, state.max_seq_len + 1)
+    _index("reserve_tokens", reserve_tokens, state.max_seq_len + 1)
     if int(state.num_seq_pages[seq_id]) or int(state.seq_lens[seq_id]):
         raise ValueError(f"seq_id={seq_id} already holds a sequence; free it first")
 
 
+def allocate(state: PageState, seq_id, num_tokens, reserve_tokens=0) -> tuple[PageState, jax.Array]:
+    """Gives an empty sequence slot the pages for a prompt of ``num_tokens``.
+
+    The slot then holds ``num_tokens`` tokens (their K/V still to be written
+    through :func:`slot_mapping`) in ``ceil(max(num_tokens, reserve_tokens) /
+    page_size)`` pages.
+
+    Args:
+      state: the page state.
+      seq_id: i32[] an empty sequence slot.
+      num_tokens: i32[] prompt tokens, ``0 <= num_tokens <= max_seq_len``.
+      reserve_tokens: i32[] slots to hold beyond need (contiguous-style
+        reservation); 0 for paging.
+
+    Returns:
+      ``(state, ok)``; ``ok`` is False when the pool has too few free pages,
+      and the state is then returned unchanged.
+
+    Raises:
+      ValueError: (eager calls) see :func:`check_allocate`. Under ``jit`` the
+        arguments are traced and only the caller can guarantee them.
+    """
+    if not _is_traced(state, seq_id, num_tokens, reserve_tokens):
+        check_allocate(state, seq_id, num_tokens, reserve_tokens)
+    return unchecked_allocate(state, seq_id, num_tokens, reserve_tokens)
+
+
+def append(state: PageState, active) -> tuple[PageState, jax.Array, jax.Array, jax.Array]:
+    """Adds one token slot to every active sequence (one decode step); see
+    :func:`unchecked_append` for copy-on-write and the returned pairs.
+
+    Args:
+      state: the page state.
+      active: bool[max_seqs] sequences that grow by one token.
+
+    Returns:
+      ``(state, ok, cow_src, cow_dst)``: ``ok`` is False when the pool has too
+      few free pages (state unchanged); ``cow_src, cow_dst``: i32[max_seqs]
+      page copies to make before writing, ``NO_PAGE`` where none.
+
+    Raises:
+      ValueError: ``active`` not bool[max_seqs]; (eager calls) an active
+        sequence already at ``max_seq_len`` tokens.
+    """
+    _mask("active", active, state)
+    if not _is_traced(state, active):
+        full = np.flatnonzero(np.asarray(active) & (np.asarray(state.seq_lens) >= state.max_seq_len))
+        if full.size:
+            raise ValueError(
+                f"sequences {full.tolist()} already hold max_seq_len={state.max_seq_len} tokens and cannot grow"
+            )
+    return unchecked_append(state, active)
+
+
+def free(state: PageState, seq_mask) -> PageState:
+    """Frees every sequence in ``seq_mask`` (bool[max_seqs]); see
+    :func:`unchecked_free`. Freeing an empty slot is a no-op.
+
+    Raises:
+      ValueError: ``seq_mask`` not bool[max_seqs].
+    """
+    _mask("seq_mask", seq_mask, state)
+    return unchecked_free(state, seq_mask)
+
+
+def fork(state: PageState, src, dst) -> PageState:
+    """Makes empty slot ``dst`` share ``src``'s tokens (copy-on-write); see
+    :func:`unchecked_fork`.
+
+    Raises:
+      ValueError: (eager calls) ``src`` or ``dst`` not an integer in
+        ``[0, max_seqs)``, ``src == dst``, or ``dst`` not empty.
+    """
+    if not _is_traced(state, src, dst):
+        src = _index("src", src, state.max_seqs)
+        dst = _index("dst", dst, state.max_seqs)
+        if src == dst:
+            raise ValueError(f"src and dst must differ, got src=dst={src}")
+        if int(state.num_seq_pages[dst]) or int(state.seq_lens[dst]):
+            raise ValueError(f"dst={dst} already holds a sequence; free it first")
+    return unchecked_fork(state, src, dst)
+
+
 @jax.jit
-def append(state: PageState, active: jax.Array) -> tuple[PageState, jax.Array, jax.Array, jax.Array]:
+def unchecked_append(state: PageState, active: jax.Array) -> tuple[PageState, jax.Array, jax.Array, jax.Array]:
     """Adds one token slot to every active sequence (one decode step).
 
     A sequence takes a new page only when its pages are full. If the page the
@@ -256,7 +353,9 @@ def append(state: PageState, active: jax.Array) -> tuple[PageState, jax.Array, j
 
     Returns:
       ``(state, ok, cow_src, cow_dst)``: ``ok`` is False when the pool has too
-      few free pages for all active sequences at once (state unchanged);
+      few free pages for all active sequences at once, or (under ``jit``,
+      where :func:`append` cannot raise) an active sequence already holds
+      ``max_seq_len`` tokens; the state is then unchanged;
       ``cow_src, cow_dst``: i32[max_seqs] page copies to make, ``NO_PAGE``
       where none.
     """
@@ -273,6 +372,7 @@ def append(state: PageState, active: jax.Array) -> tuple[PageState, jax.Array, j
     grow = active & ~has_page
     need = (cow | grow).astype(jnp.int32)
     pages, _, ok, head, num_free = _pop_pages(state, need, width=1)
+    ok &= ~jnp.any(active & (state.seq_lens >= state.max_seq_len))  # no room in the block table
     new_page = pages[:, 0]  # i32[max_seqs], meaningful where cow | grow
     # A growing sequence appends its page; a copy-on-write one swaps the
     # shared page in column ``idx`` for its private copy.
@@ -297,7 +397,7 @@ def append(state: PageState, active: jax.Array) -> tuple[PageState, jax.Array, j
 
 
 @jax.jit
-def free(state: PageState, seq_mask: jax.Array) -> PageState:
+def unchecked_free(state: PageState, seq_mask: jax.Array) -> PageState:
     """Frees every sequence in ``seq_mask`` (bool[max_seqs]).
 
     Each of their pages loses one reference; a page whose count reaches zero
@@ -321,7 +421,7 @@ def free(state: PageState, seq_mask: jax.Array) -> PageState:
 
 
 @jax.jit
-def fork(state: PageState, src: jax.Array, dst: jax.Array) -> PageState:
+def unchecked_fork(state: PageState, src: jax.Array, dst: jax.Array) -> PageState:
     """Makes empty slot ``dst`` share ``src``'s tokens (parallel sampling,
     beam search; paper section 4.4). The pages holding ``src``'s tokens gain
     a reference; reserved pages beyond its length are not shared. Later

@@ -12,6 +12,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -30,12 +31,16 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got temperature={self.temperature}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise ValueError(f"{name} must be a number, got {name}={value!r}")
+        if not 0.0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be finite and >= 0, got temperature={self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got top_p={self.top_p}")
-        if not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got seed={self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be an int in [0, 2**32), got seed={self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -161,3 +161,29 @@ def test_dispatch_auto_matches_reference():
         [ref_paged_attention(q, k_pages, v_pages, bt, la, la), paged_attention(q, k_pages, v_pages, bt, la, la)], 2
     ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(soft_cap=0.0), "soft_cap"),
+        (dict(scale=float("nan")), "scale"),
+        (dict(sliding_window=0), "sliding_window"),
+        (dict(k_scales=jnp.ones((3, 5, 4))), "k_scales and v_scales"),
+    ],
+)
+def test_bad_options_are_named_on_every_path(kwargs, needle):
+    args = (jnp.zeros((2, 1, 6, 8)), jnp.zeros((3, 5, 4, 8)), jnp.zeros((3, 5, 4, 8)),
+            jnp.zeros((2, 2), jnp.int32), jnp.ones((2,), jnp.int32), jnp.ones((2,), jnp.int32))
+    for impl in ("auto", "xla", "xla_loop"):
+        with pytest.raises(ValueError, match=needle):
+            paged_attention(*args, impl=impl, **kwargs)
+
+
+def test_int8_pages_need_scales_and_integer_q_is_refused():
+    pages = jnp.zeros((3, 5, 4, 8), jnp.int8)
+    bt, lens = jnp.zeros((2, 2), jnp.int32), jnp.ones((2,), jnp.int32)
+    with pytest.raises(ValueError, match="k_scales and v_scales"):
+        paged_attention(jnp.zeros((2, 1, 6, 8)), pages, pages, bt, lens, lens)
+    with pytest.raises(ValueError, match="q must be a float"):
+        paged_attention(jnp.zeros((2, 1, 6, 8), jnp.int32), jnp.zeros((3, 5, 4, 8)), jnp.zeros((3, 5, 4, 8)), bt, lens, lens)

@@ -189,6 +189,10 @@ def test_bucket():
         (Request(request_id="l", prompt_ids=[1] * 70, max_new_tokens=20), "exceeds max_seq_len=80"),
         (Request(request_id="z", prompt_ids=[1], max_new_tokens=0), "max_new_tokens"),
         (Request(request_id="v", prompt_ids=[1, VOCAB], max_new_tokens=3), f"token id {VOCAB}"),
+        (Request(request_id="f", prompt_ids=[1.9, 2.7], max_new_tokens=3), "token id 1.9 is not an integer"),
+        (Request(request_id="s", prompt_ids="123", max_new_tokens=3), "sequence of token ids"),
+        (Request(request_id="b", prompt_ids=[1], max_new_tokens=True), "max_new_tokens"),
+        (Request(request_id="d", prompt_ids=[1], max_new_tokens=3, sampling={"temperature": 1.0}), "SamplingParams"),
     ],
 )
 def test_bad_requests_are_refused_and_change_nothing(req, needle):
@@ -201,6 +205,17 @@ def test_bad_requests_are_refused_and_change_nothing(req, needle):
         engine.add_request(Request(request_id="ok", prompt_ids=[3], max_new_tokens=2))
     outs = engine.run()
     assert [o.request_id for o in outs] == ["ok"]
+
+
+def test_run_is_all_or_nothing():
+    engine = Engine(shared_step(), toy_pool(40, 4), EngineConfig(max_seqs=4, max_seq_len=80), vocab_size=VOCAB)
+    good = [Request(request_id=i, prompt_ids=[1, 2], max_new_tokens=2) for i in range(2)]
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        engine.run(good + [Request(request_id=9, prompt_ids=[], max_new_tokens=2)])
+    with pytest.raises(ValueError, match="already added"):
+        engine.run(good + good[:1])
+    assert not engine.waiting
+    assert sorted(o.request_id for o in engine.run(good)) == [0, 1]
 
 
 def test_pool_too_small_for_one_sequence():
@@ -217,7 +232,18 @@ def test_bad_engine_config(kwargs, needle):
         EngineConfig(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs, needle", [(dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p")])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(seed=-1), "seed"),
+        (dict(seed=2**32), "seed"),
+        (dict(seed=True), "seed"),
+    ],
+)
 def test_bad_sampling_params(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         SamplingParams(**kwargs)

@@ -107,3 +107,21 @@ def test_missing_tensor_and_shape_mismatch_are_named(ckpt):
     model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match=r"blocks.mlp.w_gate has shape \(30, 576, 1536\), the config expects \(30, 576, 1537\)"):
         assign_params(model, params, ckpt.path)
+
+
+def test_nan_in_tensor_data_is_reported(tmp_path):
+    import shutil
+
+    import gguf
+
+    from models.gguf_loader import load_gguf, smollm2_gguf_path
+
+    src = smollm2_gguf_path()
+    tensor = gguf.GGUFReader(src).tensors[5]
+    bad = tmp_path / "nan.gguf"
+    shutil.copyfile(src, bad)
+    with open(bad, "r+b") as f:  # 0xffff is NaN in f16: the first Q4_1 block's scale
+        f.seek(tensor.data_offset)
+        f.write(b"\xff" * 4)
+    with pytest.raises(ValueError, match=f"{tensor.name}.*NaN or infinite"):
+        load_gguf(bad)

@@ -187,3 +187,29 @@ def test_all_sharers_append_together(state):
     assert np.asarray(src).tolist() == [2, -1, -1] and np.asarray(dst).tolist() == [3, -1, -1]
     assert np.asarray(state.ref_counts)[[1, 2, 3]].tolist() == [2, 1, 1]
     assert int(state.num_free_pages) == 4
+
+
+def test_door_checks_refuse_and_leave_state_unchanged(state):
+    state, _ = ps.allocate(state, 0, 16)  # full: 4 pages, max_seq_len tokens
+    state, _ = ps.allocate(state, 1, 2)
+    before = np.asarray(state.ref_counts).tolist(), np.asarray(state.block_tables).tolist()
+    bad = [
+        (lambda: ps.allocate(state, 1, 3), "seq_id=1 already holds"),
+        (lambda: ps.allocate(state, -1, 3), "seq_id must be in"),
+        (lambda: ps.allocate(state, 2, -4), "num_tokens must be in"),
+        (lambda: ps.allocate(state, 2, 3.7), "num_tokens must be an integer"),
+        (lambda: ps.allocate(state, True, 3), "seq_id must be an integer"),
+        (lambda: ps.fork(state, 0, 1), "dst=1 already holds"),
+        (lambda: ps.fork(state, 0, 0), "must differ"),
+        (lambda: ps.fork(state, 0, 3), "dst must be in"),
+        (lambda: ps.append(state, mask(3, 0)), r"sequences \[0\] already hold max_seq_len=16"),
+        (lambda: ps.append(state, jnp.asarray([2, 0, 0])), "active must be bool"),
+        (lambda: ps.free(state, jnp.asarray([True])), r"seq_mask must be bool\[max_seqs=3\]"),
+    ]
+    for call, needle in bad:
+        with pytest.raises(ValueError, match=needle):
+            call()
+    assert (np.asarray(state.ref_counts).tolist(), np.asarray(state.block_tables).tolist()) == before
+    # Under jit the checks cannot read values: a full sequence makes ok False instead.
+    _, ok, _, _ = ps.unchecked_append(state, mask(3, 0))
+    assert not bool(ok)
