@@ -52,7 +52,9 @@ def format_plan(plan: CapacityPlan) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.capacity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="llama-3-70b", choices=sorted(PRESETS))
     p.add_argument("--device-memory-gb", type=float, default=80.0, help="memory per device, GB (10**9 bytes)")
     p.add_argument("--num-devices", type=int, default=1)

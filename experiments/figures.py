@@ -237,7 +237,9 @@ def plot_block_size(path: pathlib.Path, rows: Sequence[dict]) -> None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.figures", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--declared-max", type=int, default=256, help="contiguous reservation per request, tokens")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))

@@ -209,7 +209,7 @@ def to_markdown(rows: list[dict], header: str) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m experiments.kernel_bench", description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 2048])
     parser.add_argument("--ragged-batches", type=int, nargs="+", default=[8, 32, 64])

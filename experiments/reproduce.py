@@ -339,7 +339,9 @@ def write_readme(out: pathlib.Path, tables: Sequence[Table], header: str) -> Non
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.reproduce", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
     p.add_argument("--sim-requests", type=int, default=2000, help="ShareGPT requests in the simulation")
     p.add_argument("--pool-tokens", type=int, default=32_768, help="simulated KV pool, slots")

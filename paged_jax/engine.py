@@ -324,7 +324,8 @@ class Engine:
         if progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(self.waiting) + len(self.running), unit="req", leave=False)
+            # disable=None: no bar when stderr is not a terminal (logs stay small).
+            bar = tqdm(total=len(self.waiting) + len(self.running), unit="req", leave=False, disable=None)
         outputs: list[RequestOutput] = []
         while self.has_unfinished():
             done = self.step()
