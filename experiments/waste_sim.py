@@ -68,6 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import page_state
+from paged_jax.checks import check_int
 from paged_jax.memory import pow2_reservation
 
 SCHEMES = ("contiguous-max", "contiguous-pow2", "contiguous-oracle", "paged")
@@ -116,8 +117,7 @@ class SimConfig:
             raise ValueError(f"scheme must be one of {SCHEMES}, got scheme={self.scheme!r}")
         for name, low in (("pool_tokens", 1), ("page_size", 1), ("max_seq_len", 1), ("max_seqs", 1)):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {name}={value!r}")
+            check_int(name, value, low)
         if not self.arrival_rate > 0:
             raise ValueError(f"arrival_rate must be > 0, got arrival_rate={self.arrival_rate!r}")
         if not 0 <= self.watermark < 1:

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from paged_jax import attention as paged_attn
+from paged_jax.checks import check_int
 from paged_jax.kv_cache import KVPool, init_kv_pool, write_layer_pages
 from paged_jax.page_state import slot_mapping
 
@@ -70,9 +71,7 @@ class LlamaConfig:
     def __post_init__(self):
         for name in ("vocab_size", "model_dim", "mlp_dim", "num_layers", "num_q_heads",
                      "num_kv_heads", "head_dim", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+            check_int(name, getattr(self, name))
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(
                 "num_q_heads must be a multiple of num_kv_heads, got "

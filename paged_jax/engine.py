@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import page_state as ps
+from paged_jax.checks import check_int
 from paged_jax.kv_cache import KVPool, copy_pages
 from paged_jax.sampling import SamplingParams, greedy, sample
 
@@ -93,9 +94,7 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("max_seqs", "max_seq_len", "max_prefill_tokens", "min_prefill_bucket"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {name}={value!r}")
+            check_int(name, getattr(self, name))
         split = self.decode_split_overhead
         if split is not None and (isinstance(split, bool) or not isinstance(split, (int, float)) or not split >= 0):
             raise ValueError(
@@ -287,10 +286,11 @@ class Engine:
                 raise ValueError(f"request {rid!r}: token id {t!r} is not an integer")
             if t < 0 or (self.vocab_size is not None and t >= self.vocab_size):
                 raise ValueError(f"request {rid!r}: token id {t} outside the vocabulary [0, {self.vocab_size})")
-        n = request.max_new_tokens
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise ValueError(f"request {rid!r}: max_new_tokens must be an int >= 1, got {n!r}")
-        total = len(ids) + int(n)
+        try:
+            n = check_int("max_new_tokens", request.max_new_tokens)
+        except ValueError as e:
+            raise ValueError(f"request {rid!r}: {e}") from None
+        total = len(ids) + n
         if total > self.config.max_seq_len:
             raise ValueError(
                 f"request {rid!r}: prompt length {len(ids)} + max_new_tokens "

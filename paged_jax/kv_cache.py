@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from paged_jax.checks import check_int
 from paged_jax.page_state import NO_PAGE
 
 
@@ -82,8 +83,7 @@ def init_kv_pool(
         ("page_size", page_size, 1),
         ("head_dim", head_dim, 1),
     ):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {name}={value!r}")
+        check_int(name, value, low)
     shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
     return KVPool(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 

@@ -31,6 +31,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from paged_jax.checks import check_int
+
 GB = 10**9
 KiB = 2**10
 
@@ -47,11 +49,6 @@ def dtype_bytes(dtype: str) -> float:
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got dtype={dtype!r}")
     return DTYPE_BYTES[dtype]
-
-
-def _check_int(name: str, value, low: int) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {name}={value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,10 +79,10 @@ class ModelPreset:
     source: str
 
     def __post_init__(self):
-        _check_int("num_layers", self.num_layers, 1)
-        _check_int("num_params", self.num_params, 1)
+        check_int("num_layers", self.num_layers, 1)
+        check_int("num_params", self.num_params, 1)
         for name in ("num_kv_heads", "head_dim", "kv_lora_rank", "qk_rope_head_dim"):
-            _check_int(name, getattr(self, name), 0)
+            check_int(name, getattr(self, name), 0)
         gqa = self.num_kv_heads > 0 and self.head_dim > 0
         mla = self.kv_lora_rank > 0 and self.qk_rope_head_dim > 0
         gqa_any = self.num_kv_heads > 0 or self.head_dim > 0
@@ -114,7 +111,7 @@ class ModelPreset:
 
     def kv_bytes(self, num_tokens: int, dtype: str = "bfloat16") -> int:
         """Bytes of KV cache for ``num_tokens`` tokens."""
-        _check_int("num_tokens", num_tokens, 0)
+        check_int("num_tokens", num_tokens, 0)
         return num_tokens * self.kv_bytes_per_token(dtype)
 
     def weight_bytes(self, dtype: str = "bfloat16") -> int:
@@ -216,7 +213,7 @@ def paged_slots(used: Sequence[int], page_size: int) -> np.ndarray:
     Returns:
       i64[R] slots held.
     """
-    _check_int("page_size", page_size, 1)
+    check_int("page_size", page_size, 1)
     used = _lengths("used", used)
     return -(-used // page_size) * page_size
 
@@ -341,10 +338,10 @@ def plan_capacity(
       ValueError: an argument out of range (the message names it), or the
         weights do not fit in ``cache_fraction`` of the memory.
     """
-    _check_int("device_memory_bytes", device_memory_bytes, 1)
-    _check_int("num_devices", num_devices, 1)
-    _check_int("page_size", page_size, 1)
-    _check_int("max_seq_len", max_seq_len, 1)
+    check_int("device_memory_bytes", device_memory_bytes, 1)
+    check_int("num_devices", num_devices, 1)
+    check_int("page_size", page_size, 1)
+    check_int("max_seq_len", max_seq_len, 1)
     if not 0 < cache_fraction <= 1:
         raise ValueError(f"cache_fraction must be in (0, 1], got {cache_fraction=}")
     lengths = _lengths("lengths", lengths, low=1)

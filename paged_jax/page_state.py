@@ -51,6 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from paged_jax.checks import check_int
+
 NULL_PAGE = 0
 """Reserved page id: padding in block tables; never allocated, never freed."""
 
@@ -123,8 +125,7 @@ def init_page_state(
         ("max_pages_per_seq", max_pages_per_seq, 1),
         ("page_size", page_size, 1),
     ):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {name}={value!r}")
+        check_int(name, value, low)
     return PageState(
         block_tables=jnp.full((max_seqs, max_pages_per_seq), NULL_PAGE, jnp.int32),
         seq_lens=jnp.zeros((max_seqs,), jnp.int32),
