@@ -91,7 +91,24 @@ def main(argv=None) -> CapacityPlan:
     else:
         lengths = sharegpt_final_lengths(args.num_requests)
         source = f"{args.num_requests} ShareGPT requests (vLLM sampling, SmolLM2 tokenizer)"
-    plan = plan_capacity(
+    if args.fixed_length is not None and args.fixed_length > args.max_seq_len:
+        raise SystemExit(f"error: --fixed-length {args.fixed_length} exceeds --max-seq-len {args.max_seq_len}")
+    try:
+        plan = _plan(args, lengths)
+    except ValueError as e:  # weights that do not fit, and the like: a usage error, not a traceback
+        raise SystemExit(f"error: {e}") from None
+    if plan.num_pages == 0:
+        raise SystemExit(
+            f"error: the KV budget ({plan.cache_bytes} bytes) holds no page of {args.page_size} tokens "
+            f"({plan.kv_bytes_per_token} bytes per token)"
+        )
+    print(f"Lengths: {source}.\n")
+    print(format_plan(plan))
+    return plan
+
+
+def _plan(args, lengths) -> CapacityPlan:
+    return plan_capacity(
         get_preset(args.model),
         device_memory_bytes=int(args.device_memory_gb * GB),
         num_devices=args.num_devices,
@@ -102,9 +119,6 @@ def main(argv=None) -> CapacityPlan:
         lengths=lengths,
         max_seq_len=args.max_seq_len,
     )
-    print(f"Lengths: {source}.\n")
-    print(format_plan(plan))
-    return plan
 
 
 if __name__ == "__main__":

@@ -213,7 +213,8 @@ class Engine:
 
     Raises:
       ValueError: the pool cannot hold one sequence of ``config.max_seq_len``
-        tokens (then no schedule could finish a long request).
+        tokens (then no schedule could finish a long request); a bad
+        ``vocab_size`` or ``stop_ids``.
     """
 
     def __init__(
@@ -235,12 +236,16 @@ class Engine:
         self.step_fn = step_fn
         self.kv = kv_pool
         self.config = config
-        self.stop_ids = frozenset(int(t) for t in stop_ids)
         if vocab_size is None:
             vocab_size = getattr(step_fn, "vocab_size", None)
         if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
             raise ValueError(f"vocab_size must be None or an int >= 1, got vocab_size={vocab_size!r}")
         self.vocab_size = vocab_size
+        stop_ids = list(stop_ids) if isinstance(stop_ids, (list, tuple, set, frozenset, range)) else stop_ids
+        if not isinstance(stop_ids, list):
+            raise ValueError(f"stop_ids must be a list, tuple or set of token ids, got {stop_ids!r}")
+        self._check_token_ids("stop_ids", stop_ids)
+        self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.page_size = page_size
         self.max_pages_per_seq = ps.pages_for_tokens(config.max_seq_len, page_size)
         self.state = ps.init_page_state(
@@ -263,29 +268,43 @@ class Engine:
         """Queues a request.
 
         Raises:
-          ValueError: empty prompt, a prompt id that is not an integer or is
-            outside the vocabulary, ``max_new_tokens`` not an integer >= 1,
+          ValueError: not a :class:`Request`; empty prompt, a prompt id that
+            is not an integer or is outside the vocabulary, a non-bool
+            ``ignore_eos``, ``max_new_tokens`` not an integer >= 1,
             prompt plus ``max_new_tokens`` above ``max_seq_len``, sampling
             that is not a :class:`SamplingParams`, or a duplicate
             ``request_id``. The engine is then unchanged.
         """
         self._check(request, self._ids)
         self._ids.add(request.request_id)
-        prompt = [int(t) for t in request.prompt_ids]
+        ids = request.prompt_ids
+        prompt = [int(t) for t in (ids.tolist() if isinstance(ids, (np.ndarray, jax.Array)) else ids)]
         self.waiting.append(_Seq(request=request, tokens=prompt, num_prompt=len(prompt)))
 
-    def _check(self, request: Request, taken: set) -> None:
-        rid = request.request_id
-        ids = request.prompt_ids
-        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
-            raise ValueError(f"request {rid!r}: prompt_ids must be a sequence of token ids, got {ids!r}")
-        if len(ids) == 0:
-            raise ValueError(f"request {rid!r}: prompt_ids is empty; need at least one token")
+    def _check_token_ids(self, name: str, ids) -> None:
+        """Every id an integer in [0, vocab_size) (or in int32 when the
+        vocabulary size is unknown: the model indexes with int32)."""
+        high = self.vocab_size if self.vocab_size is not None else 2**31 - 1
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                raise ValueError(f"request {rid!r}: token id {t!r} is not an integer")
-            if t < 0 or (self.vocab_size is not None and t >= self.vocab_size):
-                raise ValueError(f"request {rid!r}: token id {t} outside the vocabulary [0, {self.vocab_size})")
+                raise ValueError(f"{name}: token id {t!r} is not an integer")
+            if not 0 <= t < high:
+                raise ValueError(f"{name}: token id {t} outside the vocabulary [0, {high})")
+
+    def _check(self, request: Request, taken: set) -> None:
+        if not isinstance(request, Request):
+            raise ValueError(f"expected a Request, got {request!r}")
+        rid = request.request_id
+        ids = request.prompt_ids
+        if isinstance(ids, (np.ndarray, jax.Array)):
+            ids = ids.tolist() if ids.ndim == 1 else ids
+        if not isinstance(ids, (list, tuple, range)):
+            raise ValueError(f"request {rid!r}: prompt_ids must be a sequence of token ids (a list, tuple or 1-D array), got {ids!r}")
+        if len(ids) == 0:
+            raise ValueError(f"request {rid!r}: prompt_ids is empty; need at least one token")
+        self._check_token_ids(f"request {rid!r}", ids)
+        if not isinstance(request.ignore_eos, bool):
+            raise ValueError(f"request {rid!r}: ignore_eos must be a bool, got {request.ignore_eos!r}")
         try:
             n = check_int("max_new_tokens", request.max_new_tokens)
         except ValueError as e:

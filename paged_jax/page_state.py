@@ -441,7 +441,6 @@ def unchecked_fork(state: PageState, src: jax.Array, dst: jax.Array) -> PageStat
     )
 
 
-@functools.partial(jax.jit, static_argnames=("page_size",))
 def slot_mapping(
     block_tables: jax.Array, positions: jax.Array, valid: jax.Array, *, page_size: int
 ) -> jax.Array:
@@ -451,10 +450,32 @@ def slot_mapping(
       block_tables: i32[B, pages_per_seq].
       positions: i32[B, T] token positions (0-based) within each sequence.
       valid: bool[B, T] positions that exist; others map to -1.
+      page_size: tokens per page, >= 1.
 
     Returns:
-      i32[B, T] slot ids into a pool flattened to ``[num_pages * page_size]``.
+      i32[B, T] slot ids into a pool flattened to ``[num_pages * page_size]``;
+      -1 where ``valid`` is False or the position lies outside
+      ``[0, pages_per_seq * page_size)`` (so it can never alias another
+      token's slot; a write to -1 is dropped).
+
+    Raises:
+      ValueError: ``page_size`` < 1, or shapes and dtypes that do not fit.
     """
+    check_int("page_size", page_size)
+    if getattr(block_tables, "ndim", None) != 2 or not jnp.issubdtype(block_tables.dtype, jnp.integer):
+        raise ValueError(f"block_tables must be an integer [B, pages_per_seq] array, got {block_tables!r:.80}")
+    batch = block_tables.shape[0]
+    if getattr(positions, "ndim", None) != 2 or positions.shape[0] != batch or not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ValueError(f"positions must be an integer [B={batch}, T] array, got {getattr(positions, 'shape', positions)}")
+    if getattr(valid, "shape", None) != positions.shape or valid.dtype != jnp.bool_:
+        raise ValueError(f"valid must be bool{list(positions.shape)}, got {getattr(valid, 'dtype', None)}{list(getattr(valid, 'shape', ()))}")
+    return _slot_mapping(block_tables, positions, valid, page_size=page_size)
+
+
+@functools.partial(jax.jit, static_argnames=("page_size",))
+def _slot_mapping(block_tables, positions, valid, *, page_size):
+    capacity = block_tables.shape[1] * page_size
+    valid = valid & (positions >= 0) & (positions < capacity)
     col = jnp.clip(positions // page_size, 0, block_tables.shape[1] - 1)
     page = jnp.take_along_axis(block_tables, col, axis=1)
-    return jnp.where(valid, page * page_size + positions % page_size, -1)
+    return jnp.where(valid, page * page_size + positions % page_size, -1).astype(jnp.int32)

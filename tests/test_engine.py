@@ -193,6 +193,8 @@ def test_bucket():
         (Request(request_id="s", prompt_ids="123", max_new_tokens=3), "sequence of token ids"),
         (Request(request_id="b", prompt_ids=[1], max_new_tokens=True), "max_new_tokens"),
         (Request(request_id="d", prompt_ids=[1], max_new_tokens=3, sampling={"temperature": 1.0}), "SamplingParams"),
+        (Request(request_id="w", prompt_ids={3, 1, 2}, max_new_tokens=3), "sequence of token ids"),
+        (Request(request_id="i", prompt_ids=[1], max_new_tokens=3, ignore_eos="no"), "ignore_eos"),
     ],
 )
 def test_bad_requests_are_refused_and_change_nothing(req, needle):
@@ -216,6 +218,16 @@ def test_run_is_all_or_nothing():
         engine.run(good + good[:1])
     assert not engine.waiting
     assert sorted(o.request_id for o in engine.run(good)) == [0, 1]
+
+
+def test_token_ids_fit_int32_without_a_vocabulary_and_stop_ids_are_checked():
+    engine = Engine(shared_step(), toy_pool(40, 4), EngineConfig(max_seqs=4, max_seq_len=80))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request(Request(request_id=0, prompt_ids=[2**40], max_new_tokens=2))
+    assert not engine.waiting
+    for bad in ([2.7], "12", 5, [-1]):
+        with pytest.raises(ValueError, match="stop_ids"):
+            Engine(shared_step(), toy_pool(40, 4), EngineConfig(max_seqs=4, max_seq_len=80), stop_ids=bad)
 
 
 def test_pool_too_small_for_one_sequence():

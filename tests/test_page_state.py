@@ -213,3 +213,16 @@ def test_door_checks_refuse_and_leave_state_unchanged(state):
     # Under jit the checks cannot read values: a full sequence makes ok False instead.
     _, ok, _, _ = ps.unchecked_append(state, mask(3, 0))
     assert not bool(ok)
+
+
+def test_slot_mapping_never_aliases_and_checks_shapes():
+    bt = jnp.asarray([[1, 2]], jnp.int32)  # capacity 8 tokens at page size 4
+    pos = jnp.asarray([[3, 8, 100, -1]], jnp.int32)
+    slots = ps.slot_mapping(bt, pos, jnp.ones((1, 4), bool), page_size=4)
+    assert np.asarray(slots).tolist() == [[7, -1, -1, -1]]
+    with pytest.raises(ValueError, match="page_size"):
+        ps.slot_mapping(bt, pos, jnp.ones((1, 4), bool), page_size=0)
+    with pytest.raises(ValueError, match="positions"):
+        ps.slot_mapping(bt, jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1), bool), page_size=4)
+    with pytest.raises(ValueError, match="valid"):
+        ps.slot_mapping(bt, pos, jnp.ones((1, 4), jnp.int32), page_size=4)
