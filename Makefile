@@ -29,4 +29,4 @@ test-all: setup
 	$(PY) -m pytest -q -m ''
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .jax_cache

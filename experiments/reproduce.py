@@ -259,22 +259,22 @@ def serving_rows(
     contiguous at three KV budgets (``num_requests`` requests). Returns
     ``(block_rows, budget_rows)``."""
     from experiments.serve_sharegpt import build_requests, serve
-    from models.llama import make_step_fn
+    from models.llama import RaggedModel
     from models.smollm2 import load_smollm2
 
     model, tokenizer = load_smollm2()
     requests, _, _ = build_requests(tokenizer, num_requests, max_output_len)
-    step_fn = make_step_fn(model)
+    paged_model = RaggedModel(model)
     block_rows = []
     for ps in BLOCK_SIZES:
         r, _ = serve(model, requests[:block_requests], mode="paged", page_size=ps, kv_budget_tokens=8192,
-                     step_fn=step_fn, progress=False)
+                     paged_model=paged_model, progress=False)
         progress()
         block_rows.append(r)
     budget_rows = []
     for budget in SERVE_BUDGETS:
         for mode in ("paged", "contiguous"):
-            r, _ = serve(model, requests, mode=mode, page_size=16, kv_budget_tokens=budget, step_fn=step_fn,
+            r, _ = serve(model, requests, mode=mode, page_size=16, kv_budget_tokens=budget, paged_model=paged_model,
                          progress=False)
             progress()
             budget_rows.append(r)

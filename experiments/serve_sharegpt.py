@@ -30,10 +30,11 @@ import sys
 import time
 
 import jax
-import jax.monitoring
+import numpy as np
 
 from experiments.sharegpt import load_conversations, sample_requests
-from paged_jax.engine import Engine, EngineConfig, Request, RequestOutput
+from paged_jax.engine import Engine, EngineConfig, EngineStats, Request, RequestOutput, num_traces
+from paged_jax.jit_stats import CompileMonitor, enable_persistent_cache
 
 CSV_COLUMNS = (
     "mode",
@@ -44,31 +45,33 @@ CSV_COLUMNS = (
     "peak_concurrency",
     "mean_concurrency",
     "kv_token_fraction",
+    "preemptions",
+    "iterations",
+    "model_calls",
+    "model_s",
+    "floor_s",
+    "model_over_floor",
+    "padding",
+    "host_s",
+    "compile_s",
+    "programs",
+    "compiled",
 )
 MODES = ("paged", "contiguous")
 MAX_SEQ_LEN = 2048  # the longest request vLLM's sampling keeps: prompt + output
 
 
-class CompileTimer:
-    """Seconds JAX spends tracing, lowering and compiling, from its
-    ``/jax/core/compile/*`` monitoring events."""
-
-    def __init__(self):
-        self.seconds = 0.0
-        jax.monitoring.register_event_duration_secs_listener(self._on_event)
-
-    def _on_event(self, event: str, duration: float, **_):
-        if event.startswith("/jax/core/compile/"):
-            self.seconds += duration
-
-    def close(self):
-        jax.monitoring.unregister_event_duration_listener(self._on_event)
-
-
 @dataclasses.dataclass(frozen=True)
 class ServeResult:
     """One mode's row. Times in seconds; ``tokens_per_s`` counts generated
-    tokens over ``wall_s``."""
+    tokens over ``wall_s`` (compilation excluded). ``model_s``: the model
+    calls (page-state update, forward, sampling); ``floor_s``: the model's
+    weight matmuls alone at the same calls' padded token counts, measured in
+    the same run (``models.llama.weight_matmuls``); ``padding``: the share of
+    token rows that were padding; ``host_s``: the engine's time outside model
+    calls; ``programs``: distinct step shapes; ``compiled``: programs XLA
+    built in this mode (0 when the persistent cache or the other mode had
+    them)."""
 
     mode: str
     requests: int
@@ -79,9 +82,17 @@ class ServeResult:
     mean_concurrency: float
     kv_token_fraction: float
     preemptions: int
-    prefill_tokens: int
+    iterations: int
+    model_calls: int
+    model_s: float
+    floor_s: float
+    model_over_floor: float
+    padding: float
+    host_s: float
     compile_s: float
     programs: int
+    compiled: int
+    prefill_tokens: int
     page_size: int
     kv_budget_tokens: int
 
@@ -123,9 +134,11 @@ def serve(
     page_size: int = 16,
     kv_budget_tokens: int = 8192,
     max_seqs: int = 64,
-    step_fn=None,
+    max_batched_tokens: int = 256,
+    paged_model=None,
     stop_ids=(),
     progress: bool = True,
+    floor: "MatmulFloor | None" = None,
 ) -> tuple[ServeResult, list[RequestOutput]]:
     """Serves ``requests`` in one mode and measures it.
 
@@ -137,13 +150,16 @@ def serve(
       kv_budget_tokens: K/V slots in the pool, tokens; rounded down to whole
         pages; must hold at least one ``MAX_SEQ_LEN`` sequence.
       max_seqs: most sequences running at once.
-      step_fn: a step from ``models.llama.make_step_fn(model)``; pass the
-        same one to several calls to share compiled programs.
+      max_batched_tokens: tokens per model call (decode and prefill chunks).
+      paged_model: ``models.llama.RaggedModel(model)``; pass the same one to
+        several calls to share compiled programs.
+      floor: measures the weight-matmul floor of the calls made (default a
+        new :class:`MatmulFloor`).
 
     Raises:
       ValueError: unknown mode or a budget below one maximum-length sequence.
     """
-    from models.llama import make_step_fn
+    from models.llama import RaggedModel
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode=!r}")
@@ -154,32 +170,30 @@ def serve(
             f"kv_budget_tokens rounded down to whole pages must hold one maximum-length request "
             f"({MAX_SEQ_LEN} tokens), got {kv_budget_tokens=} {page_size=}"
         )
-    step_fn = step_fn or make_step_fn(model)
+    paged_model = paged_model or RaggedModel(model)
     num_pages = kv_budget_tokens // page_size + 1  # + the null page
     pool = model.config.make_kv_pool(num_pages, page_size)
     engine = Engine(
-        step_fn,
+        paged_model,
         pool,
         EngineConfig(
             max_seqs=max_seqs,
             max_seq_len=MAX_SEQ_LEN,
+            max_num_batched_tokens=max(max_batched_tokens, max_seqs),
             reserve_max_len=mode == "contiguous",
-            # The XLA attention on CPU pads each decode row to the longest;
-            # splitting long from short rows pays there (see EngineConfig).
-            decode_split_overhead=128 if jax.default_backend() == "cpu" else None,
         ),
         stop_ids=stop_ids,
         vocab_size=model.config.vocab_size,
     )
-    timer = CompileTimer()
-    try:
+    with CompileMonitor() as compiles:
         t0 = time.perf_counter()
         outputs = engine.run(requests, progress=progress)
-        wall = time.perf_counter() - t0 - timer.seconds
-    finally:
-        timer.close()
+        wall = time.perf_counter() - t0 - compiles.counts.seconds
     st = engine.stats
+    floor = floor or MatmulFloor(model)
+    floor_s = floor.seconds(st)
     generated = sum(len(o.output_ids) for o in outputs)
+    rows = sum(c.shape.num_tokens for c in st.calls)
     result = ServeResult(
         mode=mode,
         requests=len(outputs),
@@ -190,9 +204,17 @@ def serve(
         mean_concurrency=round(st.mean_concurrency, 2),
         kv_token_fraction=round(st.kv_token_fraction, 4),
         preemptions=st.preemptions,
-        prefill_tokens=st.prefill_tokens,
-        compile_s=round(timer.seconds, 1),
+        iterations=st.iterations,
+        model_calls=st.model_calls,
+        model_s=round(st.model_s, 2),
+        floor_s=round(floor_s, 2),
+        model_over_floor=round(st.model_s / floor_s, 2) if floor_s else float("nan"),
+        padding=round(1 - sum(c.tokens for c in st.calls) / rows, 3) if rows else 0.0,
+        host_s=round(st.host_s, 2),
+        compile_s=round(compiles.counts.seconds, 1),
         programs=st.num_programs,
+        compiled=compiles.counts.compiled,
+        prefill_tokens=st.prefill_tokens,
         page_size=page_size,
         kv_budget_tokens=(num_pages - 1) * page_size,
     )
@@ -200,8 +222,40 @@ def serve(
     return result, sorted(outputs, key=lambda o: o.request_id)
 
 
+class MatmulFloor:
+    """Seconds the model's weight matmuls alone take at a call's padded
+    token count (``models.llama.weight_matmuls``): the floor a model call
+    can approach. Each (tokens, logits rows) shape is compiled once and timed
+    as the median of ``repeats`` runs; results are cached per shape."""
+
+    def __init__(self, model, repeats: int = 3):
+        from models.llama import weight_matmuls
+
+        self._fn = jax.jit(weight_matmuls, static_argnums=2)
+        self._model = model
+        self._repeats = repeats
+        self._cache: dict[tuple[int, int], float] = {}
+
+    def time(self, num_tokens: int, num_logits: int) -> float:
+        key = (num_tokens, num_logits)
+        if key not in self._cache:
+            x = jax.numpy.ones((num_tokens, self._model.config.model_dim), jax.numpy.float32)
+            self._fn(self._model, x, num_logits).block_until_ready()
+            times = []
+            for _ in range(self._repeats):
+                t = time.perf_counter()
+                self._fn(self._model, x, num_logits).block_until_ready()
+                times.append(time.perf_counter() - t)
+            self._cache[key] = float(np.median(times))
+        return self._cache[key]
+
+    def seconds(self, stats: EngineStats) -> float:
+        """The floor summed over an engine's model calls."""
+        return sum(self.time(c.shape.num_tokens, c.shape.num_logits) for c in stats.calls)
+
+
 def markdown_table(results: list[ServeResult]) -> str:
-    cols = CSV_COLUMNS + ("preemptions", "compile_s", "programs")
+    cols = CSV_COLUMNS
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in results:
         lines.append("| " + " | ".join(str(getattr(r, c)) for c in cols) + " |")
@@ -233,6 +287,27 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, JAX {jax.__version__} on {jax.default_backend()}"
 
 
+DEFAULT_COMPILE_CACHE = pathlib.Path(__file__).resolve().parents[1] / ".jax_cache"
+
+
+def add_compile_cache_args(p: argparse.ArgumentParser) -> None:
+    """``--compile-cache DIR`` / ``--no-compile-cache``: JAX's persistent
+    compilation cache, on by default so a second run compiles nothing."""
+    p.add_argument(
+        "--compile-cache", type=pathlib.Path, default=DEFAULT_COMPILE_CACHE,
+        help=f"folder of JAX's persistent compilation cache (default {DEFAULT_COMPILE_CACHE.name}/ in the repository)",
+    )
+    p.add_argument("--no-compile-cache", action="store_true", help="compile everything afresh")
+
+
+def setup_compile_cache(args) -> str:
+    """Applies the compile-cache flags; returns a line saying what was done."""
+    if args.no_compile_cache:
+        return "persistent compilation cache: off"
+    enable_persistent_cache(args.compile_cache)
+    return f"persistent compilation cache: {args.compile_cache}"
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m experiments.serve_sharegpt", description=__doc__.split("\n\n")[0])
     p.add_argument("--num-requests", type=int, default=48, help="ShareGPT requests to serve (default 48)")
@@ -243,10 +318,15 @@ def parse_args(argv=None):
         help="KV pool size in tokens, shared by both modes (default 8192: 4 contiguous reservations of 2048)",
     )
     p.add_argument("--max-seqs", type=int, default=64, help="most sequences running at once (default 64)")
+    p.add_argument(
+        "--max-batched-tokens", type=int, default=256,
+        help="tokens per model call, decode tokens and prefill chunks together (default 256; raised to --max-seqs)",
+    )
     p.add_argument("--seed", type=int, default=0, help="ShareGPT shuffle seed (default 0)")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="results folder (default results/)")
+    add_compile_cache_args(p)
     args = p.parse_args(argv)
-    for name in ("num_requests", "max_output_len", "page_size", "max_seqs"):
+    for name in ("num_requests", "max_output_len", "page_size", "max_seqs", "max_batched_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.kv_budget_tokens // args.page_size * args.page_size < MAX_SEQ_LEN:
@@ -254,23 +334,29 @@ def parse_args(argv=None):
             f"--kv-budget-tokens rounded down to whole pages of --page-size {args.page_size} must hold one "
             f"maximum-length request ({MAX_SEQ_LEN} tokens), got {args.kv_budget_tokens}"
         )
-    # Fail now, not after minutes of serving.
+    check_out_dir(p, args.out)
+    return args
+
+
+def check_out_dir(p: argparse.ArgumentParser, out: pathlib.Path) -> None:
+    """Fails now, not after minutes of serving, when ``--out`` cannot be
+    written."""
     try:
-        args.out.mkdir(parents=True, exist_ok=True)
-        probe = args.out / ".write_test"
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write_test"
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        p.error(f"--out {str(args.out)!r} is not a writable folder: {e}")
-    return args
+        p.error(f"--out {str(out)!r} is not a writable folder: {e}")
 
 
 def main(argv=None) -> list[ServeResult]:
     args = parse_args(argv)
-    from models.llama import make_step_fn
+    from models.llama import RaggedModel
     from models.smollm2 import load_smollm2
 
     print(f"machine: {machine()}")
+    print(setup_compile_cache(args))
     t0 = time.perf_counter()
     model, tokenizer = load_smollm2()
     print(f"loaded SmolLM2-135M-Instruct in {time.perf_counter() - t0:.1f} s")
@@ -282,13 +368,15 @@ def main(argv=None) -> list[ServeResult]:
         f"{sum(len(r.prompt_ids) for r in requests)} prompt tokens, "
         f"{sum(r.max_new_tokens for r in requests)} output tokens"
     )
-    step_fn = make_step_fn(model)
+    paged_model = RaggedModel(model)
+    floor = MatmulFloor(model)
     results, outputs = [], {}
     for mode in MODES:
         print(f"serving: {mode}")
         result, outs = serve(
-            model, requests, mode=mode, page_size=args.page_size,
-            kv_budget_tokens=args.kv_budget_tokens, max_seqs=args.max_seqs, step_fn=step_fn,
+            model, requests, mode=mode, page_size=args.page_size, kv_budget_tokens=args.kv_budget_tokens,
+            max_seqs=args.max_seqs, max_batched_tokens=args.max_batched_tokens, paged_model=paged_model,
+            floor=floor,
         )
         results.append(result)
         outputs[mode] = outs
@@ -299,14 +387,13 @@ def main(argv=None) -> list[ServeResult]:
     same = sum(a.output_ids == b.output_ids for a, b in zip(outputs["paged"], outputs["contiguous"]))
     table = markdown_table(results)
     ratios = ratio_line(results)
-    compilations = getattr(step_fn, "num_compilations", None)
-    compilations = compilations() if callable(compilations) else compilations
     summary = (
         f"{len(requests)} ShareGPT requests, outputs capped at {args.max_output_len} tokens, "
         f"KV budget {results[0].kv_budget_tokens} tokens, page size {args.page_size}, max {args.max_seqs} "
-        f"running; {machine()}.\n"
+        f"running, {args.max_batched_tokens} tokens per model call; {machine()}, f32.\n"
         f"Greedy outputs identical in both modes for {same}/{len(requests)} requests. "
-        f"Model step compiled {compilations} times over both modes."
+        f"{num_traces(paged_model)} step programs traced over both modes, "
+        f"{sum(r.compiled for r in results)} compiled by XLA (the rest came from the persistent cache)."
     )
     print("\n" + table + "\n\n" + ratios + "\n\n" + summary)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from paged_jax import attention as paged_attn
+from paged_jax import ragged_attention
+from paged_jax.batch import RaggedBatch
 from paged_jax.checks import check_int
 from paged_jax.kv_cache import KVPool, init_kv_pool, write_layer_pages
 from paged_jax.page_state import slot_mapping
@@ -203,10 +205,12 @@ class Attention(nnx.Module):
         self.wv = nnx.Param(_normal(rngs, stack + (d, k, h), d**-0.5, param_dtype))  # [*, D, K, H]
         self.wo = nnx.Param(_normal(rngs, stack + (n, h, d), (n * h) ** -0.5, param_dtype))  # [*, N, H, D]
 
-    def __call__(self, x, cos, sin, k_pool, v_pool, layer, slots, block_tables, kv_lens, q_lens, impl):
+    def __call__(self, x, cos, sin, k_pool, v_pool, layer, slots, attend):
         """One layer's attention; returns ``(out [B, T, D], k_pool, v_pool)``
         with this token batch's K/V written into ``k_pool[layer]`` /
-        ``v_pool[layer]`` before attending."""
+        ``v_pool[layer]`` before attending. ``attend(q [B, T, N, H], k_pool,
+        v_pool, layer) -> [B, T, N, H]`` is the batch layout's attention
+        (padded rows or a flat ragged batch)."""
         batch, num_q_tokens, _ = x.shape
         q = jnp.einsum("BTD,DNH->BTNH", x, self.wq[...])
         k = jnp.einsum("BTD,DKH->BTKH", x, self.wk[...])
@@ -215,9 +219,7 @@ class Attention(nnx.Module):
         # [B, T, K, H] -> [B * T, K, H], one row per token slot
         k_pool = write_layer_pages(k_pool, layer, k.reshape(batch * num_q_tokens, *k.shape[2:]), slots)
         v_pool = write_layer_pages(v_pool, layer, v.reshape(batch * num_q_tokens, *v.shape[2:]), slots)
-        out = paged_attn.paged_attention(
-            q, k_pool[layer], v_pool[layer], block_tables, kv_lens, q_lens, impl=impl
-        )  # [B, T, N, H]
+        out = attend(q, k_pool, v_pool, layer)  # [B, T, N, H]
         return jnp.einsum("BTNH,NHD->BTD", out, self.wo[...]), k_pool, v_pool
 
 
@@ -249,9 +251,8 @@ class Block(nnx.Module):
                                 param_dtype=param_dtype)
         self.mlp = MLP(config, rngs=rngs, stack=stack, param_dtype=param_dtype)
 
-    def __call__(self, x, cos, sin, k_pool, v_pool, layer, slots, block_tables, kv_lens, q_lens, impl):
-        h, k_pool, v_pool = self.attn(self.attn_norm(x), cos, sin, k_pool, v_pool, layer, slots,
-                                      block_tables, kv_lens, q_lens, impl)
+    def __call__(self, x, cos, sin, k_pool, v_pool, layer, slots, attend):
+        h, k_pool, v_pool = self.attn(self.attn_norm(x), cos, sin, k_pool, v_pool, layer, slots, attend)
         x = x + h
         x = x + self.mlp(self.mlp_norm(x))
         return x, k_pool, v_pool
@@ -309,6 +310,30 @@ def _validate(config: LlamaConfig, tokens, kv: KVPool, block_tables, kv_lens, q_
         )
 
 
+def _run_layers(model: Llama, x, cos, sin, kv: KVPool, slots, attend) -> tuple[jax.Array, KVPool]:
+    """The decoder blocks under ``lax.scan`` (one compiled layer body), the
+    pool in the carry: x [B, T, D] -> [B, T, D], each layer writing its K/V
+    at ``slots`` (i32[B * T]) and attending with ``attend``."""
+    graphdef, block_state = nnx.split(model.blocks)  # leaves: [layers, ...]
+
+    def layer_body(carry, xs):
+        x, k_pool, v_pool = carry
+        layer, state = xs
+        block = nnx.merge(graphdef, state)
+        x, k_pool, v_pool = block(x, cos, sin, k_pool, v_pool, layer, slots, attend)
+        return (x, k_pool, v_pool), None
+
+    layers = jnp.arange(model.config.num_layers, dtype=jnp.int32)
+    (x, k_pool, v_pool), _ = jax.lax.scan(layer_body, (x, kv.k, kv.v), (layers, block_state))
+    return x, KVPool(k=k_pool, v=v_pool)
+
+
+def _logits(model: Llama, x: jax.Array) -> jax.Array:
+    """[..., D] final hidden states -> f32[..., V] logits."""
+    x = model.final_norm(x)
+    return jnp.einsum("...D,VD->...V", x, model.output_weight()).astype(jnp.float32)
+
+
 def forward(
     model: Llama,
     tokens: jax.Array,  # i32[B, T]
@@ -362,28 +387,107 @@ def forward(
     cos, sin = rope_angles(positions, config.head_dim, config.rope_theta)  # [B, T, H/2]
 
     x = model.embed[...][tokens]  # [B, T, D]
-    graphdef, block_state = nnx.split(model.blocks)  # leaves: [layers, ...]
 
-    def layer_body(carry, xs):
-        x, k_pool, v_pool = carry
-        layer, state = xs
-        block = nnx.merge(graphdef, state)
-        x, k_pool, v_pool = block(x, cos, sin, k_pool, v_pool, layer, slots, block_tables,
-                                  kv_lens, q_lens, impl)
-        return (x, k_pool, v_pool), None
+    def attend(q, k_pool, v_pool, layer):
+        return paged_attn.paged_attention(q, k_pool[layer], v_pool[layer], block_tables, kv_lens, q_lens, impl=impl)
 
-    layers = jnp.arange(config.num_layers, dtype=jnp.int32)
-    (x, k_pool, v_pool), _ = jax.lax.scan(layer_body, (x, kv.k, kv.v), (layers, block_state))
-    kv = KVPool(k=k_pool, v=v_pool)
+    x, kv = _run_layers(model, x, cos, sin, kv, slots, attend)
 
     if not all_logits:
         last = jnp.clip(q_lens - 1, 0, num_q_tokens - 1)  # [B]
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
-    x = model.final_norm(x)
-    logits = jnp.einsum("BTD,VD->BTV", x, model.output_weight()).astype(jnp.float32)
+    logits = _logits(model, x)
     if all_logits:
         return logits, kv  # [B, T, V]
     return jnp.where(q_lens[:, None] > 0, logits[:, 0], 0.0), kv  # [B, V]
+
+
+def forward_ragged(model: Llama, batch: RaggedBatch, kv: KVPool) -> tuple[jax.Array, KVPool]:
+    """Runs the decoder over a flat ragged batch (mixed prefill chunks and
+    decode tokens, :mod:`paged_jax.batch`), writing its K/V into the pool.
+
+    The weight matmuls see exactly the batch's ``T`` rows, whatever mix of
+    phases they come from; attention is
+    :func:`paged_jax.ragged_attention.attend`, whose cost follows the sum of
+    the sequences' lengths.
+
+    Args:
+      model: the decoder.
+      batch: tokens i32[T], positions, slots, block tables, per-sequence
+        starts and lengths, and the rows to return logits for.
+      kv: the KV pool (``[layers, K, P, L, H]``).
+
+    Returns:
+      ``(logits f32[R, V] at batch.logits_rows, kv)``.
+
+    Raises:
+      ValueError: a pool that does not fit the model.
+    """
+    config = model.config
+    want = (config.num_layers, config.num_kv_heads, config.head_dim)
+    got = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
+    if got != want:
+        raise ValueError(f"kv pool must have (num_layers, num_kv_heads, head_dim)={want} for this model, got {got}")
+    positions = batch.positions[None, :]  # [1, T]
+    cos, sin = rope_angles(positions, config.head_dim, config.rope_theta)  # [1, T, H/2]
+    x = model.embed[...][batch.tokens][None]  # [1, T, D]
+
+    def attend(q, k_pool, v_pool, layer):
+        return ragged_attention.attend(q[0], k_pool, v_pool, layer, batch)[None]
+
+    x, kv = _run_layers(model, x, cos, sin, kv, batch.slots, attend)
+    return _logits(model, x[0, batch.logits_rows]), kv  # [R, V]
+
+
+class RaggedModel:
+    """The engine's view of a decoder: weights and a pure ``apply``.
+
+    ``apply(params, batch, kv) -> (logits f32[R, V], kv)`` is
+    :func:`forward_ragged` with the module structure bound; ``params`` are
+    the weights as a pytree, passed as an argument (not closed over) so XLA
+    does not fold them into each program as constants. The engine composes
+    ``apply`` with its page-state update and the sampler into one jitted
+    step (:mod:`paged_jax.engine`).
+    """
+
+    def __init__(self, model: Llama):
+        self.config: LlamaConfig = model.config
+        self.vocab_size = model.config.vocab_size
+        self._graphdef, self.params = nnx.split(model)
+
+    def apply(self, params, batch: RaggedBatch, kv: KVPool) -> tuple[jax.Array, KVPool]:
+        return forward_ragged(nnx.merge(self._graphdef, params), batch, kv)
+
+
+def weight_matmuls(model: Llama, x: jax.Array, num_logits: int) -> jax.Array:
+    """The decoder's weight matmuls alone, for ``x``'s ``T`` rows: the floor
+    a model call at that token count can approach (no attention, norms,
+    RoPE or KV writes). Same layer scan and einsums as :func:`forward_ragged`.
+
+    Args:
+      model: the decoder.
+      x: f32[T, D] stand-in hidden states.
+      num_logits: R, rows that go through the output projection.
+
+    Returns:
+      f32[R, V], of no meaning beyond its cost.
+    """
+    graphdef, block_state = nnx.split(model.blocks)
+
+    def layer_body(x, state):
+        block = nnx.merge(graphdef, state)
+        a = block.attn
+        q = jnp.einsum("TD,DNH->TNH", x, a.wq[...])
+        k = jnp.einsum("TD,DKH->TKH", x, a.wk[...])
+        v = jnp.einsum("TD,DKH->TKH", x, a.wv[...])
+        x = x + jnp.einsum("TNH,NHD->TD", q, a.wo[...]) + (k.sum() + v.sum())
+        m = block.mlp
+        gate = jnp.einsum("TD,DF->TF", x, m.w_gate[...])
+        up = jnp.einsum("TD,DF->TF", x, m.w_up[...])
+        return x + jnp.einsum("TF,FD->TD", gate * up, m.w_down[...]), None
+
+    x, _ = jax.lax.scan(layer_body, x, block_state)
+    return jnp.einsum("RD,VD->RV", x[:num_logits], model.output_weight())
 
 
 class StepFn:

@@ -1,28 +1,41 @@
 """A continuous-batching serving engine over the paged KV cache.
 
 Data path, one direction: request -> scheduler (this module) -> page state
-(:mod:`paged_jax.page_state`) -> model step (a function the caller passes in;
-this module never imports a model) -> sampler -> request.
+(:mod:`paged_jax.page_state`) -> model (an object the caller passes in; this
+module never imports a model) -> sampler -> request.
 
 Each iteration (iteration-level scheduling, Orca, OSDI 2022; PagedAttention,
-Kwon et al., SOSP 2023, section 4.5):
+Kwon et al., SOSP 2023, section 4.5; chunked prefill as in Sarathi-Serve,
+OSDI 2024, and vLLM v1):
 
-1. Admit waiting requests first come, first served while their prompts'
-   pages are free, and prefill each one (one model call per request).
-2. Grow every other running sequence by one slot (``append``, one batched
-   call); if the pool is short, preempt the newest running sequence by
-   *recompute* (free all its pages, put it back at the head of the queue with
-   the tokens it has generated, and prefill prompt + generated tokens when it
-   is readmitted) until the rest fits. Then one decode call for all of them.
-3. Free the pages of every sequence that finished, in the same iteration.
+1. Schedule under a token budget (``max_num_batched_tokens``): every running
+   sequence gets the tokens it still has to compute, oldest first (one for a
+   decoding sequence, a chunk of its prompt for one still prefilling); then
+   waiting requests are admitted first come, first served, while pages,
+   sequence slots and budget last, the last of them with a partial chunk.
+   If the pool is short, the newest running sequence is preempted by
+   *recompute*: its pages are freed and it goes back to the head of the queue
+   with the tokens it has generated, to be prefilled again when readmitted.
+2. One jitted call does the rest on device: free the pages of sequences that
+   finished or were preempted, grow each scheduled sequence's pages
+   (:func:`paged_jax.page_state.unchecked_extend`, copy-on-write included),
+   run the model over the flat batch of every scheduled token
+   (:mod:`paged_jax.batch`), and sample one token for each sequence whose
+   chunk reached its end. The host gets back the sampled tokens, ``ok`` and
+   the free-page count in one transfer.
 
 Running out of pages is never an error here: it is what preemption is for.
 The engine refuses, at construction, a pool too small to hold one sequence of
 ``max_seq_len`` tokens, so the oldest running sequence can always proceed.
 
-Shapes are padded to buckets (powers of two for batch, query tokens and
-pages per sequence) so ``jit`` compiles a handful of programs; the engine
-counts them.
+The host plans with a mirror of what it needs of the page state (each
+slot's tokens and pages, the free-page count); it computes exactly what the
+device will do, and the device's ``ok`` and free count are checked against
+it after each call.
+
+Shapes are bucketed (:func:`paged_jax.batch.batch_shape`: tokens by powers of
+two, attention work by powers of four) so ``jit`` compiles a handful of
+programs, shared by every engine of the same model object.
 
 Contiguous baseline: with ``reserve_max_len=True`` every request reserves
 ``max_seq_len`` slots when admitted, as pre-paging servers reserved a
@@ -37,31 +50,39 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
-from typing import Callable, Iterable, Sequence
+from typing import Any, Iterable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import page_state as ps
+from paged_jax.batch import BatchShape, RaggedBatch, Tiling, batch_shape
 from paged_jax.checks import check_int
+from paged_jax.jit_stats import CompileMonitor
 from paged_jax.kv_cache import KVPool, copy_pages
 from paged_jax.sampling import SamplingParams, greedy, sample
 
-StepFn = Callable[..., tuple[jax.Array, KVPool]]
-"""``step(tokens i32[B, T], kv, block_tables i32[B, pages], kv_lens i32[B],
-q_lens i32[B]) -> (logits f32[B, V] at each row's last real query token,
-new kv)``: one pure model call; the convention of
-:func:`paged_jax.attention.ref_paged_attention`."""
 
+class PagedModel(Protocol):
+    """What the engine needs of a model.
 
-def bucket(n: int, low: int = 1, high: int | None = None) -> int:
-    """Smallest power of two >= max(n, low), capped at ``high``."""
-    b = max(low, 1)
-    while b < n:
-        b *= 2
-    return b if high is None else min(b, high)
+    Attributes:
+      params: the weights, a pytree (an argument of the jitted step, never a
+        constant folded into it).
+      vocab_size: tokens in the vocabulary (prompt ids are checked against
+        it).
+      apply: ``apply(params, batch: RaggedBatch, kv: KVPool) -> (logits
+        f32[R, V] at ``batch.logits_rows``, kv)``, pure and jittable, writing
+        the batch's K/V at ``batch.slots`` (``models.llama.RaggedModel``).
+    """
+
+    params: Any
+    vocab_size: int
+
+    def apply(self, params, batch: RaggedBatch, kv: KVPool) -> tuple[jax.Array, KVPool]: ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,36 +90,32 @@ class EngineConfig:
     """Scheduler limits.
 
     Attributes:
-      max_seqs: most sequences running at once (the decode batch), >= 1.
+      max_seqs: most sequences running at once, >= 1.
       max_seq_len: most tokens per sequence, prompt plus output, >= 1.
+      max_num_batched_tokens: tokens per model call, decode tokens and
+        prefill chunks together (the token budget of chunked prefill);
+        >= ``max_seqs`` so every running sequence can decode in one call.
       reserve_max_len: reserve ``max_seq_len`` slots per request at admission
         (the contiguous baseline) instead of paging on demand.
-      max_prefill_tokens: prompt tokens admitted per iteration (at least one
-        request is admitted whatever its length), >= 1.
-      min_prefill_bucket: smallest padded prefill length, tokens.
-      decode_split_overhead: if set, a decode batch whose lengths differ
-        widely runs as two calls (short and long sequences) when the padded
-        attention saved, in row-pages (batch rows x pages per row), exceeds
-        this fixed cost of one more call. For attention that pads every row
-        to the longest (the XLA path); leave None for kernels that stop at
-        each length. About 128 fits SmolLM2 on 2 CPU cores (measured: a
-        call's fixed cost ~25 ms, attention ~0.2 ms per row-page).
+      tiling: how attention cuts a call into work, and how many prefill
+        chunks one call carries (:class:`paged_jax.batch.Tiling`).
     """
 
     max_seqs: int = 64
     max_seq_len: int = 2048
+    max_num_batched_tokens: int = 256
     reserve_max_len: bool = False
-    max_prefill_tokens: int = 4096
-    min_prefill_bucket: int = 16
-    decode_split_overhead: float | None = None
+    tiling: Tiling = Tiling()
 
     def __post_init__(self):
-        for name in ("max_seqs", "max_seq_len", "max_prefill_tokens", "min_prefill_bucket"):
+        for name in ("max_seqs", "max_seq_len", "max_num_batched_tokens"):
             check_int(name, getattr(self, name))
-        split = self.decode_split_overhead
-        if split is not None and (isinstance(split, bool) or not isinstance(split, (int, float)) or not split >= 0):
+        if not isinstance(self.tiling, Tiling):
+            raise ValueError(f"tiling must be a paged_jax.batch.Tiling, got tiling={self.tiling!r}")
+        if self.max_num_batched_tokens < self.max_seqs:
             raise ValueError(
-                f"decode_split_overhead must be None or >= 0, got decode_split_overhead={self.decode_split_overhead!r}"
+                "max_num_batched_tokens must be >= max_seqs (every running sequence decodes in each call), "
+                f"got max_num_batched_tokens={self.max_num_batched_tokens} max_seqs={self.max_seqs}"
             )
         if not isinstance(self.reserve_max_len, bool):
             raise ValueError(f"reserve_max_len must be a bool, got reserve_max_len={self.reserve_max_len!r}")
@@ -151,6 +168,7 @@ class _Seq:
     tokens: list[int]  # prompt + generated
     num_prompt: int
     slot: int = -1
+    num_computed: int = 0  # tokens whose K/V are in the cache
     num_preemptions: int = 0
     first_token_s: float = float("nan")
 
@@ -160,25 +178,49 @@ class _Seq:
 
 
 @dataclasses.dataclass
+class CallRecord:
+    """One model call: its static shape, real tokens, and seconds from
+    dispatch to results on the host, less ``compile_s`` spent compiling (or
+    loading from the persistent cache) inside it."""
+
+    shape: BatchShape
+    tokens: int
+    decode_tokens: int
+    seconds: float
+    compile_s: float
+
+
+@dataclasses.dataclass
 class EngineStats:
     """Counters over an engine's life. Times in seconds.
 
     ``mean_concurrency`` and ``kv_token_fraction`` are time-averaged over
     iterations, weighting each by its wall time; ``kv_token_fraction`` is the
     share of allocated KV slots (pages held x page size) that hold a token.
+    ``model_s`` is the time of the jitted step calls (page-state update,
+    forward and sampling, waited for), compilation excluded; ``compile_s``
+    the compilation inside them; ``host_s`` everything else an iteration
+    spends (scheduling, building the batch).
     """
 
     iterations: int = 0
-    prefill_calls: int = 0
-    decode_calls: int = 0
-    prefill_tokens: int = 0
+    model_calls: int = 0
+    prefill_tokens: int = 0  # prompt (and recomputed) tokens computed
+    decode_tokens: int = 0  # tokens fed back one at a time
     generated_tokens: int = 0
     preemptions: int = 0
     peak_concurrency: int = 0
     busy_s: float = 0.0
+    model_s: float = 0.0
+    compile_s: float = 0.0
     concurrency_s: float = 0.0  # integral of running sequences over time
     token_fraction_s: float = 0.0  # integral of used/allocated over time
-    programs: set = dataclasses.field(default_factory=set)  # (phase, B, T, pages)
+    programs: set = dataclasses.field(default_factory=set)  # (BatchShape, greedy only)
+    calls: list = dataclasses.field(default_factory=list)  # CallRecord per model call
+
+    @property
+    def host_s(self) -> float:
+        return self.busy_s - self.model_s - self.compile_s
 
     @property
     def mean_concurrency(self) -> float:
@@ -190,42 +232,112 @@ class EngineStats:
 
     @property
     def num_programs(self) -> int:
-        """Distinct padded shapes run: the number of jit compilations of a
-        step function that is jitted once."""
+        """Distinct static shapes run: the jit compilations this engine
+        needed (fewer if another engine of the same model compiled some)."""
         return len(self.programs)
 
 
-_copy_pages = jax.jit(copy_pages, donate_argnums=0)
+@dataclasses.dataclass(frozen=True)
+class _StepInputs:
+    """Host-built arrays of one call (numpy; see :meth:`Engine._build`)."""
+
+    free_mask: np.ndarray  # bool[S] slots to free before growing
+    num_new: np.ndarray  # i32[S]
+    min_pages: np.ndarray  # i32[S]
+    tokens: np.ndarray  # i32[T]
+    positions: np.ndarray  # i32[T]
+    token_rows: np.ndarray  # i32[T] page-state row of each token, -1 padding
+    q_starts: np.ndarray  # i32[S]
+    logits_rows: np.ndarray  # i32[R]
+    temperature: np.ndarray  # f32[R]
+    top_p: np.ndarray  # f32[R]
+    seeds: np.ndarray  # u32[R]
+    steps: np.ndarray  # i32[R]
+
+
+_TRACES: collections.Counter = collections.Counter()  # id(model) -> traces of _device_step
+_MONITOR: CompileMonitor | None = None
+
+
+def _compile_seconds() -> float:
+    """Seconds JAX has spent compiling in this process (since the first
+    engine call)."""
+    global _MONITOR
+    if _MONITOR is None:
+        _MONITOR = CompileMonitor()
+    return _MONITOR.counts.seconds
+
+
+@functools.partial(jax.jit, static_argnames=("model", "shape", "greedy_only"), donate_argnums=(2, 3))
+def _device_step(model, params, state: ps.PageState, kv: KVPool, inp: dict, *, shape: BatchShape, greedy_only: bool):
+    """Free, grow, forward, sample: one iteration's device work, one program
+    per (model, shape, greedy_only). Returns ``(state, kv, tokens i32[R], ok,
+    num_free_pages)``."""
+    _TRACES[id(model)] += 1  # runs at trace time only
+    state = ps.unchecked_free(state, inp["free_mask"])
+    state, ok, cow_src, cow_dst = ps.unchecked_extend(state, inp["num_new"], inp["min_pages"])
+    # Copy-on-write copies are rare: skip the pool-wide gather when none.
+    kv = jax.lax.cond(jnp.any(cow_src != ps.NO_PAGE), copy_pages, lambda kv, s, d: kv, kv, cow_src, cow_dst)
+    rows, positions = inp["token_rows"], inp["positions"]
+    slots = ps.flat_slot_mapping(state.block_tables, rows, positions, page_size=state.page_size)
+    batch = RaggedBatch(
+        tokens=inp["tokens"],
+        positions=positions,
+        slots=slots,
+        block_tables=state.block_tables,
+        q_starts=inp["q_starts"],
+        q_lens=inp["num_new"],
+        kv_lens=state.seq_lens,
+        logits_rows=inp["logits_rows"],
+        shape=shape,
+    )
+    logits, kv = model.apply(params, batch, kv)  # [R, V]
+    if greedy_only:
+        new = greedy(logits)
+    else:
+        new = sample(logits, inp["temperature"], inp["top_p"], inp["seeds"], inp["steps"])
+    return state, kv, new, ok, state.num_free_pages
+
+
+def num_traces(model) -> int:
+    """Programs traced (compiled, unless JAX's persistent cache had them)
+    for ``model``'s engine step, over all its engines."""
+    return _TRACES[id(model)]
 
 
 class Engine:
-    """Continuous batching with paged KV and preemption by recompute.
+    """Continuous batching with paged KV, chunked prefill in mixed batches,
+    and preemption by recompute.
 
     Args:
-      step_fn: the model step (:data:`StepFn`), jitted by the caller, ideally
-        donating its ``kv`` argument.
-      kv_pool: the KV pool the step reads and writes; its ``num_pages`` and
-        ``page_size`` define the page state.
+      model: a :class:`PagedModel` (``models.llama.RaggedModel``). Engines
+        of the same model object share compiled programs.
+      kv_pool: the KV pool the model reads and writes; its ``num_pages`` and
+        ``page_size`` define the page state. The engine owns it from now on
+        (the step donates it).
       config: scheduler limits.
       stop_ids: token ids that end a request (unless it ignores EOS).
-      vocab_size: prompt ids are checked against it; default: the step
-        function's ``vocab_size`` attribute, if it has one.
+      vocab_size: prompt ids are checked against it; default the model's
+        ``vocab_size``.
 
     Raises:
       ValueError: the pool cannot hold one sequence of ``config.max_seq_len``
         tokens (then no schedule could finish a long request); a bad
-        ``vocab_size`` or ``stop_ids``.
+        ``vocab_size`` or ``stop_ids``; a model without ``params`` and
+        ``apply``.
     """
 
     def __init__(
         self,
-        step_fn: StepFn,
+        model: PagedModel,
         kv_pool: KVPool,
         config: EngineConfig,
         *,
         stop_ids: Iterable[int] = (),
         vocab_size: int | None = None,
     ):
+        if not (hasattr(model, "params") and callable(getattr(model, "apply", None))):
+            raise ValueError(f"model must have params and apply(params, batch, kv) (a PagedModel), got {model!r}")
         page_size = kv_pool.page_size
         usable = (kv_pool.num_pages - 1) * page_size
         if usable < config.max_seq_len:
@@ -233,11 +345,11 @@ class Engine:
                 f"the KV pool holds {usable} tokens ({kv_pool.num_pages - 1} usable pages x "
                 f"page_size={page_size}), fewer than one sequence of max_seq_len={config.max_seq_len}"
             )
-        self.step_fn = step_fn
+        self.model = model
         self.kv = kv_pool
         self.config = config
         if vocab_size is None:
-            vocab_size = getattr(step_fn, "vocab_size", None)
+            vocab_size = getattr(model, "vocab_size", None)
         if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
             raise ValueError(f"vocab_size must be None or an int >= 1, got vocab_size={vocab_size!r}")
         self.vocab_size = vocab_size
@@ -248,6 +360,7 @@ class Engine:
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.page_size = page_size
         self.max_pages_per_seq = ps.pages_for_tokens(config.max_seq_len, page_size)
+        self._reserve_pages = self.max_pages_per_seq if config.reserve_max_len else 0
         self.state = ps.init_page_state(
             num_pages=kv_pool.num_pages,
             max_seqs=config.max_seqs,
@@ -257,10 +370,13 @@ class Engine:
         self.waiting: collections.deque[_Seq] = collections.deque()
         self.running: list[_Seq] = []  # admission order, oldest first
         self.free_slots = list(range(config.max_seqs - 1, -1, -1))  # pop() gives 0 first
+        # Host mirror of the page state (what the scheduler needs of it).
+        self._num_free = kv_pool.num_pages - 1
+        self._held = np.zeros(config.max_seqs, np.int64)  # pages per slot
+        self._to_free = np.zeros(config.max_seqs, bool)  # freed by the next call
         self.stats = EngineStats()
         self._ids: set = set()
         self._t0: float | None = None
-        self._sync()
 
     # ------------------------------------------------------------------ API
 
@@ -358,212 +474,198 @@ class Engine:
 
     @property
     def num_free_pages(self) -> int:
+        """Free pages once the pending frees are done (the scheduler's view)."""
         return self._num_free
 
     # ------------------------------------------------------------ iteration
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler iteration: admit + prefill, grow + decode, free.
+        """One scheduler iteration: schedule, one device call, bookkeeping.
 
         Returns the requests that finished in it.
         """
         if self._t0 is None:
             self._t0 = time.perf_counter()
         t_start = time.perf_counter()
+        scheduled = self._schedule()
         finished: list[_Seq] = []
-        prefilled = self._admit_and_prefill(finished)
-        decoding = [s for s in self.running if s not in prefilled and s not in finished]
-        decoding = self._grow(decoding)
-        if decoding:
-            self._decode(decoding, finished)
+        if scheduled:
+            self._call(scheduled, finished)
+        else:
+            self._flush_frees()
 
-        # Measure occupancy while the finished sequences still hold pages.
-        held_pages = self.state.num_pages - 1 - self._num_free
-        tokens = int(self._seq_lens[[s.slot for s in self.running]].sum()) if self.running else 0
+        held = int(self._held.sum())
+        tokens = sum(s.num_computed for s in self.running)
+        outputs = [self._finish(s) for s in finished]
+        for s in finished:
+            self._release(s)
+        if not self.has_unfinished():
+            self._flush_frees()
         dt = time.perf_counter() - t_start
         st = self.stats
         st.iterations += 1
         st.busy_s += dt
-        st.peak_concurrency = max(st.peak_concurrency, len(self.running))
-        st.concurrency_s += len(self.running) * dt
-        if held_pages:
-            st.token_fraction_s += tokens / (held_pages * self.page_size) * dt
-
-        outputs = [self._finish(s) for s in finished]
-        if finished:
-            mask = np.zeros(self.config.max_seqs, bool)
-            mask[[s.slot for s in finished]] = True
-            self.state = ps.free(self.state, jnp.asarray(mask))
-            for s in finished:
-                self.running.remove(s)
-                self.free_slots.append(s.slot)
-                s.slot = -1
-            self._sync()
+        st.peak_concurrency = max(st.peak_concurrency, len(self.running) + len(finished))
+        st.concurrency_s += (len(self.running) + len(finished)) * dt
+        if held:
+            st.token_fraction_s += tokens / (held * self.page_size) * dt
         return outputs
 
-    def _sync(self) -> None:
-        """Host copies of what the scheduler reads (one device-to-host copy)."""
-        seq_lens, num_seq_pages, num_free, block_tables = jax.device_get(
-            (self.state.seq_lens, self.state.num_seq_pages, self.state.num_free_pages, self.state.block_tables)
-        )
-        self._seq_lens, self._num_seq_pages, self._num_free = seq_lens, num_seq_pages, int(num_free)
-        self._block_tables = block_tables
+    # --------------------------------------------------------- scheduling
 
-    def _admit_and_prefill(self, finished: list[_Seq]) -> list[_Seq]:
-        cfg = self.config
-        budget = cfg.max_prefill_tokens
-        admitted: list[_Seq] = []
-        while self.waiting and self.free_slots:
-            seq = self.waiting[0]
-            n = len(seq.tokens)
-            if admitted and n > budget:
+    def _pages_after(self, seq: _Seq, n: int) -> int:
+        """Pages ``seq`` holds once ``n`` more of its tokens are computed."""
+        return max(ps.pages_for_tokens(seq.num_computed + n, self.page_size), self._reserve_pages)
+
+    def _schedule(self) -> list[tuple[_Seq, int]]:
+        """Who runs this iteration and how many tokens each computes."""
+        budget = self.config.max_num_batched_tokens
+        chunks = self.config.tiling.max_prefill_chunks  # chunks of 2+ tokens left for this call
+        scheduled: list[tuple[_Seq, int]] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            if n > 1 and not chunks:
+                i += 1
+                continue
+            need = self._pages_after(seq, n) - self._held[seq.slot]
+            while need > self._num_free:  # preempt the newest until it fits
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.slot < 0:  # preempted itself: nothing newer was left
                 break
-            reserve = cfg.max_seq_len if cfg.reserve_max_len else 0
-            need = ps.pages_for_tokens(max(n, reserve), self.page_size)
-            # Watermark: keep one page for every running sequence whose pages
-            # are full, so the next decode step does not preempt at once what
-            # was just admitted.
-            full = sum(
-                1
-                for s in self.running
-                if self._seq_lens[s.slot] >= self._num_seq_pages[s.slot] * self.page_size
-            )
-            if need > self._num_free - full:
-                break
-            slot = self.free_slots.pop()
-            self.state, ok = ps.allocate(self.state, slot, n, reserve)
-            self._sync()
-            if not bool(ok):  # the host-side check above makes this a bug
-                raise RuntimeError(f"allocate failed with {self._num_free} free pages for {need}")
-            self.waiting.popleft()
-            seq.slot = slot
-            self.running.append(seq)
-            admitted.append(seq)
+            self._num_free -= need
+            self._held[seq.slot] += need
+            scheduled.append((seq, n))
             budget -= n
-            self._prefill(seq, finished)
-        return admitted
+            chunks -= n > 1
+            i += 1
 
-    def _prefill(self, seq: _Seq, finished: list[_Seq]) -> None:
-        n = len(seq.tokens)
-        t_bucket = bucket(n, self.config.min_prefill_bucket, self.config.max_seq_len)
-        pages = bucket(ps.pages_for_tokens(n, self.page_size), 1, self.max_pages_per_seq)
-        tokens = np.zeros((1, t_bucket), np.int32)
-        tokens[0, :n] = seq.tokens
-        block_tables = self._block_tables[seq.slot : seq.slot + 1, :pages]
-        lens = np.array([n], np.int32)
-        self.stats.programs.add(("prefill", 1, t_bucket, pages))
-        logits, self.kv = self.step_fn(jnp.asarray(tokens), self.kv, jnp.asarray(block_tables), lens, lens)
-        self.stats.prefill_calls += 1
-        self.stats.prefill_tokens += n
-        self._accept([seq], logits, finished)
-
-    def _grow(self, decoding: list[_Seq]) -> list[_Seq]:
-        """One more slot for each decoding sequence, preempting the newest
-        running sequences until the pool suffices. Returns who still decodes."""
-        while decoding:
-            active = np.zeros(self.config.max_seqs, bool)
-            active[[s.slot for s in decoding]] = True
-            state, ok, cow_src, cow_dst = ps.append(self.state, jnp.asarray(active))
-            if bool(ok):
-                self.state = state
-                cow_src = np.asarray(cow_src)
-                if (cow_src != ps.NO_PAGE).any():
-                    self.kv = _copy_pages(self.kv, jnp.asarray(cow_src), cow_dst)
-                self._sync()
-                return decoding
-            victim = self.running[-1]
-            self._preempt(victim)
-            if victim in decoding:
-                decoding.remove(victim)
-        return decoding
+        # Pages that running sequences will need for their next token soon:
+        # keep one for each whose pages are full, so admission does not cause
+        # preemption on the very next step.
+        watermark = sum(
+            1 for s, n in scheduled if (s.num_computed + n) >= self._held[s.slot] * self.page_size
+        )
+        while self.waiting and self.free_slots and budget > 0:
+            seq = self.waiting[0]
+            if min(len(seq.tokens), budget) > 1 and not chunks:
+                break
+            whole = max(ps.pages_for_tokens(len(seq.tokens), self.page_size), self._reserve_pages)
+            if whole + watermark > self._num_free:
+                break
+            self.waiting.popleft()
+            seq.slot = self.free_slots.pop()
+            self.running.append(seq)
+            n = min(len(seq.tokens), budget)
+            need = self._pages_after(seq, n)
+            self._num_free -= need
+            self._held[seq.slot] = need
+            scheduled.append((seq, n))
+            budget -= n
+            chunks -= n > 1
+        return scheduled
 
     def _preempt(self, seq: _Seq) -> None:
-        mask = np.zeros(self.config.max_seqs, bool)
-        mask[seq.slot] = True
-        self.state = ps.free(self.state, jnp.asarray(mask))
-        self._sync()
-        self.running.remove(seq)
-        self.free_slots.append(seq.slot)
-        seq.slot = -1
+        self._release(seq)
+        seq.num_computed = 0
         seq.num_preemptions += 1
         self.stats.preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _batch_bucket(self, n: int) -> int:
-        """Padded decode batch: powers of two up to 8, then multiples of 8
-        (padding rows cost as much attention as real ones)."""
-        b = bucket(n) if n <= 8 else -(-n // 8) * 8
-        return min(b, bucket(self.config.max_seqs))
+    def _release(self, seq: _Seq) -> None:
+        """Gives back ``seq``'s slot and pages (freed on device by the next
+        call, or by :meth:`_flush_frees`)."""
+        self.running.remove(seq)
+        self._num_free += int(self._held[seq.slot])
+        self._held[seq.slot] = 0
+        self._to_free[seq.slot] = True
+        self.free_slots.append(seq.slot)
+        seq.slot = -1
 
-    def _decode_groups(self, decoding: list[_Seq]) -> list[list[_Seq]]:
-        """Splits the decode batch in two by length when that saves more
-        padded attention than one more model call costs.
+    def _flush_frees(self) -> None:
+        if self._to_free.any():
+            self.state = ps.free(self.state, jnp.asarray(self._to_free))
+            self._to_free[:] = False
 
-        Attention work of a call is ``batch bucket x pages bucket`` row-pages
-        (every row is padded to the longest); ``decode_split_overhead`` is a
-        call's fixed cost (weights read, launch) in the same units.
-        """
-        seqs = sorted(decoding, key=lambda s: self._seq_lens[s.slot])
-        overhead = self.config.decode_split_overhead
-        if overhead is None or len(seqs) < 2:
-            return [seqs]
-        pages = [bucket(ps.pages_for_tokens(int(self._seq_lens[s.slot]), self.page_size), 1,
-                        self.max_pages_per_seq) for s in seqs]
+    # ------------------------------------------------------------- device
 
-        def cost(i, j):  # one call for seqs[i:j]
-            return self._batch_bucket(j - i) * pages[j - 1]
-
-        best, split = cost(0, len(seqs)), None
-        for k in range(1, len(seqs)):
-            c = cost(0, k) + cost(k, len(seqs)) + overhead
-            if c < best:
-                best, split = c, k
-        return [seqs] if split is None else [seqs[:split], seqs[split:]]
-
-    def _decode(self, decoding: list[_Seq], finished: list[_Seq]) -> None:
-        for group in self._decode_groups(decoding):
-            self._decode_call(group, finished)
-
-    def _decode_call(self, decoding: list[_Seq], finished: list[_Seq]) -> None:
-        slots = np.array([s.slot for s in decoding])
-        batch = len(decoding)
-        b_bucket = self._batch_bucket(batch)
-        lens = self._seq_lens[slots]
-        pages = bucket(ps.pages_for_tokens(int(lens.max()), self.page_size), 1, self.max_pages_per_seq)
-        tokens = np.zeros((b_bucket, 1), np.int32)
-        tokens[:batch, 0] = [s.tokens[-1] for s in decoding]
-        block_tables = np.full((b_bucket, pages), ps.NULL_PAGE, np.int32)
-        block_tables[:batch] = self._block_tables[slots, :pages]
-        kv_lens = np.zeros(b_bucket, np.int32)
-        kv_lens[:batch] = lens
-        q_lens = (kv_lens > 0).astype(np.int32)
-        self.stats.programs.add(("decode", b_bucket, 1, pages))
-        logits, self.kv = self.step_fn(
-            jnp.asarray(tokens), self.kv, jnp.asarray(block_tables), jnp.asarray(kv_lens), jnp.asarray(q_lens)
+    def _build(self, scheduled: list[tuple[_Seq, int]]) -> tuple[_StepInputs, BatchShape, list[_Seq]]:
+        S = self.config.max_seqs
+        num_new = np.zeros(S, np.int32)
+        q_starts = np.zeros(S, np.int32)
+        for seq, n in scheduled:
+            num_new[seq.slot] = n
+        shape = batch_shape(num_new, num_seq_rows=S, tiling=self.config.tiling)
+        T, R = shape.num_tokens, shape.num_logits
+        tokens = np.zeros(T, np.int32)
+        positions = np.zeros(T, np.int32)
+        token_rows = np.full(T, -1, np.int32)
+        logits_rows = np.zeros(R, np.int32)
+        temperature = np.zeros(R, np.float32)
+        top_p = np.ones(R, np.float32)
+        seeds = np.zeros(R, np.uint32)
+        steps = np.zeros(R, np.int32)
+        samplers: list[_Seq] = []
+        offset = 0
+        for seq, n in scheduled:
+            start = seq.num_computed
+            q_starts[seq.slot] = offset
+            tokens[offset : offset + n] = seq.tokens[start : start + n]
+            positions[offset : offset + n] = np.arange(start, start + n)
+            token_rows[offset : offset + n] = seq.slot
+            if start + n == len(seq.tokens):  # the chunk reaches the end: sample
+                r = len(samplers)
+                p = seq.request.sampling
+                logits_rows[r] = offset + n - 1
+                temperature[r], top_p[r], seeds[r], steps[r] = p.temperature, p.top_p, p.seed, seq.num_generated
+                samplers.append(seq)
+            offset += n
+        inputs = _StepInputs(
+            free_mask=self._to_free.copy(), num_new=num_new,
+            min_pages=np.full(S, self._reserve_pages, np.int32), tokens=tokens, positions=positions,
+            token_rows=token_rows, q_starts=q_starts, logits_rows=logits_rows, temperature=temperature,
+            top_p=top_p, seeds=seeds, steps=steps,
         )
-        self.stats.decode_calls += 1
-        self._accept(decoding, logits[:batch] if b_bucket > batch else logits, finished)
+        return inputs, shape, samplers
 
-    def _accept(self, seqs: list[_Seq], logits: jax.Array, finished: list[_Seq]) -> None:
-        """Samples one token per sequence from ``logits`` (f32[len(seqs), V])
-        and records it; marks finished sequences."""
-        params = [s.request.sampling for s in seqs]
-        if all(p.greedy for p in params):
-            new = np.asarray(greedy(logits))
-        else:
-            new = np.asarray(
-                sample(
-                    logits,
-                    jnp.asarray([p.temperature for p in params], jnp.float32),
-                    jnp.asarray([p.top_p for p in params], jnp.float32),
-                    jnp.asarray([p.seed for p in params], jnp.uint32),
-                    jnp.asarray([s.num_generated for s in seqs], jnp.int32),
-                )
+    def _call(self, scheduled: list[tuple[_Seq, int]], finished: list[_Seq]) -> None:
+        inputs, shape, samplers = self._build(scheduled)
+        greedy_only = all(s.request.sampling.greedy for s in samplers)
+        self.stats.programs.add((shape, greedy_only))
+        c0, t0 = _compile_seconds(), time.perf_counter()
+        self.state, self.kv, new, ok, num_free = _device_step(
+            self.model, self.model.params, self.state, self.kv, dataclasses.asdict(inputs),
+            shape=shape, greedy_only=greedy_only,
+        )
+        new, ok, num_free = jax.device_get((new, ok, num_free))  # the one transfer
+        compile_s = _compile_seconds() - c0
+        dt = time.perf_counter() - t0 - compile_s
+        self._to_free[:] = False
+        if not ok or int(num_free) != self._num_free:  # the host plan is exact, so this is a bug
+            raise RuntimeError(
+                f"page state disagrees with the scheduler: ok={bool(ok)}, device free pages {int(num_free)}, "
+                f"host {self._num_free}"
             )
+        st = self.stats
+        st.model_calls += 1
+        st.model_s += dt
+        st.compile_s += compile_s
+        decode = sum(1 for s, n in scheduled if n == 1 and s.num_computed == len(s.tokens) - 1)
+        total = sum(n for _, n in scheduled)
+        st.decode_tokens += decode
+        st.prefill_tokens += total - decode
+        st.calls.append(CallRecord(shape=shape, tokens=total, decode_tokens=decode, seconds=dt,
+                                   compile_s=compile_s))
+        for seq, n in scheduled:
+            seq.num_computed += n
         now = time.perf_counter() - self._t0
-        for seq, tok in zip(seqs, new.tolist()):
+        for seq, tok in zip(samplers, new[: len(samplers)].tolist()):
             seq.tokens.append(tok)
-            self.stats.generated_tokens += 1
+            st.generated_tokens += 1
             if seq.num_generated == 1 and seq.num_preemptions == 0:
                 seq.first_token_s = now
             stop = tok in self.stop_ids and not seq.request.ignore_eos

@@ -309,6 +309,42 @@ def append(state: PageState, active) -> tuple[PageState, jax.Array, jax.Array, j
     return unchecked_append(state, active)
 
 
+def extend(state: PageState, num_new, min_pages=0) -> tuple[PageState, jax.Array, jax.Array, jax.Array]:
+    """Grows every sequence by ``num_new[s]`` tokens (a prefill chunk, a
+    decode token, a prompt in an empty slot); see :func:`unchecked_extend`
+    for copy-on-write, the page order and the returned pairs.
+
+    Args:
+      state: the page state.
+      num_new: i32[max_seqs] tokens to add per sequence, >= 0.
+      min_pages: i32[max_seqs] or a scalar, pages each extended sequence
+        must hold at least (a reservation).
+
+    Returns:
+      ``(state, ok, cow_src, cow_dst)``; ``ok`` is False (state unchanged)
+      when the pool is short.
+
+    Raises:
+      ValueError: ``num_new`` not an integer array of shape (max_seqs,);
+        (eager calls) a negative entry, or a sequence that would pass
+        ``max_seq_len`` tokens.
+    """
+    shape, dtype = getattr(num_new, "shape", None), getattr(num_new, "dtype", None)
+    if shape != (state.max_seqs,) or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(f"num_new must be int[max_seqs={state.max_seqs}], got shape {shape} dtype {dtype}")
+    if not _is_traced(state, num_new, min_pages):
+        n = np.asarray(num_new)
+        if (n < 0).any():
+            raise ValueError(f"num_new must be >= 0, got {n.tolist()}")
+        over = np.flatnonzero(np.asarray(state.seq_lens) + n > state.max_seq_len)
+        if over.size:
+            raise ValueError(
+                f"sequences {over.tolist()} would pass max_seq_len={state.max_seq_len} tokens "
+                f"(lengths {np.asarray(state.seq_lens)[over].tolist()} + num_new {n[over].tolist()})"
+            )
+    return unchecked_extend(state, jnp.asarray(num_new, jnp.int32), jnp.asarray(min_pages, jnp.int32))
+
+
 def free(state: PageState, seq_mask) -> PageState:
     """Frees every sequence in ``seq_mask`` (bool[max_seqs]); see
     :func:`unchecked_free`. Freeing an empty slot is a no-op.
@@ -340,52 +376,79 @@ def fork(state: PageState, src, dst) -> PageState:
 
 @jax.jit
 def unchecked_append(state: PageState, active: jax.Array) -> tuple[PageState, jax.Array, jax.Array, jax.Array]:
-    """Adds one token slot to every active sequence (one decode step).
-
-    A sequence takes a new page only when its pages are full. If the page the
-    new token lands in is shared (``ref_counts > 1`` after :func:`fork`), the
-    sequence gets a private copy of it (copy-on-write): the shared page keeps
-    its other owners, this sequence's block table points at a fresh page, and
-    the caller must copy the KV content ``src -> dst`` before writing.
+    """Adds one token slot to every active sequence (one decode step):
+    :func:`unchecked_extend` with ``num_new = active``.
 
     Args:
       state: the page state.
       active: bool[max_seqs] sequences that grow by one token.
 
     Returns:
-      ``(state, ok, cow_src, cow_dst)``: ``ok`` is False when the pool has too
-      few free pages for all active sequences at once, or (under ``jit``,
-      where :func:`append` cannot raise) an active sequence already holds
-      ``max_seq_len`` tokens; the state is then unchanged;
-      ``cow_src, cow_dst``: i32[max_seqs] page copies to make, ``NO_PAGE``
-      where none.
+      ``(state, ok, cow_src, cow_dst)`` as :func:`unchecked_extend`.
     """
-    page_size = state.page_size
+    return unchecked_extend(state, active.astype(jnp.int32))
+
+
+@jax.jit
+def unchecked_extend(
+    state: PageState, num_new: jax.Array, min_pages: jax.Array | int = 0
+) -> tuple[PageState, jax.Array, jax.Array, jax.Array]:
+    """Grows every sequence ``s`` by ``num_new[s]`` token slots: a decode
+    step (1), a prefill chunk (any number), or a new prompt in an empty slot.
+
+    A sequence takes new pages only for the slots its pages cannot hold
+    (and, with ``min_pages``, up to that many pages: the contiguous
+    baseline's reservation). If the page its first new token lands in is
+    shared (``ref_counts > 1`` after :func:`fork`), the sequence gets a
+    private copy of it (copy-on-write): the shared page keeps its other
+    owners, this sequence's block table points at a fresh page, and the
+    caller must copy the KV content ``src -> dst`` before writing. Later
+    pages of the chunk are new, so at most one page per sequence is copied.
+    Pages leave the free queue in slot order, the copy first, then growth.
+
+    Args:
+      state: the page state.
+      num_new: i32[max_seqs] token slots to add per sequence (0: untouched).
+      min_pages: i32[max_seqs] (or a scalar) pages each extended sequence
+        must hold afterwards at least.
+
+    Returns:
+      ``(state, ok, cow_src, cow_dst)``: ``ok`` is False when the pool has too
+      few free pages for all of it at once, or a sequence would pass
+      ``max_seq_len`` tokens or ``max_pages_per_seq`` pages; the state is
+      then unchanged. ``cow_src, cow_dst``: i32[max_seqs] page copies to
+      make, ``NO_PAGE`` where none.
+    """
+    page_size, max_pages = state.page_size, state.max_pages_per_seq
     rows = jnp.arange(state.max_seqs)
-    idx = state.seq_lens // page_size  # page index the new token lands in
+    num_new = num_new.astype(jnp.int32)
+    active = num_new > 0
+    idx = state.seq_lens // page_size  # page index the first new token lands in
     has_page = idx < state.num_seq_pages
-    cur = state.block_tables[rows, jnp.minimum(idx, state.max_pages_per_seq - 1)]
+    cur = state.block_tables[rows, jnp.minimum(idx, max_pages - 1)]
     shared = active & has_page & (state.ref_counts[cur] > 1)
-    # Sharers of one page that all append in this step: each earlier one
+    # Sharers of one page that all extend in this step: each earlier one
     # takes a private copy, the last keeps the original (else it would leak).
     earlier = (cur[None, :] == cur[:, None]) & shared[None, :] & (rows[None, :] < rows[:, None])
     cow = shared & (state.ref_counts[cur] - earlier.sum(axis=1) > 1)
-    grow = active & ~has_page
-    need = (cow | grow).astype(jnp.int32)
-    pages, _, ok, head, num_free = _pop_pages(state, need, width=1)
-    ok &= ~jnp.any(active & (state.seq_lens >= state.max_seq_len))  # no room in the block table
-    new_page = pages[:, 0]  # i32[max_seqs], meaningful where cow | grow
-    # A growing sequence appends its page; a copy-on-write one swaps the
-    # shared page in column ``idx`` for its private copy.
-    col = jnp.where(cow | grow, idx, state.max_pages_per_seq)
-    ref_counts = state.ref_counts.at[jnp.where(cow | grow, new_page, state.num_pages)].add(
-        1, mode="drop"
-    )
+    want = jnp.maximum(pages_for_tokens(state.seq_lens + num_new, page_size), min_pages)
+    grow = jnp.where(active, jnp.maximum(want - state.num_seq_pages, 0), 0).astype(jnp.int32)
+    need = grow + cow.astype(jnp.int32)
+    pages, valid, ok, head, num_free = _pop_pages(state, need, width=max_pages + 1)
+    ok &= ~jnp.any(active & (state.seq_lens + num_new > state.max_seq_len))
+    ok &= ~jnp.any(state.num_seq_pages + grow > max_pages)
+    # Column of each popped page: a copy replaces column ``idx``; growth
+    # appends after the pages held.
+    j = jnp.arange(max_pages + 1, dtype=jnp.int32)[None, :]
+    c = cow.astype(jnp.int32)[:, None]
+    col = jnp.where(j < c, idx[:, None], state.num_seq_pages[:, None] + j - c)
+    col = jnp.where(valid, col, max_pages)  # out of range: dropped
+    ref_counts = state.ref_counts.at[jnp.where(valid, pages, state.num_pages)].add(1, mode="drop")
     ref_counts = ref_counts.at[jnp.where(cow, cur, state.num_pages)].add(-1, mode="drop")
     new = state.replace(
-        block_tables=state.block_tables.at[rows, col].set(new_page, mode="drop"),
-        seq_lens=state.seq_lens + active.astype(jnp.int32),
-        num_seq_pages=state.num_seq_pages + grow.astype(jnp.int32),
+        block_tables=state.block_tables.at[rows[:, None], col].set(pages, mode="drop"),
+        seq_lens=state.seq_lens + num_new,
+        num_seq_pages=state.num_seq_pages + grow,
         ref_counts=ref_counts,
         free_head=head,
         num_free_pages=num_free,
@@ -393,7 +456,7 @@ def unchecked_append(state: PageState, active: jax.Array) -> tuple[PageState, ja
     new = _select(ok, new, state)
     cow_ok = cow & ok
     cow_src = jnp.where(cow_ok, cur, NO_PAGE)
-    cow_dst = jnp.where(cow_ok, new_page, NO_PAGE)
+    cow_dst = jnp.where(cow_ok, pages[:, 0], NO_PAGE)
     return new, ok, cow_src, cow_dst
 
 
@@ -474,8 +537,26 @@ def slot_mapping(
 
 @functools.partial(jax.jit, static_argnames=("page_size",))
 def _slot_mapping(block_tables, positions, valid, *, page_size):
-    capacity = block_tables.shape[1] * page_size
-    valid = valid & (positions >= 0) & (positions < capacity)
-    col = jnp.clip(positions // page_size, 0, block_tables.shape[1] - 1)
-    page = jnp.take_along_axis(block_tables, col, axis=1)
+    rows = jnp.broadcast_to(jnp.arange(block_tables.shape[0], dtype=jnp.int32)[:, None], positions.shape)
+    return flat_slot_mapping(block_tables, jnp.where(valid, rows, -1), positions, page_size=page_size)
+
+
+def flat_slot_mapping(block_tables: jax.Array, rows: jax.Array, positions: jax.Array, *, page_size: int) -> jax.Array:
+    """Flat KV slots for tokens of a flat batch (inner function: no checks).
+
+    Args:
+      block_tables: i32[S, pages_per_seq].
+      rows: i32[...] the block-table row of each token; -1 for padding.
+      positions: i32[...] each token's position in its sequence.
+      page_size: tokens per page.
+
+    Returns:
+      i32[...] ``page * page_size + offset``; -1 for padding and for
+      positions outside ``[0, pages_per_seq * page_size)`` (a write to -1
+      is dropped, so it can never alias another token's slot).
+    """
+    num_rows, pages_per_seq = block_tables.shape
+    valid = (rows >= 0) & (positions >= 0) & (positions < pages_per_seq * page_size)
+    col = jnp.clip(positions // page_size, 0, pages_per_seq - 1)
+    page = block_tables[jnp.clip(rows, 0, num_rows - 1), col]
     return jnp.where(valid, page * page_size + positions % page_size, -1).astype(jnp.int32)

@@ -12,10 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.attention import paged_attention, query_positions
-from paged_jax.engine import Engine, EngineConfig, Request, bucket
+from paged_jax.engine import Engine, EngineConfig, Request
 from paged_jax.kv_cache import KVPool, init_kv_pool, write_layer_pages
-from paged_jax.page_state import slot_mapping
+from paged_jax.ragged_attention import attend
 from paged_jax.sampling import SamplingParams
 
 VOCAB, DIM, HEADS, KV_HEADS, HEAD_DIM = 50, 16, 2, 1, 8
@@ -33,30 +32,31 @@ def toy_params(seed=0):
     }
 
 
+class ToyModel:
+    """A one-layer attention LM in the engine's model protocol (params and
+    a pure ``apply`` over a flat ragged batch)."""
+
+    vocab_size = VOCAB
+
+    def __init__(self, params):
+        self.params = params
+        self.traces = []
+
+    def apply(self, params, batch, kv: KVPool):
+        self.traces.append(batch.shape)  # runs at trace time only
+        t = batch.tokens.shape[0]
+        x = params["emb"][batch.tokens] + params["pos"][jnp.clip(batch.positions, 0, 255)]  # [T, D]
+        q = (x @ params["wq"]).reshape(t, HEADS, HEAD_DIM)
+        k = (x @ params["wk"]).reshape(t, KV_HEADS, HEAD_DIM)
+        v = (x @ params["wv"]).reshape(t, KV_HEADS, HEAD_DIM)
+        kv = KVPool(k=write_layer_pages(kv.k, 0, k, batch.slots), v=write_layer_pages(kv.v, 0, v, batch.slots))
+        o = attend(q, kv.k, kv.v, 0, batch)
+        h = x + o.reshape(t, -1) @ params["wo"]
+        return h[batch.logits_rows] @ params["emb"].T, kv
+
+
 def make_toy_step(params):
-    """A one-layer attention LM in the engine's step convention."""
-
-    traces = []
-
-    @functools.partial(jax.jit, donate_argnums=1)
-    def step(tokens, kv: KVPool, block_tables, kv_lens, q_lens):
-        traces.append(tokens.shape)
-        b, t = tokens.shape
-        pos = query_positions(kv_lens, q_lens, t)
-        valid = jnp.arange(t)[None, :] < q_lens[:, None]
-        x = params["emb"][tokens] + params["pos"][jnp.clip(pos, 0, 255)]  # [B, T, D]
-        q = (x @ params["wq"]).reshape(b, t, HEADS, HEAD_DIM)
-        k = (x @ params["wk"]).reshape(b * t, KV_HEADS, HEAD_DIM)
-        v = (x @ params["wv"]).reshape(b * t, KV_HEADS, HEAD_DIM)
-        slots = slot_mapping(block_tables, pos, valid, page_size=kv.page_size).reshape(-1)
-        kv = KVPool(k=write_layer_pages(kv.k, 0, k, slots), v=write_layer_pages(kv.v, 0, v, slots))
-        o = paged_attention(q, kv.k[0], kv.v[0], block_tables, kv_lens, q_lens)
-        h = x + o.reshape(b, t, -1) @ params["wo"]
-        last = h[jnp.arange(b), jnp.maximum(q_lens - 1, 0)]  # [B, D]
-        return last @ params["emb"].T, kv
-
-    step.traces = traces
-    return step
+    return ToyModel(params)
 
 
 def toy_pool(num_pages, page_size):
@@ -83,12 +83,13 @@ def shared_step():
     return make_toy_step(toy_params())
 
 
-def serve(requests, num_pages, page_size=4, max_seqs=8, max_seq_len=80, reserve=False, stop_ids=(), split=None):
+def serve(requests, num_pages, page_size=4, max_seqs=8, max_seq_len=80, reserve=False, stop_ids=(), budget=64):
     step = shared_step()
     engine = Engine(
         step,
         toy_pool(num_pages, page_size),
-        EngineConfig(max_seqs=max_seqs, max_seq_len=max_seq_len, reserve_max_len=reserve, decode_split_overhead=split),
+        EngineConfig(max_seqs=max_seqs, max_seq_len=max_seq_len, reserve_max_len=reserve,
+                     max_num_batched_tokens=budget),
         stop_ids=stop_ids,
         vocab_size=VOCAB,
     )
@@ -96,21 +97,38 @@ def serve(requests, num_pages, page_size=4, max_seqs=8, max_seq_len=80, reserve=
     return {o.request_id: o for o in outs}, engine
 
 
-def test_reference_generation_matches_a_no_cache_loop():
-    """The engine's greedy tokens equal recomputing the whole sequence each step."""
+def dense_logits(params, tokens):
+    """The toy model without a cache, in float64 NumPy: causal attention
+    over the whole sequence, logits f64[V] at its last token."""
+    p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    n = len(tokens)
+    x = p["emb"][tokens] + p["pos"][np.arange(n)]  # [S, D]
+    q = (x[-1] @ p["wq"]).reshape(HEADS, HEAD_DIM)  # only the last query matters
+    k = (x @ p["wk"]).reshape(n, KV_HEADS, HEAD_DIM)
+    v = (x @ p["wv"]).reshape(n, KV_HEADS, HEAD_DIM)
+    o = []
+    for h in range(HEADS):
+        logits = k[:, h * KV_HEADS // HEADS] @ q[h] / np.sqrt(HEAD_DIM)
+        w = np.exp(logits - logits.max())
+        o.append((w / w.sum()) @ v[:, h * KV_HEADS // HEADS])
+    return (x[-1] + np.concatenate(o) @ p["wo"]) @ p["emb"].T
+
+
+@pytest.mark.parametrize("budget", [64, 8])
+def test_reference_generation_matches_a_no_cache_loop(budget):
+    """The engine's greedy tokens equal recomputing the whole sequence each
+    step without a cache, whether the prompt is prefilled in one call or in
+    chunks of 8 tokens (pages of 4: chunks end at page boundaries and
+    inside pages as decodes interleave)."""
     params = toy_params()
-    req = toy_requests(1, seed=3)[0]
-    outs, _ = serve([req], num_pages=64)
-    step = shared_step()
-    tokens = list(req.prompt_ids)
-    bt = jnp.arange(1, 21, dtype=jnp.int32)[None]  # 20 pages of 4: 80 tokens
-    for _ in range(req.max_new_tokens):
-        n = len(tokens)
-        padded = np.zeros((1, 80), np.int32)
-        padded[0, :n] = tokens
-        logits, _ = step(jnp.asarray(padded), toy_pool(64, 4), bt, jnp.asarray([n]), jnp.asarray([n]))
-        tokens.append(int(jnp.argmax(logits[0])))
-    assert outs[0].output_ids == tokens[len(req.prompt_ids):]
+    reqs = toy_requests(3, seed=3)
+    outs, engine = serve(reqs, num_pages=64, budget=budget)
+    for req in reqs:
+        tokens = list(req.prompt_ids)
+        for _ in range(req.max_new_tokens):
+            tokens.append(int(np.argmax(dense_logits(params, tokens))))
+        assert outs[req.request_id].output_ids == tokens[len(req.prompt_ids):]
+    assert engine.stats.model_calls == engine.stats.iterations
 
 
 @pytest.mark.parametrize("sampled", [False, True])
@@ -146,14 +164,20 @@ def test_contiguous_reservation_matches_paged_outputs_with_less_concurrency():
     assert pe.stats.kv_token_fraction > 0.85
 
 
-def test_decode_split_by_length_keeps_outputs():
+def test_chunked_prefill_in_mixed_batches_keeps_outputs():
+    """A token budget of 8 splits every long prompt into chunks that share
+    calls with other sequences' decode tokens; the outputs equal one-shot
+    prefill with a budget of 80."""
     reqs = toy_requests(12, seed=7)
-    one, e1 = serve(reqs, num_pages=400)
-    two, e2 = serve(reqs, num_pages=400, split=0)  # split whenever it saves any padding
-    assert e2.stats.decode_calls > e1.stats.decode_calls
+    one, e1 = serve(reqs, num_pages=400, budget=80)
+    chunked, e2 = serve(reqs, num_pages=400, budget=8)
+    assert e2.stats.model_calls > e1.stats.model_calls
+    assert max(c.tokens for c in e2.stats.calls) <= 8
+    mixed = [c for c in e2.stats.calls if 0 < c.decode_tokens < c.tokens]
+    assert mixed, "some calls carry prefill chunks and decode tokens together"
     for i in one:
-        assert one[i].output_ids == two[i].output_ids
-    assert e2.num_free_pages == 399
+        assert one[i].output_ids == chunked[i].output_ids
+    assert e2.num_free_pages == 399 and int(e2.state.num_free_pages) == 399
 
 
 def test_stop_tokens_end_requests_and_free_pages():
@@ -167,19 +191,17 @@ def test_stop_tokens_end_requests_and_free_pages():
 
 
 def test_compilations_are_bucketed():
+    """Programs depend on the token bucket and the attention classes
+    present, never on lengths: 16 requests of every length compile a
+    handful, and each program the engine reports was traced once."""
     reqs = toy_requests(16, seed=5)
     step = make_toy_step(toy_params())
-    engine = Engine(step, toy_pool(200, 4), EngineConfig(max_seqs=8, max_seq_len=80))
+    engine = Engine(step, toy_pool(200, 4), EngineConfig(max_seqs=8, max_seq_len=80, max_num_batched_tokens=64))
     engine.run(reqs)
     assert len(step.traces) == engine.stats.num_programs
-    # Buckets: prefill T in {16, 32, 64}, decode B in {1..8}, pages in {1..32}.
-    assert engine.stats.num_programs < 25
+    # Token buckets 16, 32, 64, each with decode only, chunks only or both.
+    assert engine.stats.num_programs <= 9
     assert engine.stats.generated_tokens >= sum(r.max_new_tokens for r in reqs)
-
-
-def test_bucket():
-    assert [bucket(n) for n in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
-    assert bucket(3, 16) == 16 and bucket(100, 16, 64) == 64
 
 
 @pytest.mark.parametrize(
@@ -237,7 +259,12 @@ def test_pool_too_small_for_one_sequence():
 
 @pytest.mark.parametrize(
     "kwargs, needle",
-    [(dict(max_seqs=0), "max_seqs=0"), (dict(max_seq_len=-5), "max_seq_len=-5"), (dict(decode_split_overhead=-1.0), "decode_split_overhead")],
+    [
+        (dict(max_seqs=0), "max_seqs=0"),
+        (dict(max_seq_len=-5), "max_seq_len=-5"),
+        (dict(max_seqs=64, max_num_batched_tokens=32), "max_num_batched_tokens must be >= max_seqs"),
+        (dict(tiling="fast"), "tiling must be"),
+    ],
 )
 def test_bad_engine_config(kwargs, needle):
     with pytest.raises(ValueError, match=needle):

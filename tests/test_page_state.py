@@ -1,5 +1,6 @@
 """Page state: exact page ids, copy-on-write, out-of-pages as a value, all pages back."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -226,3 +227,39 @@ def test_slot_mapping_never_aliases_and_checks_shapes():
         ps.slot_mapping(bt, jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1), bool), page_size=4)
     with pytest.raises(ValueError, match="valid"):
         ps.slot_mapping(bt, pos, jnp.ones((1, 4), jnp.int32), page_size=4)
+
+
+def test_extend_multi_token_exact_ids_and_copy_on_write(state):
+    """A chunk of several tokens takes the pages it needs in slot order; a
+    chunk starting in a shared, partly filled page copies that page first
+    and takes fresh pages for the rest."""
+    # Prompt of 6 in an empty slot -> pages 1, 2; seq 1 gets 4 -> page 3.
+    state, ok, src, dst = ps.extend(state, jnp.asarray([6, 4, 0], jnp.int32))
+    assert bool(ok) and row(state, 0) == [1, 2, 0, 0] and row(state, 1) == [3, 0, 0, 0]
+    assert np.asarray(src).tolist() == [-1, -1, -1]
+    state = ps.fork(state, 0, 2)  # seq 2 shares pages 1, 2 (6 tokens; page 2 half full)
+    # Seq 2 appends 5 tokens: its first lands in shared page 2 -> copy to 4;
+    # 11 tokens need 3 pages, so one more fresh page, 5. Seq 0 is untouched.
+    state, ok, src, dst = ps.extend(state, jnp.asarray([0, 0, 5], jnp.int32))
+    assert bool(ok)
+    assert row(state, 2) == [1, 4, 5, 0] and row(state, 0) == [1, 2, 0, 0]
+    assert np.asarray(src).tolist() == [-1, -1, 2] and np.asarray(dst).tolist() == [-1, -1, 4]
+    assert np.asarray(state.ref_counts).tolist() == [0, 2, 1, 1, 1, 1, 0, 0]
+    assert np.asarray(state.seq_lens).tolist() == [6, 4, 11]
+    # Needing 3 more pages with 2 free: refused, nothing changes.
+    before = state
+    after, ok, src, _ = ps.extend(state, jnp.asarray([0, 12, 0], jnp.int32))  # seq 1: 16 tokens, 3 more pages
+    assert not bool(ok) and (np.asarray(src) == ps.NO_PAGE).all()
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_extend_reservation_and_bad_input(state):
+    state, ok, _, _ = ps.extend(state, jnp.asarray([1, 0, 0], jnp.int32), 3)
+    assert bool(ok) and row(state, 0) == [1, 2, 3, 0] and int(state.seq_lens[0]) == 1
+    with pytest.raises(ValueError, match="num_new must be int"):
+        ps.extend(state, jnp.asarray([1, 0], jnp.int32))
+    with pytest.raises(ValueError, match=">= 0"):
+        ps.extend(state, jnp.asarray([-1, 0, 0], jnp.int32))
+    with pytest.raises(ValueError, match="would pass max_seq_len=16"):
+        ps.extend(state, jnp.asarray([16, 0, 0], jnp.int32))

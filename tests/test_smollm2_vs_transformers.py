@@ -97,3 +97,34 @@ def test_capital_of_france(ours):
     out = generate_greedy(model, prompt, tokenizer=tok, max_new_tokens=NEW_TOKENS, step=step)
     assert tok.decode(out) == "The capital of France is Paris."
     assert out[-1] == tok.eos_id  # stopped at <|im_end|>
+
+
+def test_mixed_batches_match_transformers(ours, hf, prompts):
+    """Three prompts prefilled in chunks that share calls with each other's
+    decode tokens (page size 16: chunks end at a page boundary, inside a
+    page, and span pages), then decoded together: every chunk's last-token
+    logits equal transformers on the sequence so far, and the greedy tokens
+    equal its argmax."""
+    from paged_jax.batch import Tiling
+    from test_llama import mixed_calls
+
+    model, tok, _, _ = ours
+    a, b, c = (tok.encode(t) for t in prompts)
+    assert (len(a), len(b), len(c)) == (37, 19, 7)
+    schedule = [
+        [(0, a[:16]), (1, b[:5])],  # a page-boundary chunk + a short one
+        [(0, a[16:30]), (1, b[5:]), (2, c)],  # inside a page; rest of b (across pages); all of c
+        [(0, a[30:]), (1, [tok.eos_id]), (2, [17])],  # the rest, across pages + two decodes
+        [(0, [28]), (1, [905]), (2, [11])],  # decode only
+    ]
+    got = mixed_calls(model, schedule, page_size=16, num_pages=24, max_pages=8,
+                      tiling=Tiling(prefill_tile_q=8, min_tokens=16))
+    full = {row: [t for call in schedule for r, chunk in call if r == row for t in chunk] for row in range(3)}
+    with torch.no_grad():  # causal: one pass over each whole sequence gives every prefix's logits
+        want = {row: hf(torch.tensor([seq])).logits[0].numpy() for row, seq in full.items()}
+    seen = {row: 0 for row in full}
+    for call, logits in zip(schedule, got):
+        for row, chunk in call:
+            seen[row] += len(chunk)
+            np.testing.assert_allclose(logits[row], want[row][seen[row] - 1], rtol=0, atol=LOGIT_ATOL)
+            assert logits[row].argmax() == want[row][seen[row] - 1].argmax()

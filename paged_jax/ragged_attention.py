@@ -1,0 +1,282 @@
+"""Ragged paged attention over a flat token batch, in XLA: cost follows the
+sum of lengths, not the longest row, and no length is part of the shape.
+
+The engine's mixed prefill+decode batch (vLLM v1's layout; JAX's TPU
+``ragged_paged_attention`` packs tokens the same way) is *flat*: the ``T``
+tokens of one model call sit in one array, sequence ``s`` owning rows
+``[q_starts[s], q_starts[s] + q_lens[s])``, the last ``q_lens[s]`` of its
+``kv_lens[s]`` cached tokens. A decoding sequence has ``q_lens = 1``, a
+prefill chunk anything up to the whole prompt.
+
+Padding every sequence to the longest (the padded ``[B, T]`` reference in
+:mod:`paged_jax.attention`) costs ``B x max_len`` per call. Here the work is
+split the way flash-decoding and FlashInfer split it, into a list of *work
+items*, each one query tile (up to ``tile_q`` consecutive query tokens of one
+sequence) against one key block (``pages_per_block`` consecutive pages of the
+same sequence, up to the tile's causal limit). The list is walked in chunks
+of ``work_chunk`` items by a loop whose trip count is a traced value: each
+chunk computes partial softmaxes (max, sum, weighted values) and merges them
+into per-tile accumulators (the log-sum-exp merge of Milakov and Gimelshein,
+2018). The cost is the sum over tiles of their blocks (the sum of lengths,
+plus at most one partial block per tile), rounded up to whole chunks, and
+since the amount of work is not a static size, one compiled program serves
+every mix of lengths with the same number of tokens.
+
+Tiles and items are derived on device from the per-sequence lengths
+(:func:`count_work` gives the host the same numbers), so the call takes only
+arrays the engine already has: block tables and three length vectors.
+
+Pages are read from the stacked pool ``[layers, K, P, L, H]`` with a layer
+index, so a layer's slice is never copied out of the pool. A work item only
+names block-table entries below its sequence's length, clamped to the table
+width, so no length can make a sequence read another's pages.
+
+Neighbour isolation: a tile's accumulators are only ever updated with its
+own items, so a sequence's output does not depend, to the bit, on other
+sequences' K/V contents.
+
+Axis alphabet: T flat query tokens, N query heads, K KV heads, G queries per
+KV head, H head dim, P pages, L page size, S sequence rows, W work items of a
+chunk, Q tile rows (``tile_q``), M = G * Q rows of a tile per KV head, C keys
+per work item (``pages_per_block * L``), U tiles.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def tile_blocks(first_pos, last_pos, *, block_tokens: int, sliding_window: int | None = None, xp=np):
+    """Key blocks a query tile attends: ``(first_block, num_blocks)``.
+
+    A tile whose queries sit at positions ``[first_pos, last_pos]`` sees keys
+    ``[0, last_pos]`` (causal), or ``(first_pos - sliding_window, last_pos]``
+    with a window; in blocks of ``block_tokens`` keys. ``xp`` is ``numpy``
+    on the host and ``jax.numpy`` on device: one formula, so the host's
+    counts are the device's.
+    """
+    hi = last_pos // block_tokens + 1
+    if sliding_window is None:
+        lo = xp.zeros_like(hi)
+    else:
+        lo = xp.maximum(first_pos - sliding_window + 1, 0) // block_tokens
+    return lo, hi - lo
+
+
+def count_work(q_lens, kv_lens, *, tile_q: int, block_tokens: int, sliding_window: int | None = None) -> tuple[int, int]:
+    """Host side: ``(num_tiles, num_work)`` a flat batch with these lengths
+    needs (numpy, exact); ``num_tiles`` passed to
+    :func:`ragged_paged_attention` must be at least the first.
+
+    Args:
+      q_lens, kv_lens: i32[S] as in :func:`ragged_paged_attention`.
+      tile_q: query tokens per tile.
+      block_tokens: keys per work item.
+      sliding_window: as in :func:`ragged_paged_attention`.
+    """
+    q_lens = np.asarray(q_lens, np.int64)
+    kv_lens = np.asarray(kv_lens, np.int64)
+    tiles_per_seq = _cdiv(q_lens, tile_q)
+    num_tiles = int(tiles_per_seq.sum())
+    seq = np.repeat(np.arange(len(q_lens)), tiles_per_seq)
+    row0 = (np.arange(num_tiles) - np.repeat(np.cumsum(tiles_per_seq) - tiles_per_seq, tiles_per_seq)) * tile_q
+    first_pos = kv_lens[seq] - q_lens[seq] + row0
+    last_pos = first_pos + np.minimum(tile_q, q_lens[seq] - row0) - 1
+    _, n = tile_blocks(first_pos, last_pos, block_tokens=block_tokens, sliding_window=sliding_window)
+    return num_tiles, int(n.sum())
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, N, H]
+    k_pool: jax.Array,  # [layers, K, P, L, H]
+    v_pool: jax.Array,  # [layers, K, P, L, H]
+    layer: jax.Array,  # i32[]
+    block_tables: jax.Array,  # i32[S, pages_per_seq]
+    q_starts: jax.Array,  # i32[S]
+    q_lens: jax.Array,  # i32[S]
+    kv_lens: jax.Array,  # i32[S]
+    *,
+    num_tiles: int,
+    tile_q: int = 32,
+    pages_per_block: int = 4,
+    work_chunk: int = 32,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Causal GQA attention of a flat token batch over its sequences' pages.
+
+    Args:
+      q: [T, N, H] queries (unscaled), flat: sequence ``s`` owns rows
+        ``q_starts[s] + t`` for ``t < q_lens[s]``; rows no sequence owns are
+        padding.
+      k_pool, v_pool: [layers, K, P, L, H] the stacked pool; the new tokens'
+        K/V already written.
+      layer: i32[] which layer's pages to read.
+      block_tables: i32[S, pages_per_seq] each sequence's pages.
+      q_starts: i32[S] first flat row of each sequence's queries.
+      q_lens: i32[S] query tokens per sequence; 0 leaves the row out.
+      kv_lens: i32[S] cached tokens per sequence, queries included. Query
+        ``t`` of sequence ``s`` sits at position ``kv_lens[s] - q_lens[s] + t``
+        and sees keys at positions ``<=`` its own. Clamped to the table
+        width ``pages_per_seq * L``.
+      num_tiles: static, at least :func:`count_work`'s first number (tiles
+        beyond it would be dropped; :func:`paged_jax.batch.batch_shape`
+        guarantees it).
+      tile_q: query tokens per tile (static).
+      pages_per_block: pages per work item (static).
+      work_chunk: work items per loop step (static).
+      scale: logit scale, default ``1 / sqrt(H)``.
+      soft_cap: logits become ``soft_cap * tanh(logits / soft_cap)``.
+      sliding_window: a query at ``p`` sees keys in ``(p - window, p]``.
+
+    Returns:
+      [T, N, H] in ``q.dtype``, computed in f32; zeros in padding rows.
+    """
+    t_total, num_q_heads, head_dim = q.shape
+    num_kv_heads, page_size = k_pool.shape[1], k_pool.shape[3]
+    group = num_q_heads // num_kv_heads
+    pages_per_seq = block_tables.shape[1]
+    num_seqs = q_lens.shape[0]
+    block_tokens = pages_per_block * page_size
+    rows_m = group * tile_q
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    i32 = jnp.int32
+    kv_lens = jnp.minimum(kv_lens.astype(i32), pages_per_seq * page_size)  # never past the row
+    q_lens = jnp.minimum(q_lens.astype(i32), kv_lens)
+
+    # --- tiles: U = num_tiles -> (sequence, first row within it)
+    tiles_per_seq = _cdiv(q_lens, tile_q)  # [S]
+    tile_end = jnp.cumsum(tiles_per_seq)
+    tile_ids = jnp.arange(num_tiles, dtype=i32)
+    tile_seq = jnp.minimum(jnp.searchsorted(tile_end, tile_ids, side="right"), num_seqs - 1).astype(i32)
+    tile_real = tile_ids < tile_end[-1]
+    row0 = (tile_ids - (tile_end - tiles_per_seq)[tile_seq]) * tile_q  # [U]
+    rows_in_tile = jnp.where(tile_real, jnp.clip(q_lens[tile_seq] - row0, 0, tile_q), 0)
+    first_pos = kv_lens[tile_seq] - q_lens[tile_seq] + row0  # [U]
+    first_block, n_blocks = tile_blocks(first_pos, first_pos + rows_in_tile - 1, block_tokens=block_tokens,
+                                        sliding_window=sliding_window, xp=jnp)
+    n_blocks = jnp.where(rows_in_tile > 0, n_blocks, 0)
+    work_end = jnp.cumsum(n_blocks)  # [U]
+    work_begin = work_end - n_blocks
+    total_work = work_end[-1]
+
+    # --- queries per tile: [U, Q] flat rows -> [U, K, M, H] (m = g * Q + t)
+    r = jnp.arange(tile_q, dtype=i32)
+    tile_rows = q_starts.astype(i32)[tile_seq][:, None] + row0[:, None] + r[None, :]  # [U, Q]
+    row_real = r[None, :] < rows_in_tile[:, None]
+    q_tile = q[jnp.where(row_real, tile_rows, 0)].astype(jnp.float32) * scale  # [U, Q, N, H]
+    q_tile = q_tile.reshape(num_tiles, tile_q, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
+    q_tile = q_tile.reshape(num_tiles, num_kv_heads, rows_m, head_dim)
+    q_pos = first_pos[:, None] + r[None, :]  # [U, Q]
+    c_idx = jnp.arange(block_tokens, dtype=i32)
+    j = jnp.arange(pages_per_block, dtype=i32)
+
+    def chunk(c, acc):
+        m_acc, l_acc, o_acc = acc  # [U, K, M], [U, K, M], [U, K, M, H]
+        w = c * work_chunk + jnp.arange(work_chunk, dtype=i32)  # [W]
+        w_real = w < total_work
+        w_tile = jnp.minimum(jnp.searchsorted(work_end, w, side="right"), num_tiles - 1).astype(i32)
+        w_block = first_block[w_tile] + w - work_begin[w_tile]
+        w_seq = tile_seq[w_tile]
+        col = w_block[:, None] * pages_per_block + j[None, :]  # [W, ppb] block-table columns
+        col_ok = (col < pages_per_seq) & w_real[:, None]
+        pages = jnp.where(col_ok, block_tables[w_seq[:, None], jnp.minimum(col, pages_per_seq - 1)], 0)
+        # One gather from the stacked pool; ``k_pool[layer]`` first would
+        # copy the whole layer.
+        k = k_pool[layer, :, pages].astype(jnp.float32)  # [W, ppb, K, L, H]
+        v = v_pool[layer, :, pages].astype(jnp.float32)
+        logits = jnp.einsum("WKMH,WJKLH->WKMJL", q_tile[w_tile], k)
+        logits = logits.reshape(work_chunk, num_kv_heads, rows_m, block_tokens)  # [W, K, M, C]
+        if soft_cap is not None:
+            logits = soft_cap * jnp.tanh(logits / soft_cap)
+        k_pos = w_block[:, None] * block_tokens + c_idx[None, :]  # [W, C]
+        k_ok = (k_pos < kv_lens[w_seq][:, None]) & w_real[:, None]
+        qp = q_pos[w_tile]  # [W, Q]
+        mask = (k_pos[:, None, :] <= qp[:, :, None]) & row_real[w_tile][:, :, None] & k_ok[:, None, :]
+        if sliding_window is not None:
+            mask &= k_pos[:, None, :] > qp[:, :, None] - sliding_window
+        mask = jnp.tile(mask, (1, group, 1))[:, None]  # [W, 1, M, C]
+        # Masked logits are replaced, not added to, so NaN in a slot no query
+        # may see (a freed page, the null page) never propagates.
+        logits = jnp.where(mask, logits, -jnp.inf)
+        m = jnp.max(logits, axis=-1)  # [W, K, M]
+        m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+        p = jnp.where(mask, jnp.exp(logits - m_safe[..., None]), 0.0)
+        v = jnp.where(k_ok.reshape(work_chunk, pages_per_block, 1, page_size, 1), v, 0.0)  # 0 * NaN is NaN
+        o = jnp.einsum("WKMJL,WJKLH->WKMH", p.reshape(*p.shape[:3], pages_per_block, page_size), v)
+        # Merge into the tiles' accumulators; padding items go nowhere.
+        seg = jnp.where(w_real, w_tile, num_tiles)
+        m_new = jnp.maximum(m_acc, jax.ops.segment_max(m, seg, num_segments=num_tiles, indices_are_sorted=True))
+        m_new_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        keep = jnp.where(jnp.isfinite(m_acc), jnp.exp(m_acc - m_new_safe), 0.0)  # [U, K, M]
+        alpha = jnp.where(jnp.isfinite(m), jnp.exp(m - m_new_safe[w_tile]), 0.0)  # [W, K, M]
+        l_acc = l_acc * keep + jax.ops.segment_sum(p.sum(-1) * alpha, seg, num_segments=num_tiles,
+                                                   indices_are_sorted=True)
+        o_acc = o_acc * keep[..., None] + jax.ops.segment_sum(o * alpha[..., None], seg, num_segments=num_tiles,
+                                                              indices_are_sorted=True)
+        return m_new, l_acc, o_acc
+
+    acc = (
+        jnp.full((num_tiles, num_kv_heads, rows_m), -jnp.inf, jnp.float32),
+        jnp.zeros((num_tiles, num_kv_heads, rows_m), jnp.float32),
+        jnp.zeros((num_tiles, num_kv_heads, rows_m, head_dim), jnp.float32),
+    )
+    _, l_acc, o_acc = jax.lax.fori_loop(0, _cdiv(total_work, work_chunk), chunk, acc)
+    o_tile = jnp.where(l_acc[..., None] > 0, o_acc / jnp.where(l_acc > 0, l_acc, 1.0)[..., None], 0.0)
+
+    # [U, K, G * Q, H] -> [U, Q, N, H] -> flat rows
+    o_tile = o_tile.reshape(num_tiles, num_kv_heads, group, tile_q, head_dim).transpose(0, 3, 1, 2, 4)
+    o_tile = o_tile.reshape(num_tiles * tile_q, num_q_heads, head_dim)
+    dest = jnp.where(row_real, tile_rows, t_total).reshape(-1)
+    out = jnp.zeros((t_total, num_q_heads, head_dim), jnp.float32).at[dest].set(o_tile, mode="drop")
+    return out.astype(q.dtype)
+
+
+def attend(
+    q: jax.Array,  # [T, N, H]
+    k_pool: jax.Array,  # [layers, K, P, L, H]
+    v_pool: jax.Array,  # [layers, K, P, L, H]
+    layer: jax.Array,  # i32[]
+    batch,
+    **options,
+) -> jax.Array:
+    """Attention for a :class:`paged_jax.batch.RaggedBatch`: its one-token
+    sequences (decode) with one-token tiles, its longer chunks with
+    ``batch.shape.prefill_tile_q``-token tiles, in one program.
+
+    Args:
+      q: [T, N, H] the batch's queries.
+      k_pool, v_pool: [layers, K, P, L, H] with this call's K/V written.
+      layer: i32[] the layer.
+      batch: the flat batch (block tables, starts and lengths, static sizes).
+      options: ``scale``, ``soft_cap``, ``sliding_window``.
+
+    Returns:
+      [T, N, H] in ``q.dtype``; zeros in padding rows.
+    """
+    shape = batch.shape
+    out = jnp.zeros(q.shape, q.dtype)
+    for tiles, tile_q, ppb, chunk, rows in (
+        (shape.decode_tiles, 1, shape.decode_pages_per_block, min(shape.decode_work_chunk, shape.decode_tiles),
+         batch.q_lens == 1),
+        (shape.prefill_tiles, shape.prefill_tile_q, shape.prefill_pages_per_block, shape.prefill_work_chunk,
+         batch.q_lens > 1),
+    ):
+        if tiles == 0:
+            continue
+        out = out + ragged_paged_attention(
+            q, k_pool, v_pool, layer, batch.block_tables, batch.q_starts,
+            jnp.where(rows, batch.q_lens, 0), jnp.where(rows, batch.kv_lens, 0),
+            num_tiles=tiles, tile_q=tile_q, pages_per_block=ppb, work_chunk=chunk, **options,
+        )
+    return out

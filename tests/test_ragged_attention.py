@@ -1,0 +1,209 @@
+"""Ragged paged attention over a flat batch against an f64 NumPy oracle.
+
+The oracle is written from the definition (per sequence: gather the keys
+through the block table, causal softmax in float64), not from another
+kernel. Pages no sequence owns hold NaN, so a read outside a row shows.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paged_jax.batch import BatchShape, RaggedBatch, Tiling, batch_shape
+from paged_jax.ragged_attention import attend, count_work, ragged_paged_attention
+
+PAGE = 4
+
+
+def oracle(q, k_pages, v_pages, block_tables, q_starts, q_lens, kv_lens, *, soft_cap=None, window=None):
+    """f64 truth: q [T, N, H], pages [K, P, L, H] (one layer)."""
+    q = np.asarray(q, np.float64)
+    k_pages, v_pages = np.asarray(k_pages, np.float64), np.asarray(v_pages, np.float64)
+    t_total, n, h = q.shape
+    kh, _, page, _ = k_pages.shape
+    g = n // kh
+    out = np.zeros_like(q)
+    for s in range(len(q_lens)):
+        ql, kl = int(q_lens[s]), int(kv_lens[s])
+        if ql == 0:
+            continue
+        pos = np.arange(kl)
+        pages = np.asarray(block_tables[s])[pos // page]
+        k = k_pages[:, pages, pos % page]  # [K, kl, H]
+        v = v_pages[:, pages, pos % page]
+        for t in range(ql):
+            qp = kl - ql + t
+            seen = pos <= qp
+            if window is not None:
+                seen &= pos > qp - window
+            for head in range(n):
+                logits = k[head // g] @ q[q_starts[s] + t, head] / np.sqrt(h)
+                if soft_cap is not None:
+                    logits = soft_cap * np.tanh(logits / soft_cap)
+                logits = np.where(seen, logits, -np.inf)
+                p = np.exp(logits - logits.max())
+                out[q_starts[s] + t, head] = (p / p.sum()) @ v[head // g]
+    return out
+
+
+def make_case(q_lens, kv_lens, *, num_kv_heads=2, group=3, head_dim=8, pages_per_seq=12, seed=0, layers=2):
+    """Random flat batch; every page that no sequence owns is NaN."""
+    r = np.random.default_rng(seed)
+    num_seqs = len(q_lens)
+    need = [-(-k // PAGE) for k in kv_lens]
+    num_pages = sum(need) + 3
+    perm = r.permutation(np.arange(1, num_pages))
+    block_tables = np.zeros((num_seqs, pages_per_seq), np.int32)
+    c = 0
+    for s, n in enumerate(need):
+        block_tables[s, :n] = perm[c:c + n]
+        c += n
+    shape = (layers, num_kv_heads, num_pages, PAGE, head_dim)
+    k = r.normal(size=shape).astype(np.float32)
+    v = r.normal(size=shape).astype(np.float32)
+    owned = np.zeros((num_pages, PAGE), bool)
+    for s, kl in enumerate(kv_lens):
+        for p in range(kl):
+            owned[block_tables[s, p // PAGE], p % PAGE] = True
+    k[:, :, ~owned] = np.nan
+    v[:, :, ~owned] = np.nan
+    q_starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
+    total = int(sum(q_lens))
+    q = r.normal(size=(total + 3, num_kv_heads * group, head_dim)).astype(np.float32)  # 3 padding rows
+    return q, k, v, block_tables, q_starts, np.asarray(q_lens, np.int32), np.asarray(kv_lens, np.int32)
+
+
+def run(case, *, tile_q, ppb, chunk=4, layer=1, **options):
+    q, k, v, bt, qs, ql, kl = case
+    tiles, _ = count_work(ql, kl, tile_q=tile_q, block_tokens=ppb * PAGE,
+                          sliding_window=options.get("sliding_window"))
+    fn = jax.jit(functools.partial(ragged_paged_attention, num_tiles=max(tiles, 1) + 2, tile_q=tile_q,
+                                   pages_per_block=ppb, work_chunk=chunk, **options))
+    return np.asarray(fn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), layer, jnp.asarray(bt),
+                         jnp.asarray(qs), jnp.asarray(ql), jnp.asarray(kl)))
+
+
+# Lengths 0, 1, L - 1, L, L + 1 and long, decode and prefill chunks mixed.
+MIXED = ([1, 0, 3, PAGE, 1, 9, 1, 13], [1, 0, 3, PAGE, PAGE + 1, 9, 2 * PAGE - 1, 40])
+
+
+@pytest.mark.parametrize("tile_q, ppb", [(1, 1), (1, 4), (2, 1), (4, 2), (16, 3)])
+def test_matches_f64_oracle_on_ragged_mixed_batch(tile_q, ppb):
+    case = make_case(*MIXED)
+    got = run(case, tile_q=tile_q, ppb=ppb)
+    q, k, v, bt, qs, ql, kl = case
+    want = oracle(q, k[1], v[1], bt, qs, ql, kl)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    assert np.all(got[int(ql.sum()):] == 0)  # padding rows are zero
+
+
+@pytest.mark.parametrize("options", [dict(soft_cap=5.0), dict(sliding_window=6), dict(sliding_window=1)])
+def test_options_match_oracle(options):
+    case = make_case(*MIXED, seed=3)
+    got = run(case, tile_q=4, ppb=2, **options)
+    q, k, v, bt, qs, ql, kl = case
+    want = oracle(q, k[1], v[1], bt, qs, ql, kl, soft_cap=options.get("soft_cap"),
+                  window=options.get("sliding_window"))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_hand_worked_single_key():
+    """One sequence, one token: the output is its own value row, whatever
+    the logit (softmax over one key is 1)."""
+    q = np.ones((1, 1, 2), np.float32)
+    k = np.full((1, 1, 2, PAGE, 2), np.nan, np.float32)
+    v = np.full((1, 1, 2, PAGE, 2), np.nan, np.float32)
+    k[0, 0, 1, 0] = [3.0, -1.0]
+    v[0, 0, 1, 0] = [0.25, 7.0]
+    case = (q, k, v, np.array([[1, 0]], np.int32), np.array([0], np.int32), np.array([1], np.int32),
+            np.array([1], np.int32))
+    assert run(case, tile_q=1, ppb=1, layer=0).tolist() == [[[0.25, 7.0]]]
+
+
+def test_neighbour_isolation_is_bit_exact():
+    """A row's output does not change, to the bit, when every other
+    sequence's K/V and queries change (same lengths, same shapes)."""
+    case = make_case(*MIXED, seed=5)
+    base = run(case, tile_q=4, ppb=2)
+    q, k, v, bt, qs, ql, kl = case
+    r = np.random.default_rng(9)
+    target = 5
+    mine = set(bt[target, : -(-kl[target] // PAGE)].tolist())
+    k2, v2, q2 = k.copy(), v.copy(), q.copy()
+    for p in range(k.shape[2]):
+        if p not in mine:
+            k2[:, :, p] = r.normal(size=k2[:, :, p].shape) * 100
+            v2[:, :, p] = r.normal(size=v2[:, :, p].shape) * 100
+    rows = np.arange(qs[target], qs[target] + ql[target])
+    others = np.setdiff1d(np.arange(q.shape[0]), rows)
+    q2[others] = r.normal(size=q2[others].shape)
+    other = run((q2, k2, v2, bt, qs, ql, kl), tile_q=4, ppb=2)
+    assert np.array_equal(base[rows], other[rows])
+
+
+def test_lengths_past_the_table_never_read_other_rows():
+    """kv_lens beyond the row's table width are clamped to it: the row reads
+    only its own entries, so its output ignores every other page."""
+    q, k, v, bt, qs, ql, kl = make_case([1, 1], [8, 8], pages_per_seq=2)
+    kl_bad = np.array([64, 8], np.int32)
+    a = run((q, k, v, bt, qs, ql, kl_bad), tile_q=1, ppb=1)
+    k2 = k.copy()
+    k2[:, :, bt[1]] = 1e3  # the neighbour's pages change
+    b = run((q, k2, v, bt, qs, ql, kl_bad), tile_q=1, ppb=1)
+    np.testing.assert_array_equal(a[0], b[0])
+    assert np.isfinite(a).all()
+
+
+def test_attend_splits_classes_and_equals_oracle():
+    q, k, v, bt, qs, ql, kl = make_case(*MIXED, seed=2)
+    tiling = Tiling(prefill_tile_q=4, decode_pages_per_block=2, prefill_pages_per_block=3, decode_work_chunk=3,
+                    prefill_work_chunk=2, max_prefill_chunks=8, min_tokens=8)
+    shape = batch_shape(ql, num_seq_rows=len(ql), tiling=tiling)
+    assert shape.num_tokens == 32 and shape.decode_tiles == 8 and shape.prefill_tiles == 32 // 4 + 8
+    t = shape.num_tokens
+    n = int(ql.sum())
+    qpad = np.zeros((t, *q.shape[1:]), np.float32)
+    qpad[:n] = q[:n]
+    z = jnp.zeros(t, jnp.int32)
+    batch = RaggedBatch(tokens=z, positions=z, slots=z, block_tables=jnp.asarray(bt), q_starts=jnp.asarray(qs),
+                        q_lens=jnp.asarray(ql), kv_lens=jnp.asarray(kl), logits_rows=jnp.zeros(1, jnp.int32),
+                        shape=shape)
+    got = np.asarray(jax.jit(attend)(jnp.asarray(qpad), jnp.asarray(k), jnp.asarray(v), 0, batch))
+    want = oracle(q, k[0], v[0], bt, qs, ql, kl)
+    np.testing.assert_allclose(got[:n], want[:n], atol=2e-5, rtol=2e-5)
+    assert np.all(got[n:] == 0)
+
+
+def test_one_program_for_any_lengths():
+    """Lengths are not part of the program: two batches with the same
+    token count and very different contexts reuse one compilation."""
+    traces = []
+
+    @jax.jit
+    def fn(q, k, v, bt, qs, ql, kl):
+        traces.append(1)
+        return ragged_paged_attention(q, k, v, 0, bt, qs, ql, kl, num_tiles=4, tile_q=1, pages_per_block=1,
+                                      work_chunk=4)
+
+    for kv in ([1, 2, 3, 4], [40, 1, 33, 17]):
+        q, k, v, bt, qs, ql, kl = make_case([1, 1, 1, 1], kv, pages_per_seq=12, seed=1)
+        pad = np.full((k.shape[0], k.shape[1], 32 - k.shape[2], PAGE, k.shape[4]), np.nan, np.float32)
+        k, v = np.concatenate([k, pad], 2), np.concatenate([v, pad], 2)  # one pool size: only lengths differ
+        got = np.asarray(fn(q[:4], k, v, bt, qs, ql, kl))
+        np.testing.assert_allclose(got, oracle(q[:4], k[0], v[0], bt, qs, ql, kl), atol=2e-5, rtol=2e-5)
+    assert len(traces) == 1
+
+
+def test_batch_shape_refuses_too_many_chunks_and_empty_batches():
+    tiling = Tiling(max_prefill_chunks=2)
+    with pytest.raises(ValueError, match="max_prefill_chunks=2"):
+        batch_shape([3, 3, 3], num_seq_rows=3, tiling=tiling)
+    with pytest.raises(ValueError, match="at least one token"):
+        batch_shape([0, 0], num_seq_rows=2)
+    with pytest.raises(ValueError, match="prefill_tile_q"):
+        Tiling(prefill_tile_q=0)
+    shape = batch_shape([1] * 5 + [0] * 3, num_seq_rows=8)
+    assert shape == BatchShape(num_tokens=16, num_logits=8, decode_tiles=8, prefill_tiles=0)
