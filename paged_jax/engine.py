@@ -99,6 +99,12 @@ class EngineConfig:
         (the contiguous baseline) instead of paging on demand.
       tiling: how attention cuts a call into work, and how many prefill
         chunks one call carries (:class:`paged_jax.batch.Tiling`).
+      async_scheduling: schedule and dispatch iteration ``i + 1`` before
+        reading iteration ``i``'s sampled tokens (they reach ``i + 1``'s
+        input on device), so the host's work overlaps the device's, as in
+        vLLM's async scheduling. A sequence that stops on a stop token then
+        computes one token more, which is discarded. Outputs are the same
+        either way.
     """
 
     max_seqs: int = 64
@@ -106,6 +112,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 256
     reserve_max_len: bool = False
     tiling: Tiling = Tiling()
+    async_scheduling: bool = True
 
     def __post_init__(self):
         for name in ("max_seqs", "max_seq_len", "max_num_batched_tokens"):
@@ -117,8 +124,9 @@ class EngineConfig:
                 "max_num_batched_tokens must be >= max_seqs (every running sequence decodes in each call), "
                 f"got max_num_batched_tokens={self.max_num_batched_tokens} max_seqs={self.max_seqs}"
             )
-        if not isinstance(self.reserve_max_len, bool):
-            raise ValueError(f"reserve_max_len must be a bool, got reserve_max_len={self.reserve_max_len!r}")
+        for name in ("reserve_max_len", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {name}={getattr(self, name)!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -168,13 +176,20 @@ class _Seq:
     tokens: list[int]  # prompt + generated
     num_prompt: int
     slot: int = -1
-    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_computed: int = 0  # tokens whose K/V are in the cache (or being computed)
+    pending: int = 0  # tokens sampled on device, not yet read by the host (0 or 1)
+    done: bool = False  # finished: anything still in flight for it is discarded
     num_preemptions: int = 0
     first_token_s: float = float("nan")
 
     @property
     def num_generated(self) -> int:
         return len(self.tokens) - self.num_prompt
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens it has, the one in flight included."""
+        return len(self.tokens) + self.pending
 
 
 @dataclasses.dataclass
@@ -197,10 +212,12 @@ class EngineStats:
     ``mean_concurrency`` and ``kv_token_fraction`` are time-averaged over
     iterations, weighting each by its wall time; ``kv_token_fraction`` is the
     share of allocated KV slots (pages held x page size) that hold a token.
-    ``model_s`` is the time of the jitted step calls (page-state update,
-    forward and sampling, waited for), compilation excluded; ``compile_s``
-    the compilation inside them; ``host_s`` everything else an iteration
-    spends (scheduling, building the batch).
+    ``model_s`` is the time the host spends in the jitted step calls
+    (page-state update, forward and sampling): dispatching them and waiting
+    for their results, compilation excluded; ``compile_s`` the compilation
+    inside them; ``host_s`` everything else an iteration spends (scheduling,
+    building the batch), which with ``async_scheduling`` overlaps the
+    device's work on the previous call.
     """
 
     iterations: int = 0
@@ -208,6 +225,7 @@ class EngineStats:
     prefill_tokens: int = 0  # prompt (and recomputed) tokens computed
     decode_tokens: int = 0  # tokens fed back one at a time
     generated_tokens: int = 0
+    discarded_tokens: int = 0  # sampled after a stop token was already in flight
     preemptions: int = 0
     peak_concurrency: int = 0
     busy_s: float = 0.0
@@ -245,14 +263,29 @@ class _StepInputs:
     num_new: np.ndarray  # i32[S]
     min_pages: np.ndarray  # i32[S]
     tokens: np.ndarray  # i32[T]
+    from_prev: np.ndarray  # bool[T] token is the previous call's sample for its row
     positions: np.ndarray  # i32[T]
     token_rows: np.ndarray  # i32[T] page-state row of each token, -1 padding
     q_starts: np.ndarray  # i32[S]
     logits_rows: np.ndarray  # i32[R]
+    logits_slots: np.ndarray  # i32[R] page-state row of each sampled token, -1 none
     temperature: np.ndarray  # f32[R]
     top_p: np.ndarray  # f32[R]
     seeds: np.ndarray  # u32[R]
     steps: np.ndarray  # i32[R]
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched call whose results the host has not read yet."""
+
+    sampled: jax.Array  # i32[S] sampled token per page-state row (device)
+    ok: jax.Array  # bool[] the page-state update succeeded (device)
+    num_free: jax.Array  # i32[] free pages after it (device)
+    samplers: list  # the _Seq that sample in it
+    sampler_slots: list  # their rows at dispatch
+    expected_free: int  # the host's free-page count right after it
+    record: CallRecord
 
 
 _TRACES: collections.Counter = collections.Counter()  # id(model) -> traces of _device_step
@@ -269,10 +302,12 @@ def _compile_seconds() -> float:
 
 
 @functools.partial(jax.jit, static_argnames=("model", "shape", "greedy_only"), donate_argnums=(2, 3))
-def _device_step(model, params, state: ps.PageState, kv: KVPool, inp: dict, *, shape: BatchShape, greedy_only: bool):
+def _device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array, inp: dict, *, shape: BatchShape,
+                 greedy_only: bool):
     """Free, grow, forward, sample: one iteration's device work, one program
-    per (model, shape, greedy_only). Returns ``(state, kv, tokens i32[R], ok,
-    num_free_pages)``."""
+    per (model, shape, greedy_only). ``prev``: i32[S] the previous call's
+    sampled token per page-state row (inputs marked ``from_prev`` take it).
+    Returns ``(state, kv, sampled i32[S] per row, ok, num_free_pages)``."""
     _TRACES[id(model)] += 1  # runs at trace time only
     state = ps.unchecked_free(state, inp["free_mask"])
     state, ok, cow_src, cow_dst = ps.unchecked_extend(state, inp["num_new"], inp["min_pages"])
@@ -280,8 +315,9 @@ def _device_step(model, params, state: ps.PageState, kv: KVPool, inp: dict, *, s
     kv = jax.lax.cond(jnp.any(cow_src != ps.NO_PAGE), copy_pages, lambda kv, s, d: kv, kv, cow_src, cow_dst)
     rows, positions = inp["token_rows"], inp["positions"]
     slots = ps.flat_slot_mapping(state.block_tables, rows, positions, page_size=state.page_size)
+    tokens = jnp.where(inp["from_prev"], prev[jnp.clip(rows, 0, prev.shape[0] - 1)], inp["tokens"])
     batch = RaggedBatch(
-        tokens=inp["tokens"],
+        tokens=tokens,
         positions=positions,
         slots=slots,
         block_tables=state.block_tables,
@@ -296,7 +332,9 @@ def _device_step(model, params, state: ps.PageState, kv: KVPool, inp: dict, *, s
         new = greedy(logits)
     else:
         new = sample(logits, inp["temperature"], inp["top_p"], inp["seeds"], inp["steps"])
-    return state, kv, new, ok, state.num_free_pages
+    dest = jnp.where(inp["logits_slots"] < 0, prev.shape[0], inp["logits_slots"])  # -1: dropped
+    by_row = jnp.zeros_like(prev).at[dest].set(new, mode="drop")
+    return state, kv, by_row, ok, state.num_free_pages
 
 
 def num_traces(model) -> int:
@@ -374,6 +412,8 @@ class Engine:
         self._num_free = kv_pool.num_pages - 1
         self._held = np.zeros(config.max_seqs, np.int64)  # pages per slot
         self._to_free = np.zeros(config.max_seqs, bool)  # freed by the next call
+        self._inflight: _InFlight | None = None  # the dispatched call not yet read
+        self._no_prev = jnp.zeros(config.max_seqs, jnp.int32)
         self.stats = EngineStats()
         self._ids: set = set()
         self._t0: float | None = None
@@ -441,7 +481,7 @@ class Engine:
             raise ValueError(f"request_id {rid!r} was already added")
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._inflight)
 
     def run(self, requests: Iterable[Request] = (), *, progress: bool = False) -> list[RequestOutput]:
         """Adds ``requests`` and steps until every request has finished.
@@ -480,7 +520,9 @@ class Engine:
     # ------------------------------------------------------------ iteration
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler iteration: schedule, one device call, bookkeeping.
+        """One scheduler iteration: schedule and dispatch one device call,
+        then read the previous call's tokens (with ``async_scheduling``) or
+        this one's, and do the bookkeeping.
 
         Returns the requests that finished in it.
         """
@@ -488,17 +530,25 @@ class Engine:
             self._t0 = time.perf_counter()
         t_start = time.perf_counter()
         scheduled = self._schedule()
+        prev, self._inflight = self._inflight, None
+        current = self._dispatch(scheduled, prev) if scheduled else None
         finished: list[_Seq] = []
-        if scheduled:
-            self._call(scheduled, finished)
-        else:
-            self._flush_frees()
+        if prev is not None:
+            self._complete(prev, finished)
+        if current is not None:
+            if self.config.async_scheduling:
+                self._inflight = current
+            else:
+                self._complete(current, finished)
 
         held = int(self._held.sum())
         tokens = sum(s.num_computed for s in self.running)
         outputs = [self._finish(s) for s in finished]
         for s in finished:
-            self._release(s)
+            if s.slot >= 0:
+                self._release(s)
+            else:  # preempted while its last token was in flight
+                self.waiting.remove(s)
         if not self.has_unfinished():
             self._flush_frees()
         dt = time.perf_counter() - t_start
@@ -525,9 +575,9 @@ class Engine:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(len(seq.tokens) - seq.num_computed, budget)
-            if n > 1 and not chunks:
-                i += 1
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if seq.num_generated + seq.pending >= seq.request.max_new_tokens or n == 0 or (n > 1 and not chunks):
+                i += 1  # finishes when its token in flight is read; or waits for the next call
                 continue
             need = self._pages_after(seq, n) - self._held[seq.slot]
             while need > self._num_free:  # preempt the newest until it fits
@@ -552,8 +602,8 @@ class Engine:
         )
         while self.waiting and self.free_slots and budget > 0:
             seq = self.waiting[0]
-            if min(len(seq.tokens), budget) > 1 and not chunks:
-                break
+            if seq.pending or (min(len(seq.tokens), budget) > 1 and not chunks):
+                break  # a preempted sequence waits for its token in flight
             whole = max(ps.pages_for_tokens(len(seq.tokens), self.page_size), self._reserve_pages)
             if whole + watermark > self._num_free:
                 break
@@ -570,6 +620,8 @@ class Engine:
         return scheduled
 
     def _preempt(self, seq: _Seq) -> None:
+        """Recompute: free everything; prefill prompt + generated tokens
+        again when readmitted."""
         self._release(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
@@ -602,9 +654,11 @@ class Engine:
         shape = batch_shape(num_new, num_seq_rows=S, tiling=self.config.tiling)
         T, R = shape.num_tokens, shape.num_logits
         tokens = np.zeros(T, np.int32)
+        from_prev = np.zeros(T, bool)
         positions = np.zeros(T, np.int32)
         token_rows = np.full(T, -1, np.int32)
         logits_rows = np.zeros(R, np.int32)
+        logits_slots = np.full(R, -1, np.int32)
         temperature = np.zeros(R, np.float32)
         top_p = np.ones(R, np.float32)
         seeds = np.zeros(R, np.uint32)
@@ -613,63 +667,89 @@ class Engine:
         offset = 0
         for seq, n in scheduled:
             start = seq.num_computed
+            known = min(start + n, len(seq.tokens))  # the rest is the token in flight
             q_starts[seq.slot] = offset
-            tokens[offset : offset + n] = seq.tokens[start : start + n]
+            tokens[offset : offset + known - start] = seq.tokens[start:known]
+            from_prev[offset + known - start : offset + n] = True
             positions[offset : offset + n] = np.arange(start, start + n)
             token_rows[offset : offset + n] = seq.slot
-            if start + n == len(seq.tokens):  # the chunk reaches the end: sample
+            if start + n == seq.num_tokens:  # the chunk reaches the end: sample
                 r = len(samplers)
                 p = seq.request.sampling
                 logits_rows[r] = offset + n - 1
-                temperature[r], top_p[r], seeds[r], steps[r] = p.temperature, p.top_p, p.seed, seq.num_generated
+                logits_slots[r] = seq.slot
+                temperature[r], top_p[r], seeds[r] = p.temperature, p.top_p, p.seed
+                steps[r] = seq.num_generated + seq.pending
                 samplers.append(seq)
             offset += n
         inputs = _StepInputs(
             free_mask=self._to_free.copy(), num_new=num_new,
-            min_pages=np.full(S, self._reserve_pages, np.int32), tokens=tokens, positions=positions,
-            token_rows=token_rows, q_starts=q_starts, logits_rows=logits_rows, temperature=temperature,
-            top_p=top_p, seeds=seeds, steps=steps,
+            min_pages=np.full(S, self._reserve_pages, np.int32), tokens=tokens, from_prev=from_prev,
+            positions=positions, token_rows=token_rows, q_starts=q_starts, logits_rows=logits_rows,
+            logits_slots=logits_slots, temperature=temperature, top_p=top_p, seeds=seeds, steps=steps,
         )
         return inputs, shape, samplers
 
-    def _call(self, scheduled: list[tuple[_Seq, int]], finished: list[_Seq]) -> None:
+    def _dispatch(self, scheduled: list[tuple[_Seq, int]], prev: "_InFlight | None") -> "_InFlight":
+        """Builds and launches one call (JAX dispatch returns before the
+        device is done). Sequences that sample in it hold a token in flight
+        until :meth:`_complete` reads it."""
         inputs, shape, samplers = self._build(scheduled)
         greedy_only = all(s.request.sampling.greedy for s in samplers)
         self.stats.programs.add((shape, greedy_only))
         c0, t0 = _compile_seconds(), time.perf_counter()
         self.state, self.kv, new, ok, num_free = _device_step(
-            self.model, self.model.params, self.state, self.kv, dataclasses.asdict(inputs),
-            shape=shape, greedy_only=greedy_only,
+            self.model, self.model.params, self.state, self.kv, self._no_prev if prev is None else prev.sampled,
+            dataclasses.asdict(inputs), shape=shape, greedy_only=greedy_only,
         )
-        new, ok, num_free = jax.device_get((new, ok, num_free))  # the one transfer
         compile_s = _compile_seconds() - c0
-        dt = time.perf_counter() - t0 - compile_s
         self._to_free[:] = False
-        if not ok or int(num_free) != self._num_free:  # the host plan is exact, so this is a bug
+        decode = sum(1 for s, n in scheduled if n == 1 and s.num_computed >= s.num_prompt)
+        total = sum(n for _, n in scheduled)
+        for seq, n in scheduled:
+            seq.num_computed += n
+        for seq in samplers:
+            seq.pending += 1
+        return _InFlight(
+            sampled=new, ok=ok, num_free=num_free, samplers=samplers,
+            sampler_slots=[seq.slot for seq in samplers], expected_free=self._num_free,
+            record=CallRecord(shape=shape, tokens=total, decode_tokens=decode,
+                              seconds=time.perf_counter() - t0 - compile_s, compile_s=compile_s),
+        )
+
+    def _complete(self, call: "_InFlight", finished: list[_Seq]) -> None:
+        """Reads a call's sampled tokens (the one transfer), checks the
+        device's page state against the host's plan, and records tokens."""
+        t0 = time.perf_counter()
+        sampled, ok, num_free = jax.device_get((call.sampled, call.ok, call.num_free))
+        rec = call.record
+        rec.seconds += time.perf_counter() - t0
+        if not ok or int(num_free) != call.expected_free:  # the host plan is exact, so this is a bug
             raise RuntimeError(
                 f"page state disagrees with the scheduler: ok={bool(ok)}, device free pages {int(num_free)}, "
-                f"host {self._num_free}"
+                f"host {call.expected_free}"
             )
         st = self.stats
         st.model_calls += 1
-        st.model_s += dt
-        st.compile_s += compile_s
-        decode = sum(1 for s, n in scheduled if n == 1 and s.num_computed == len(s.tokens) - 1)
-        total = sum(n for _, n in scheduled)
-        st.decode_tokens += decode
-        st.prefill_tokens += total - decode
-        st.calls.append(CallRecord(shape=shape, tokens=total, decode_tokens=decode, seconds=dt,
-                                   compile_s=compile_s))
-        for seq, n in scheduled:
-            seq.num_computed += n
+        st.model_s += rec.seconds
+        st.compile_s += rec.compile_s
+        st.decode_tokens += rec.decode_tokens
+        st.prefill_tokens += rec.tokens - rec.decode_tokens
+        st.calls.append(rec)
         now = time.perf_counter() - self._t0
-        for seq, tok in zip(samplers, new[: len(samplers)].tolist()):
+        for seq, slot in zip(call.samplers, call.sampler_slots):
+            seq.pending -= 1
+            if seq.done:  # it stopped on the token before: this one was never wanted
+                st.discarded_tokens += 1
+                continue
+            tok = int(sampled[slot])
             seq.tokens.append(tok)
             st.generated_tokens += 1
             if seq.num_generated == 1 and seq.num_preemptions == 0:
                 seq.first_token_s = now
             stop = tok in self.stop_ids and not seq.request.ignore_eos
             if stop or seq.num_generated >= seq.request.max_new_tokens:
+                seq.done = True
                 finished.append(seq)
 
     def _finish(self, seq: _Seq) -> RequestOutput:

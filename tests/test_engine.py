@@ -83,13 +83,14 @@ def shared_step():
     return make_toy_step(toy_params())
 
 
-def serve(requests, num_pages, page_size=4, max_seqs=8, max_seq_len=80, reserve=False, stop_ids=(), budget=64):
+def serve(requests, num_pages, page_size=4, max_seqs=8, max_seq_len=80, reserve=False, stop_ids=(), budget=64,
+          overlap=True):
     step = shared_step()
     engine = Engine(
         step,
         toy_pool(num_pages, page_size),
         EngineConfig(max_seqs=max_seqs, max_seq_len=max_seq_len, reserve_max_len=reserve,
-                     max_num_batched_tokens=budget),
+                     max_num_batched_tokens=budget, async_scheduling=overlap),
         stop_ids=stop_ids,
         vocab_size=VOCAB,
     )
@@ -128,7 +129,7 @@ def test_reference_generation_matches_a_no_cache_loop(budget):
         for _ in range(req.max_new_tokens):
             tokens.append(int(np.argmax(dense_logits(params, tokens))))
         assert outs[req.request_id].output_ids == tokens[len(req.prompt_ids):]
-    assert engine.stats.model_calls == engine.stats.iterations
+    assert engine.stats.model_calls == len(engine.stats.calls) <= engine.stats.iterations  # one call at most each
 
 
 @pytest.mark.parametrize("sampled", [False, True])
@@ -178,6 +179,28 @@ def test_chunked_prefill_in_mixed_batches_keeps_outputs():
     for i in one:
         assert one[i].output_ids == chunked[i].output_ids
     assert e2.num_free_pages == 399 and int(e2.state.num_free_pages) == 399
+
+
+def test_async_scheduling_keeps_outputs_under_stops_preemption_and_sampling():
+    """Dispatching the next call before reading this one's tokens changes
+    nothing a request sees: stop tokens (the token computed after one is
+    discarded), preemption by recompute while a token is in flight, and
+    seeded sampling give the outputs of the synchronous loop."""
+    reqs = toy_requests(12, seed=4, sampling=lambda i: SamplingParams(temperature=0.7, seed=i) if i % 2 else
+                        SamplingParams())
+    first, _ = serve(reqs, num_pages=400, overlap=False)
+    stops = [first[i].output_ids[2] for i in (0, 3)]
+    for num_pages in (400, 25):  # 25: forces preemption
+        sync, es = serve(reqs, num_pages=num_pages, stop_ids=stops, overlap=False)
+        over, eo = serve(reqs, num_pages=num_pages, stop_ids=stops, overlap=True)
+        for i in sync:
+            assert over[i].output_ids == sync[i].output_ids, (num_pages, i)
+            assert over[i].finish_reason == sync[i].finish_reason
+        assert eo.stats.discarded_tokens > 0 and es.stats.discarded_tokens == 0
+        assert (eo.stats.preemptions > 0) == (num_pages == 25)
+        for e in (es, eo):
+            assert e.num_free_pages == num_pages - 1 and int(e.state.num_free_pages) == num_pages - 1
+            assert (np.asarray(e.state.ref_counts) == 0).all()
 
 
 def test_stop_tokens_end_requests_and_free_pages():
