@@ -402,7 +402,7 @@ def forward(
     return jnp.where(q_lens[:, None] > 0, logits[:, 0], 0.0), kv  # [B, V]
 
 
-def forward_ragged(model: Llama, batch: RaggedBatch, kv: KVPool) -> tuple[jax.Array, KVPool]:
+def forward_ragged(model: Llama, batch: RaggedBatch, kv: KVPool, *, impl: str = "auto") -> tuple[jax.Array, KVPool]:
     """Runs the decoder over a flat ragged batch (mixed prefill chunks and
     decode tokens, :mod:`paged_jax.batch`), writing its K/V into the pool.
 
@@ -416,12 +416,15 @@ def forward_ragged(model: Llama, batch: RaggedBatch, kv: KVPool) -> tuple[jax.Ar
       batch: tokens i32[T], positions, slots, block tables, per-sequence
         starts and lengths, and the rows to return logits for.
       kv: the KV pool (``[layers, K, P, L, H]``).
+      impl: attention implementation (:func:`paged_jax.ragged_attention.attend`):
+        ``"auto"`` is the XLA work-list attention on CPU and the backend's
+        Pallas kernels on GPU and TPU.
 
     Returns:
       ``(logits f32[R, V] at batch.logits_rows, kv)``.
 
     Raises:
-      ValueError: a pool that does not fit the model.
+      ValueError: a pool that does not fit the model; an unknown ``impl``.
     """
     config = model.config
     want = (config.num_layers, config.num_kv_heads, config.head_dim)
@@ -433,7 +436,7 @@ def forward_ragged(model: Llama, batch: RaggedBatch, kv: KVPool) -> tuple[jax.Ar
     x = model.embed[...][batch.tokens][None]  # [1, T, D]
 
     def attend(q, k_pool, v_pool, layer):
-        return ragged_attention.attend(q[0], k_pool, v_pool, layer, batch)[None]
+        return ragged_attention.attend(q[0], k_pool, v_pool, layer, batch, impl=impl)[None]
 
     x, kv = _run_layers(model, x, cos, sin, kv, batch.slots, attend)
     return _logits(model, x[0, batch.logits_rows]), kv  # [R, V]
@@ -450,13 +453,16 @@ class RaggedModel:
     step (:mod:`paged_jax.engine`).
     """
 
-    def __init__(self, model: Llama):
+    def __init__(self, model: Llama, *, impl: str = "auto"):
+        if impl not in paged_attn.IMPLS:
+            raise ValueError(f"impl must be one of {paged_attn.IMPLS}, got {impl=!r}")
         self.config: LlamaConfig = model.config
         self.vocab_size = model.config.vocab_size
+        self.impl = impl
         self._graphdef, self.params = nnx.split(model)
 
     def apply(self, params, batch: RaggedBatch, kv: KVPool) -> tuple[jax.Array, KVPool]:
-        return forward_ragged(nnx.merge(self._graphdef, params), batch, kv)
+        return forward_ragged(nnx.merge(self._graphdef, params), batch, kv, impl=self.impl)
 
 
 def weight_matmuls(model: Llama, x: jax.Array, num_logits: int) -> jax.Array:

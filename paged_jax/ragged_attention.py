@@ -248,35 +248,83 @@ def attend(
     v_pool: jax.Array,  # [layers, K, P, L, H]
     layer: jax.Array,  # i32[]
     batch,
+    *,
+    impl: str = "auto",
     **options,
 ) -> jax.Array:
     """Attention for a :class:`paged_jax.batch.RaggedBatch`: its one-token
-    sequences (decode) with one-token tiles, its longer chunks with
-    ``batch.shape.prefill_tile_q``-token tiles, in one program.
+    sequences (decode) and its longer chunks, each class in its own pass,
+    in one program.
 
     Args:
       q: [T, N, H] the batch's queries.
       k_pool, v_pool: [layers, K, P, L, H] with this call's K/V written.
       layer: i32[] the layer.
       batch: the flat batch (block tables, starts and lengths, static sizes).
+      impl: ``"xla"``: :func:`ragged_paged_attention` (decode with one-token
+        tiles, chunks with ``batch.shape.prefill_tile_q``-token tiles);
+        any other name of :data:`paged_jax.attention.IMPLS` (the Pallas
+        kernels): the flat batch is viewed as padded rows, ``[S, 1]`` for
+        decode and ``[max_prefill_chunks, T]`` for chunks, and handed to
+        :func:`paged_jax.attention.paged_attention`. ``"auto"``: ``"xla"`` on
+        CPU, the backend's kernels elsewhere.
       options: ``scale``, ``soft_cap``, ``sliding_window``.
 
     Returns:
       [T, N, H] in ``q.dtype``; zeros in padding rows.
+
+    Raises:
+      ValueError: an unknown ``impl``.
     """
+    from paged_jax.attention import IMPLS
+
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl=!r}")
+    if impl == "auto" and jax.default_backend() == "cpu":
+        impl = "xla"
     shape = batch.shape
     out = jnp.zeros(q.shape, q.dtype)
-    for tiles, tile_q, ppb, chunk, rows in (
-        (shape.decode_tiles, 1, shape.decode_pages_per_block, min(shape.decode_work_chunk, shape.decode_tiles),
-         batch.q_lens == 1),
-        (shape.prefill_tiles, shape.prefill_tile_q, shape.prefill_pages_per_block, shape.prefill_work_chunk,
-         batch.q_lens > 1),
-    ):
-        if tiles == 0:
-            continue
-        out = out + ragged_paged_attention(
-            q, k_pool, v_pool, layer, batch.block_tables, batch.q_starts,
-            jnp.where(rows, batch.q_lens, 0), jnp.where(rows, batch.kv_lens, 0),
-            num_tiles=tiles, tile_q=tile_q, pages_per_block=ppb, work_chunk=chunk, **options,
-        )
+    decode, chunk = batch.q_lens == 1, batch.q_lens > 1
+    if impl == "xla":
+        for tiles, tile_q, ppb, work_chunk, rows in (
+            (shape.decode_tiles, 1, shape.decode_pages_per_block, min(shape.decode_work_chunk, shape.decode_tiles),
+             decode),
+            (shape.prefill_tiles, shape.prefill_tile_q, shape.prefill_pages_per_block, shape.prefill_work_chunk,
+             chunk),
+        ):
+            if tiles == 0:
+                continue
+            out = out + ragged_paged_attention(
+                q, k_pool, v_pool, layer, batch.block_tables, batch.q_starts,
+                jnp.where(rows, batch.q_lens, 0), jnp.where(rows, batch.kv_lens, 0),
+                num_tiles=tiles, tile_q=tile_q, pages_per_block=ppb, work_chunk=work_chunk, **options,
+            )
+        return out
+    if shape.decode_tiles:
+        out = _padded(out, q, k_pool, v_pool, layer, batch, jnp.arange(decode.shape[0]), decode, 1, impl, options)
+    if shape.prefill_tiles:
+        # The chunks' rows in row order; entries past their count are row 0, masked out.
+        n = shape.max_prefill_chunks
+        rows = jnp.nonzero(chunk, size=n, fill_value=0)[0]
+        mine = jnp.arange(n) < jnp.sum(chunk)
+        out = _padded(out, q, k_pool, v_pool, layer, batch, rows, mine, shape.num_tokens, impl, options)
     return out
+
+
+def _padded(out, q, k_pool, v_pool, layer, batch, rows, mine, width, impl, options):
+    """One class of a flat batch through the padded ``[B, width]`` kernels:
+    gather the query rows of sequences ``rows`` (i32[B]; only where ``mine``)
+    into ``[B, width, N, H]``, attend, add into ``out``'s rows."""
+    from paged_jax.attention import paged_attention
+
+    t_total = q.shape[0]
+    q_lens = jnp.where(mine, batch.q_lens[rows], 0)
+    kv_lens = jnp.where(mine, batch.kv_lens[rows], 0)
+    t = jnp.arange(width, dtype=jnp.int32)[None, :]
+    src = batch.q_starts[rows][:, None] + t  # [B, width] flat rows
+    real = t < q_lens[:, None]
+    qp = q[jnp.where(real, src, 0)]  # [B, width, N, H]
+    o = paged_attention(qp, k_pool[layer], v_pool[layer], batch.block_tables[rows], kv_lens, q_lens, impl=impl,
+                        **options)
+    dest = jnp.where(real, src, t_total).reshape(-1)
+    return out.at[dest].add(o.reshape(-1, *o.shape[2:]).astype(out.dtype), mode="drop")

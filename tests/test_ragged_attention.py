@@ -207,3 +207,26 @@ def test_batch_shape_refuses_too_many_chunks_and_empty_batches():
         Tiling(prefill_tile_q=0)
     shape = batch_shape([1] * 5 + [0] * 3, num_seq_rows=8)
     assert shape == BatchShape(num_tokens=16, num_logits=8, decode_tiles=8, prefill_tiles=0)
+
+
+@pytest.mark.parametrize("impl", ["pallas_ragged", "pallas_gpu", "xla_loop"])
+def test_kernels_on_the_flat_batch_match_oracle(impl):
+    """The Pallas kernels (interpret mode here) serve a flat batch through
+    its padded view: decode rows as [S, 1], chunks as [max_chunks, T]."""
+    q, k, v, bt, qs, ql, kl = make_case(*MIXED, seed=6, pages_per_seq=16)
+    tiling = Tiling(min_tokens=8, max_prefill_chunks=4)
+    shape = batch_shape(ql, num_seq_rows=len(ql), tiling=tiling)
+    n = int(ql.sum())
+    qpad = np.zeros((shape.num_tokens, *q.shape[1:]), np.float32)
+    qpad[:n] = q[:n]
+    z = jnp.zeros(shape.num_tokens, jnp.int32)
+    batch = RaggedBatch(tokens=z, positions=z, slots=z, block_tables=jnp.asarray(bt), q_starts=jnp.asarray(qs),
+                        q_lens=jnp.asarray(ql), kv_lens=jnp.asarray(kl), logits_rows=jnp.zeros(1, jnp.int32),
+                        shape=shape)
+    got = np.asarray(jax.jit(functools.partial(attend, impl=impl))(
+        jnp.asarray(qpad), jnp.asarray(k), jnp.asarray(v), 1, batch))
+    want = oracle(q, k[1], v[1], bt, qs, ql, kl)
+    np.testing.assert_allclose(got[:n], want[:n], atol=2e-5, rtol=2e-5)
+    assert np.all(got[n:] == 0)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        attend(jnp.asarray(qpad), jnp.asarray(k), jnp.asarray(v), 1, batch, impl="cuda-magic")
