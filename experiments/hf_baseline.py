@@ -67,7 +67,7 @@ def hf_generate(requests, *, batch_size: int, pad_id: int, threads: int = 2) -> 
 
 
 def parse_args(argv=None):
-    from experiments.serve_sharegpt import add_compile_cache_args, check_out_dir
+    from experiments.serve_sharegpt import add_compile_cache_args, check_compile_cache, check_out_dir
 
     p = argparse.ArgumentParser(prog="python -m experiments.hf_baseline", description=__doc__.split("\n\n")[0])
     p.add_argument("--num-requests", type=int, default=48, help="ShareGPT requests (default 48, as the demo)")
@@ -81,6 +81,7 @@ def parse_args(argv=None):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     check_out_dir(p, args.out)
+    check_compile_cache(p, args)
     return args
 
 

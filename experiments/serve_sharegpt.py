@@ -301,7 +301,8 @@ def add_compile_cache_args(p: argparse.ArgumentParser) -> None:
 
 
 def setup_compile_cache(args) -> str:
-    """Applies the compile-cache flags; returns a line saying what was done."""
+    """Applies the compile-cache flags (checked by :func:`check_compile_cache`);
+    returns a line saying what was done."""
     if args.no_compile_cache:
         return "persistent compilation cache: off"
     enable_persistent_cache(args.compile_cache)
@@ -335,19 +336,25 @@ def parse_args(argv=None):
             f"maximum-length request ({MAX_SEQ_LEN} tokens), got {args.kv_budget_tokens}"
         )
     check_out_dir(p, args.out)
+    check_compile_cache(p, args)
     return args
 
 
-def check_out_dir(p: argparse.ArgumentParser, out: pathlib.Path) -> None:
-    """Fails now, not after minutes of serving, when ``--out`` cannot be
-    written."""
+def check_out_dir(p: argparse.ArgumentParser, out: pathlib.Path, flag: str = "--out") -> None:
+    """Fails now, not after minutes of serving, when the folder a flag names
+    cannot be created or written."""
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".write_test"
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        p.error(f"--out {str(out)!r} is not a writable folder: {e}")
+        p.error(f"{flag} {str(out)!r} is not a writable folder: {e}")
+
+
+def check_compile_cache(p: argparse.ArgumentParser, args) -> None:
+    if not args.no_compile_cache:
+        check_out_dir(p, args.compile_cache.expanduser(), "--compile-cache")
 
 
 def main(argv=None) -> list[ServeResult]:
@@ -390,7 +397,7 @@ def main(argv=None) -> list[ServeResult]:
     summary = (
         f"{len(requests)} ShareGPT requests, outputs capped at {args.max_output_len} tokens, "
         f"KV budget {results[0].kv_budget_tokens} tokens, page size {args.page_size}, max {args.max_seqs} "
-        f"running, {args.max_batched_tokens} tokens per model call; {machine()}, f32.\n"
+        f"running, {max(args.max_batched_tokens, args.max_seqs)} tokens per model call; {machine()}, f32.\n"
         f"Greedy outputs identical in both modes for {same}/{len(requests)} requests. "
         f"{num_traces(paged_model)} step programs traced over both modes, "
         f"{sum(r.compiled for r in results)} compiled by XLA (the rest came from the persistent cache)."

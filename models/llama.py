@@ -302,12 +302,7 @@ def _validate(config: LlamaConfig, tokens, kv: KVPool, block_tables, kv_lens, q_
     for name, x in (("kv_lens", kv_lens), ("q_lens", q_lens)):
         if x.shape != (batch,):
             raise ValueError(f"{name} must have shape ({batch},), got {x.shape}")
-    want = (config.num_layers, config.num_kv_heads, config.head_dim)
-    got = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
-    if got != want:
-        raise ValueError(
-            f"kv pool must have (num_layers, num_kv_heads, head_dim)={want} for this model, got {got}"
-        )
+    _check_pool(config, kv)
 
 
 def _run_layers(model: Llama, x, cos, sin, kv: KVPool, slots, attend) -> tuple[jax.Array, KVPool]:
@@ -332,6 +327,13 @@ def _logits(model: Llama, x: jax.Array) -> jax.Array:
     """[..., D] final hidden states -> f32[..., V] logits."""
     x = model.final_norm(x)
     return jnp.einsum("...D,VD->...V", x, model.output_weight()).astype(jnp.float32)
+
+
+def _check_pool(config: LlamaConfig, kv: KVPool) -> None:
+    want = (config.num_layers, config.num_kv_heads, config.head_dim)
+    got = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
+    if got != want:
+        raise ValueError(f"kv pool must have (num_layers, num_kv_heads, head_dim)={want} for this model, got {got}")
 
 
 def forward(
@@ -427,10 +429,7 @@ def forward_ragged(model: Llama, batch: RaggedBatch, kv: KVPool, *, impl: str = 
       ValueError: a pool that does not fit the model; an unknown ``impl``.
     """
     config = model.config
-    want = (config.num_layers, config.num_kv_heads, config.head_dim)
-    got = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
-    if got != want:
-        raise ValueError(f"kv pool must have (num_layers, num_kv_heads, head_dim)={want} for this model, got {got}")
+    _check_pool(config, kv)
     positions = batch.positions[None, :]  # [1, T]
     cos, sin = rope_angles(positions, config.head_dim, config.rope_theta)  # [1, T, H/2]
     x = model.embed[...][batch.tokens][None]  # [1, T, D]
@@ -454,6 +453,8 @@ class RaggedModel:
     """
 
     def __init__(self, model: Llama, *, impl: str = "auto"):
+        if not isinstance(model, Llama):
+            raise ValueError(f"model must be a models.llama.Llama, got a {type(model).__name__}")
         if impl not in paged_attn.IMPLS:
             raise ValueError(f"impl must be one of {paged_attn.IMPLS}, got {impl=!r}")
         self.config: LlamaConfig = model.config
@@ -463,6 +464,11 @@ class RaggedModel:
 
     def apply(self, params, batch: RaggedBatch, kv: KVPool) -> tuple[jax.Array, KVPool]:
         return forward_ragged(nnx.merge(self._graphdef, params), batch, kv, impl=self.impl)
+
+    def check_kv_pool(self, kv: KVPool) -> None:
+        """Raises ValueError unless ``kv`` fits this model (layers, KV heads,
+        head dim)."""
+        _check_pool(self.config, kv)
 
 
 def weight_matmuls(model: Llama, x: jax.Array, num_logits: int) -> jax.Array:

@@ -68,6 +68,8 @@ class Tiling:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             check_int(f.name, getattr(self, f.name))
+        if self.min_tokens & (self.min_tokens - 1):
+            raise ValueError(f"min_tokens must be a power of two, got min_tokens={self.min_tokens}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,6 +96,10 @@ class BatchShape:
         check_int("num_logits", self.num_logits)
         check_int("decode_tiles", self.decode_tiles, 0)
         check_int("prefill_tiles", self.prefill_tiles, 0)
+        if not isinstance(self.tiling, Tiling):
+            raise ValueError(f"tiling must be a Tiling, got tiling={self.tiling!r}")
+        if self.num_logits > self.num_tokens:
+            raise ValueError(f"num_logits={self.num_logits} exceeds num_tokens={self.num_tokens}")
 
     def __getattr__(self, name):  # the tiling's fields read through
         if name.startswith("__"):
@@ -145,11 +151,25 @@ def batch_shape(q_lens, *, num_seq_rows: int, tiling: Tiling = Tiling()) -> Batc
       tiling: tile and block sizes.
 
     Raises:
-      ValueError: more than ``tiling.max_prefill_chunks`` chunks of 2 or
-        more tokens, or no token at all.
+      ValueError: ``q_lens`` not a 1-D array of integers >= 0 with at most
+        ``num_seq_rows`` entries; more than ``tiling.max_prefill_chunks``
+        chunks of 2 or more tokens; no token at all; more tokens than int32
+        positions can index.
     """
-    q_lens = np.asarray(q_lens, np.int64)
+    check_int("num_seq_rows", num_seq_rows)
+    if not isinstance(tiling, Tiling):
+        raise ValueError(f"tiling must be a Tiling, got tiling={tiling!r}")
+    q_lens = np.asarray(q_lens)
+    if q_lens.ndim != 1 or not (np.issubdtype(q_lens.dtype, np.integer) or q_lens.size == 0):
+        raise ValueError(f"q_lens must be a 1-D array of integers, got shape {q_lens.shape} dtype {q_lens.dtype}")
+    if len(q_lens) > num_seq_rows:
+        raise ValueError(f"q_lens has {len(q_lens)} entries, more than num_seq_rows={num_seq_rows}")
+    if (q_lens < 0).any():
+        raise ValueError(f"q_lens must be >= 0, got {q_lens.tolist()}")
+    q_lens = q_lens.astype(np.int64)
     total = int(q_lens.sum())
+    if total >= 2**31 // 2:
+        raise ValueError(f"q_lens sum to {total} tokens, more than a call can index (int32)")
     if total < 1:
         raise ValueError("a batch needs at least one token, got q_lens summing to 0")
     chunks = int((q_lens > 1).sum())

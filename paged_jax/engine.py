@@ -349,7 +349,8 @@ class Engine:
 
     Args:
       model: a :class:`PagedModel` (``models.llama.RaggedModel``). Engines
-        of the same model object share compiled programs.
+        of the same model object share compiled programs. If it has
+        ``check_kv_pool(pool)``, the pool is checked against it here.
       kv_pool: the KV pool the model reads and writes; its ``num_pages`` and
         ``page_size`` define the page state. The engine owns it from now on
         (the step donates it).
@@ -360,9 +361,10 @@ class Engine:
 
     Raises:
       ValueError: the pool cannot hold one sequence of ``config.max_seq_len``
-        tokens (then no schedule could finish a long request); a bad
-        ``vocab_size`` or ``stop_ids``; a model without ``params`` and
-        ``apply``.
+        tokens (then no schedule could finish a long request), or does not
+        fit the model; a bad ``vocab_size`` (or one above the model's) or
+        ``stop_ids``; a model without ``params`` and ``apply``.
+      RuntimeError: (from :meth:`step`) the engine failed in an earlier step.
     """
 
     def __init__(
@@ -375,7 +377,14 @@ class Engine:
         vocab_size: int | None = None,
     ):
         if not (hasattr(model, "params") and callable(getattr(model, "apply", None))):
-            raise ValueError(f"model must have params and apply(params, batch, kv) (a PagedModel), got {model!r}")
+            raise ValueError(
+                f"model must have params and apply(params, batch, kv) (a PagedModel such as "
+                f"models.llama.RaggedModel), got a {type(model).__name__}"
+            )
+        if not isinstance(kv_pool, KVPool):
+            raise ValueError(f"kv_pool must be a paged_jax.kv_cache.KVPool, got a {type(kv_pool).__name__}")
+        if not isinstance(config, EngineConfig):
+            raise ValueError(f"config must be an EngineConfig, got a {type(config).__name__}")
         page_size = kv_pool.page_size
         usable = (kv_pool.num_pages - 1) * page_size
         if usable < config.max_seq_len:
@@ -386,10 +395,19 @@ class Engine:
         self.model = model
         self.kv = kv_pool
         self.config = config
+        model_vocab = getattr(model, "vocab_size", None)
         if vocab_size is None:
-            vocab_size = getattr(model, "vocab_size", None)
-        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
-            raise ValueError(f"vocab_size must be None or an int >= 1, got vocab_size={vocab_size!r}")
+            vocab_size = model_vocab
+        if vocab_size is not None:
+            if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1:
+                raise ValueError(f"vocab_size must be None or an int >= 1, got vocab_size={vocab_size!r}")
+            vocab_size = int(vocab_size)
+            if model_vocab is not None and vocab_size > model_vocab:
+                # An id past the embedding would be clamped by the lookup: a silent wrong token.
+                raise ValueError(f"vocab_size={vocab_size} exceeds the model's vocabulary of {model_vocab} tokens")
+        check_pool = getattr(model, "check_kv_pool", None)
+        if check_pool is not None:
+            check_pool(kv_pool)
         self.vocab_size = vocab_size
         stop_ids = list(stop_ids) if isinstance(stop_ids, (list, tuple, set, frozenset, range)) else stop_ids
         if not isinstance(stop_ids, list):
@@ -414,6 +432,7 @@ class Engine:
         self._to_free = np.zeros(config.max_seqs, bool)  # freed by the next call
         self._inflight: _InFlight | None = None  # the dispatched call not yet read
         self._no_prev = jnp.zeros(config.max_seqs, jnp.int32)
+        self._failed: BaseException | None = None
         self.stats = EngineStats()
         self._ids: set = set()
         self._t0: float | None = None
@@ -525,7 +544,28 @@ class Engine:
         this one's, and do the bookkeeping.
 
         Returns the requests that finished in it.
+
+        Raises:
+          RuntimeError: an earlier step failed (an exception, or an
+            interrupt, inside a device call leaves the host's plan and the
+            device's state apart, and tokens in flight lost): the engine
+            refuses to go on rather than compute wrong answers or spin.
+            Make a new one.
         """
+        if self._failed is not None:
+            raise RuntimeError(
+                f"this engine failed in an earlier step ({type(self._failed).__name__}: {self._failed}); "
+                "its state is no longer consistent, make a new Engine"
+            ) from self._failed
+        try:
+            return self._step()
+        except BaseException as e:
+            self._failed = e
+            raise
+
+    def _step(self) -> list[RequestOutput]:
+        if not self.has_unfinished():
+            return []
         if self._t0 is None:
             self._t0 = time.perf_counter()
         t_start = time.perf_counter()

@@ -74,7 +74,8 @@ def init_kv_pool(
 
     Raises:
       ValueError: a size that is not a positive int (``num_pages`` >= 2: the
-        null page plus one usable page).
+        null page plus one usable page), or a dtype that is not floating
+        (K and V would be truncated silently).
     """
     for name, value, low in (
         ("num_layers", num_layers, 1),
@@ -84,6 +85,8 @@ def init_kv_pool(
         ("head_dim", head_dim, 1),
     ):
         check_int(name, value, low)
+    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise ValueError(f"dtype must be a floating dtype (float32, bfloat16, float16), got dtype={jnp.dtype(dtype)}")
     shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
     return KVPool(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 

@@ -325,14 +325,28 @@ def extend(state: PageState, num_new, min_pages=0) -> tuple[PageState, jax.Array
       when the pool is short.
 
     Raises:
-      ValueError: ``num_new`` not an integer array of shape (max_seqs,);
-        (eager calls) a negative entry, or a sequence that would pass
-        ``max_seq_len`` tokens.
+      ValueError: ``num_new`` not an integer array of shape (max_seqs,), or
+        ``min_pages`` not an integer (array); (eager calls) a negative
+        entry, a sequence that would pass ``max_seq_len`` tokens, or
+        ``min_pages`` outside ``[0, max_pages_per_seq]``.
     """
     shape, dtype = getattr(num_new, "shape", None), getattr(num_new, "dtype", None)
     if shape != (state.max_seqs,) or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
         raise ValueError(f"num_new must be int[max_seqs={state.max_seqs}], got shape {shape} dtype {dtype}")
+    if isinstance(min_pages, bool) or not (
+        isinstance(min_pages, (int, np.integer))
+        or (hasattr(min_pages, "dtype") and jnp.issubdtype(min_pages.dtype, jnp.integer)
+            and getattr(min_pages, "shape", None) in ((), (state.max_seqs,)))
+    ):
+        raise ValueError(
+            f"min_pages must be an int or int[max_seqs={state.max_seqs}], got {min_pages!r:.80}"
+        )
     if not _is_traced(state, num_new, min_pages):
+        m = np.asarray(min_pages)
+        if (m < 0).any() or (m > state.max_pages_per_seq).any():
+            raise ValueError(
+                f"min_pages must be in [0, max_pages_per_seq={state.max_pages_per_seq}], got {m.tolist()}"
+            )
         n = np.asarray(num_new)
         if (n < 0).any():
             raise ValueError(f"num_new must be >= 0, got {n.tolist()}")
@@ -414,8 +428,9 @@ def unchecked_extend(
 
     Returns:
       ``(state, ok, cow_src, cow_dst)``: ``ok`` is False when the pool has too
-      few free pages for all of it at once, or a sequence would pass
-      ``max_seq_len`` tokens or ``max_pages_per_seq`` pages; the state is
+      few free pages for all of it at once, or (arguments only :func:`extend`
+      checks) a sequence would pass ``max_seq_len`` tokens or
+      ``max_pages_per_seq`` pages, or ``num_new`` is negative; the state is
       then unchanged. ``cow_src, cow_dst``: i32[max_seqs] page copies to
       make, ``NO_PAGE`` where none.
     """
@@ -436,6 +451,7 @@ def unchecked_extend(
     need = grow + cow.astype(jnp.int32)
     pages, valid, ok, head, num_free = _pop_pages(state, need, width=max_pages + 1)
     ok &= ~jnp.any(active & (state.seq_lens + num_new > state.max_seq_len))
+    ok &= ~jnp.any(num_new < 0)  # under jit nothing else catches it
     ok &= ~jnp.any(state.num_seq_pages + grow > max_pages)
     # Column of each popped page: a copy replaces column ``idx``; growth
     # appends after the pages held.

@@ -49,6 +49,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax.checks import check_int
+from pallas_kernels import common
+
 
 def _cdiv(a, b):
     return (a + b - 1) // b
@@ -140,7 +143,17 @@ def ragged_paged_attention(
 
     Returns:
       [T, N, H] in ``q.dtype``, computed in f32; zeros in padding rows.
+
+    Raises:
+      ValueError: shapes that do not fit each other, a static size below 1,
+        options that are not positive; when the lengths are concrete (not
+        traced): a negative length, ``q_lens > kv_lens``, sequences whose
+        rows overlap or pass ``T``, or ``num_tiles`` below
+        :func:`count_work`'s (work would be dropped).
     """
+    _validate(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, num_tiles=num_tiles, tile_q=tile_q,
+              pages_per_block=pages_per_block, work_chunk=work_chunk, sliding_window=sliding_window)
+    common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
     t_total, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_pool.shape[1], k_pool.shape[3]
     group = num_q_heads // num_kv_heads
@@ -242,6 +255,51 @@ def ragged_paged_attention(
     return out.astype(q.dtype)
 
 
+def _validate(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, *, num_tiles, tile_q,
+              pages_per_block, work_chunk, sliding_window) -> None:
+    for name, value in (("num_tiles", num_tiles), ("tile_q", tile_q), ("pages_per_block", pages_per_block),
+                        ("work_chunk", work_chunk)):
+        check_int(name, value)
+    if getattr(q, "ndim", None) != 3:
+        raise ValueError(f"q must be [T, num_q_heads, head_dim], got shape {getattr(q, 'shape', q)}")
+    if getattr(k_pool, "ndim", None) != 5 or getattr(v_pool, "shape", None) != k_pool.shape:
+        raise ValueError(
+            "k_pool and v_pool must both be [layers, K, P, L, H], got shapes "
+            f"{getattr(k_pool, 'shape', k_pool)} and {getattr(v_pool, 'shape', v_pool)}"
+        )
+    if q.shape[2] != k_pool.shape[4] or q.shape[1] % k_pool.shape[1]:
+        raise ValueError(f"q {q.shape} does not fit the pool {k_pool.shape}: head dims differ, or query heads "
+                         "are not a multiple of KV heads")
+    num_seqs = getattr(q_lens, "shape", (None,))[0]
+    for name, x in (("q_starts", q_starts), ("q_lens", q_lens), ("kv_lens", kv_lens)):
+        if getattr(x, "shape", None) != (num_seqs,) or not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer [S={num_seqs}] array, got {getattr(x, 'shape', x)}")
+    if getattr(block_tables, "ndim", None) != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must be [S={num_seqs}, pages_per_seq], got {getattr(block_tables, 'shape', None)}")
+    concrete = not any(isinstance(x, jax.core.Tracer) for x in (layer, q_starts, q_lens, kv_lens))
+    if not concrete:
+        return
+    layer = int(layer)
+    if not 0 <= layer < k_pool.shape[0]:
+        raise ValueError(f"layer must be in [0, {k_pool.shape[0]}), got layer={layer}")
+    ql, kl, qs = np.asarray(q_lens), np.asarray(kv_lens), np.asarray(q_starts)
+    if (ql < 0).any() or (kl < 0).any():
+        raise ValueError(f"lengths must be >= 0, got q_lens={ql.tolist()} kv_lens={kl.tolist()}")
+    bad = np.flatnonzero(ql > kl)
+    if bad.size:
+        raise ValueError(f"q_lens > kv_lens in rows {bad.tolist()}: {ql[bad].tolist()} > {kl[bad].tolist()}")
+    live = np.flatnonzero(ql > 0)
+    order = live[np.argsort(qs[live])]
+    ends = qs[order] + ql[order]
+    if live.size and (qs[order][0] < 0 or ends[-1] > q.shape[0] or (qs[order][1:] < ends[:-1]).any()):
+        raise ValueError(f"sequences' query rows overlap or pass T={q.shape[0]}: q_starts={qs.tolist()} "
+                         f"q_lens={ql.tolist()}")
+    need, _ = count_work(np.minimum(ql, kl), kl, tile_q=tile_q, block_tokens=pages_per_block * k_pool.shape[3],
+                         sliding_window=sliding_window)
+    if num_tiles < need:
+        raise ValueError(f"num_tiles={num_tiles} is below the {need} tiles these lengths need (work would be dropped)")
+
+
 def attend(
     q: jax.Array,  # [T, N, H]
     k_pool: jax.Array,  # [layers, K, P, L, H]
@@ -274,12 +332,17 @@ def attend(
       [T, N, H] in ``q.dtype``; zeros in padding rows.
 
     Raises:
-      ValueError: an unknown ``impl``.
+      ValueError: an unknown ``impl``; options that are not positive.
     """
     from paged_jax.attention import IMPLS
 
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl=!r}")
+    unknown = set(options) - {"scale", "soft_cap", "sliding_window"}
+    if unknown:
+        raise ValueError(f"unknown attention options {sorted(unknown)}; expected scale, soft_cap, sliding_window")
+    common.validate_options(scale=options.get("scale"), soft_cap=options.get("soft_cap"),
+                            sliding_window=options.get("sliding_window"))
     if impl == "auto" and jax.default_backend() == "cpu":
         impl = "xla"
     shape = batch.shape

@@ -309,3 +309,67 @@ def test_bad_engine_config(kwargs, needle):
 def test_bad_sampling_params(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         SamplingParams(**kwargs)
+
+
+class FailingModel(ToyModel):
+    """Raises inside the device call once its ``fail_at``-th trace comes."""
+
+    def __init__(self, params, fail_at):
+        super().__init__(params)
+        self.fail_at = fail_at
+
+    def apply(self, params, batch, kv):
+        if len(self.traces) + 1 == self.fail_at:
+            self.traces.append(None)
+            raise RuntimeError("boom")
+        return super().apply(params, batch, kv)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_failed_step_poisons_the_engine_instead_of_hanging(overlap):
+    """An exception inside a device call leaves the host plan and the device
+    apart: every later step refuses, naming the first failure, and run()
+    ends instead of spinning."""
+    engine = Engine(FailingModel(toy_params(), fail_at=2), toy_pool(60, 4),
+                    EngineConfig(max_seqs=4, max_seq_len=80, max_num_batched_tokens=8, async_scheduling=overlap),
+                    vocab_size=VOCAB)
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.run(toy_requests(3, seed=2))
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="failed in an earlier step .*boom"):
+            engine.step()
+    with pytest.raises(RuntimeError, match="make a new Engine"):
+        engine.run()
+
+
+def test_engine_refuses_a_pool_or_vocabulary_that_does_not_fit_the_model():
+    from flax import nnx
+
+    from models.llama import Llama, LlamaConfig, RaggedModel
+
+    cfg = LlamaConfig(vocab_size=97, model_dim=32, mlp_dim=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=8)
+    model = RaggedModel(Llama(cfg, rngs=nnx.Rngs(0)))
+    config = EngineConfig(max_seqs=4, max_seq_len=64, max_num_batched_tokens=16)
+    bad_pool = init_kv_pool(num_layers=2, num_kv_heads=2, num_pages=40, page_size=4, head_dim=16)
+    with pytest.raises(ValueError, match=r"\(num_layers, num_kv_heads, head_dim\)=\(2, 2, 8\)"):
+        Engine(model, bad_pool, config)
+    with pytest.raises(ValueError, match="vocab_size=1000 exceeds the model's vocabulary of 97"):
+        Engine(model, cfg.make_kv_pool(40, 4), config, vocab_size=1000)
+    with pytest.raises(ValueError, match="kv_pool must be a"):
+        Engine(model, None, config)
+    with pytest.raises(ValueError, match="config must be an EngineConfig"):
+        Engine(model, cfg.make_kv_pool(40, 4), dict(max_seqs=4))
+    with pytest.raises(ValueError, match="floating dtype"):
+        cfg.make_kv_pool(40, 4, dtype=jnp.int32)
+    assert Engine(model, cfg.make_kv_pool(40, 4), config, vocab_size=np.int64(50)).vocab_size == 50
+
+
+def test_cli_refuses_an_unusable_compile_cache(tmp_path):
+    from experiments.serve_sharegpt import parse_args
+
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    with pytest.raises(SystemExit):
+        parse_args(["--compile-cache", str(not_a_dir), "--out", str(tmp_path)])
+    args = parse_args(["--compile-cache", str(not_a_dir), "--no-compile-cache", "--out", str(tmp_path)])
+    assert args.no_compile_cache

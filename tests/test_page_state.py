@@ -263,3 +263,16 @@ def test_extend_reservation_and_bad_input(state):
         ps.extend(state, jnp.asarray([-1, 0, 0], jnp.int32))
     with pytest.raises(ValueError, match="would pass max_seq_len=16"):
         ps.extend(state, jnp.asarray([16, 0, 0], jnp.int32))
+
+
+def test_extend_checks_min_pages_and_negative_growth_under_jit(state):
+    n = jnp.asarray([1, 0, 0], jnp.int32)
+    for bad, needle in (("2", "min_pages must be an int"), (2.9, "min_pages must be an int"),
+                        (True, "min_pages must be an int"), (jnp.asarray([1, 2], jnp.int32), "min_pages must be"),
+                        (-1, r"min_pages must be in \[0, max_pages_per_seq=4\]"),
+                        (5, r"min_pages must be in \[0, max_pages_per_seq=4\]")):
+        with pytest.raises(ValueError, match=needle):
+            ps.extend(state, n, bad)
+    state, ok, _, _ = ps.extend(state, jnp.asarray([5, 0, 0], jnp.int32))
+    _, ok, _, _ = jax.jit(ps.extend)(state, jnp.asarray([-3, 0, 0], jnp.int32))
+    assert not bool(ok)  # a shrink under jit is refused, not applied

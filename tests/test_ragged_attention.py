@@ -230,3 +230,54 @@ def test_kernels_on_the_flat_batch_match_oracle(impl):
     assert np.all(got[n:] == 0)
     with pytest.raises(ValueError, match="impl must be one of"):
         attend(jnp.asarray(qpad), jnp.asarray(k), jnp.asarray(v), 1, batch, impl="cuda-magic")
+
+
+def test_bad_inputs_are_refused_with_names():
+    q, k, v, bt, qs, ql, kl = make_case(*MIXED)
+    args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), 1, jnp.asarray(bt), jnp.asarray(qs))
+    ok = dict(num_tiles=40, tile_q=1, pages_per_block=1, work_chunk=4)
+    with pytest.raises(ValueError, match="num_tiles=2 is below the"):
+        ragged_paged_attention(*args, jnp.asarray(ql), jnp.asarray(kl), **{**ok, "num_tiles": 2})
+    for name in ("tile_q", "work_chunk", "pages_per_block", "num_tiles"):
+        with pytest.raises(ValueError, match=name):
+            ragged_paged_attention(*args, jnp.asarray(ql), jnp.asarray(kl), **{**ok, name: 0})
+    bad = ql.copy()
+    bad[0] = 2  # kv_lens[0] = 1
+    with pytest.raises(ValueError, match=r"q_lens > kv_lens in rows \[0\]"):
+        ragged_paged_attention(*args, jnp.asarray(bad), jnp.asarray(kl), **ok)
+    neg = kl.copy()
+    neg[0] = -3
+    with pytest.raises(ValueError, match="lengths must be >= 0"):
+        ragged_paged_attention(*args, jnp.asarray(ql), jnp.asarray(neg), **ok)
+    with pytest.raises(ValueError, match="layer must be in"):
+        ragged_paged_attention(*args[:3], 5, *args[4:], jnp.asarray(ql), jnp.asarray(kl), **ok)
+    with pytest.raises(ValueError, match="q_starts must be"):
+        ragged_paged_attention(*args[:5], jnp.asarray(qs[:3]), jnp.asarray(ql), jnp.asarray(kl), **ok)
+    with pytest.raises(ValueError, match="k_pool and v_pool"):
+        ragged_paged_attention(args[0], args[1], args[2][:, :, :3], *args[3:], jnp.asarray(ql), jnp.asarray(kl), **ok)
+    with pytest.raises(ValueError, match="soft_cap"):
+        ragged_paged_attention(*args, jnp.asarray(ql), jnp.asarray(kl), **ok, soft_cap=0.0)
+    shape = batch_shape(ql, num_seq_rows=len(ql))
+    z = jnp.zeros(shape.num_tokens, jnp.int32)
+    batch = RaggedBatch(tokens=z, positions=z, slots=z, block_tables=jnp.asarray(bt), q_starts=jnp.asarray(qs),
+                        q_lens=jnp.asarray(ql), kv_lens=jnp.asarray(kl), logits_rows=jnp.zeros(1, jnp.int32),
+                        shape=shape)
+    qpad = jnp.zeros((shape.num_tokens, *q.shape[1:]))
+    for options, needle in ((dict(sliding_window=0), "sliding_window"), (dict(soft_cap=0.0), "soft_cap"),
+                            (dict(scale=-1.0), "scale"), (dict(windw=3), "unknown attention options")):
+        with pytest.raises(ValueError, match=needle):
+            attend(qpad, jnp.asarray(k), jnp.asarray(v), 1, batch, impl="xla", **options)
+
+
+def test_batch_shape_refuses_bad_lengths():
+    for q_lens, needle in (([100, -90], "q_lens must be >= 0"), ([2.7, 1.5], "1-D array of integers"),
+                           ([[1, 2]], "1-D array of integers"), ([1] * 5, "more than num_seq_rows=2"),
+                           ([2**31], "more than a call can index")):
+        with pytest.raises(ValueError, match=needle):
+            batch_shape(q_lens, num_seq_rows=2)
+    with pytest.raises(ValueError, match="num_seq_rows"):
+        batch_shape([1], num_seq_rows=0)
+    with pytest.raises(ValueError, match="tiling must be"):
+        batch_shape([1], num_seq_rows=2, tiling=None)
+    with pytest.raises(ValueError, match="min_tokens must be a power of two"):
+        Tiling(min_tokens=3)
