@@ -42,6 +42,8 @@ def hf_generate(requests, *, batch_size: int, pad_id: int, threads: int = 2) -> 
     from models.gguf_loader import smollm2_gguf_path
 
     torch.set_num_threads(threads)
+    if not sys.stderr.isatty():  # no progress bars in logs
+        transformers.utils.logging.disable_progress_bar()
     path = pathlib.Path(smollm2_gguf_path())
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
@@ -69,7 +71,7 @@ def hf_generate(requests, *, batch_size: int, pad_id: int, threads: int = 2) -> 
 def parse_args(argv=None):
     from experiments.serve_sharegpt import add_compile_cache_args, check_compile_cache, check_out_dir
 
-    p = argparse.ArgumentParser(prog="python -m experiments.hf_baseline", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.hf_baseline", description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("--num-requests", type=int, default=48, help="ShareGPT requests (default 48, as the demo)")
     p.add_argument("--max-output-len", type=int, default=48, help="cap on output tokens (default 48, as the demo)")
     p.add_argument("--batch-size", type=int, default=8, help="static batch of transformers generate() (default 8)")

@@ -68,9 +68,9 @@ class ServeResult:
     weight matmuls alone at the same calls' padded token counts, measured in
     the same run (``models.llama.weight_matmuls``); ``padding``: the share of
     token rows that were padding; ``host_s``: the engine's time outside model
-    calls; ``programs``: distinct step shapes; ``compiled``: programs XLA
-    built in this mode (0 when the persistent cache or the other mode had
-    them)."""
+    calls; ``programs``: distinct step shapes; ``compiled``: XLA
+    compilations during this mode, of any jitted function (the step, the
+    page-state free at the end, ...), not served by the persistent cache."""
 
     mode: str
     requests: int
@@ -399,8 +399,9 @@ def main(argv=None) -> list[ServeResult]:
         f"KV budget {results[0].kv_budget_tokens} tokens, page size {args.page_size}, max {args.max_seqs} "
         f"running, {max(args.max_batched_tokens, args.max_seqs)} tokens per model call; {machine()}, f32.\n"
         f"Greedy outputs identical in both modes for {same}/{len(requests)} requests. "
-        f"{num_traces(paged_model)} step programs traced over both modes, "
-        f"{sum(r.compiled for r in results)} compiled by XLA (the rest came from the persistent cache)."
+        f"{num_traces(paged_model)} step programs traced over both modes; XLA compiled "
+        f"{sum(r.compiled for r in results)} programs of any kind (step, page-state frees, ...) that the "
+        f"persistent cache did not have."
     )
     print("\n" + table + "\n\n" + ratios + "\n\n" + summary)
     args.out.mkdir(parents=True, exist_ok=True)
