@@ -82,6 +82,7 @@ def ref_paged_attention(
     """
     validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens)
     common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    kv_lens, q_lens = common.checked_lengths(block_tables, k_pages.shape[2], kv_lens, q_lens)
     return _ref_paged_attention(
         q, k_pages, v_pages, block_tables, kv_lens, q_lens,
         scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
@@ -231,12 +232,16 @@ def paged_attention(
 
     Raises:
       ValueError: unknown ``impl``, or inputs that fail
-        :func:`validate_inputs` / ``pallas_kernels.common.validate_inputs``.
+        :func:`validate_inputs` / ``pallas_kernels.common.validate_inputs``;
+        (eager calls) lengths past a row's block table or ``q_lens >
+        kv_lens`` (``pallas_kernels.common.checked_lengths``; under ``jit``
+        they are clamped, so no row reads another's pages).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl=!r}")
     validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales)
     common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    kv_lens, q_lens = common.checked_lengths(block_tables, k_pages.shape[2], kv_lens, q_lens)
     if impl == "auto":
         impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "xla")
     options = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)

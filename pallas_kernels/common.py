@@ -142,6 +142,49 @@ def validate_inputs(
             raise ValueError(f"{name} must be int32, got dtype {x.dtype}")
 
 
+def checked_lengths(block_tables: jax.Array, page_size: int, kv_lens: jax.Array, q_lens: jax.Array | None = None):
+    """Lengths that can never walk past a row's block table.
+
+    A kernel walks ``ceil(kv_lens[b] / page_size)`` entries of row ``b``'s
+    table; a length beyond the row would step into entries the row does not
+    own, and on a GPU nothing stops that read: another sequence's pages
+    (the cross-request read that had paged attention removed from MaxText).
+
+    Args:
+      block_tables: i32[B, pages_per_seq].
+      page_size: L.
+      kv_lens: i32[B].
+      q_lens: i32[B] or None (decode).
+
+    Returns:
+      ``(kv_lens, q_lens)`` clamped to ``[0, pages_per_seq * L]`` and
+      ``[0, kv_lens]``: what every implementation uses, so under ``jit`` no
+      input can make a row read another row's entries.
+
+    Raises:
+      ValueError: (eager calls, when the lengths can be read) a length
+        outside those ranges, naming the rows and values.
+    """
+    cap = block_tables.shape[1] * page_size
+    traced = any(isinstance(x, jax.core.Tracer) for x in (kv_lens, q_lens) if x is not None)
+    if not traced:
+        kl = np.asarray(kv_lens)
+        bad = np.flatnonzero((kl < 0) | (kl > cap))
+        if bad.size:
+            raise ValueError(
+                f"kv_lens must be in [0, pages_per_seq * page_size = {cap}] (the row's block table), got "
+                f"rows {bad.tolist()}: {kl[bad].tolist()}"
+            )
+        if q_lens is not None:
+            ql = np.asarray(q_lens)
+            bad = np.flatnonzero((ql < 0) | (ql > kl))
+            if bad.size:
+                raise ValueError(f"q_lens must be in [0, kv_lens], got rows {bad.tolist()}: q_lens "
+                                 f"{ql[bad].tolist()} kv_lens {kl[bad].tolist()}")
+    kv_lens = jnp.clip(kv_lens, 0, cap)
+    return kv_lens, (None if q_lens is None else jnp.clip(q_lens, 0, kv_lens))
+
+
 def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """int8 quantization with one scale per vector over the last axis.
 

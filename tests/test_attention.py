@@ -2,6 +2,7 @@
 
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -187,3 +188,67 @@ def test_int8_pages_need_scales_and_integer_q_is_refused():
         paged_attention(jnp.zeros((2, 1, 6, 8)), pages, pages, bt, lens, lens)
     with pytest.raises(ValueError, match="q must be a float"):
         paged_attention(jnp.zeros((2, 1, 6, 8), jnp.int32), jnp.zeros((3, 5, 4, 8)), jnp.zeros((3, 5, 4, 8)), bt, lens, lens)
+
+
+LEAK_IMPLS = ["xla", "xla_loop", "pallas_gpu", "pallas_ragged"]  # pallas_tpu: TPU interpret mode, slow
+
+
+def leak_case():
+    """Two sequences of 20 tokens in 2-page rows of page 16; the null page
+    and every page no row owns hold NaN."""
+    r = np.random.default_rng(0)
+    k = r.normal(size=(1, 8, 16, 64)).astype(np.float32)
+    v = r.normal(size=(1, 8, 16, 64)).astype(np.float32)
+    bt = np.array([[1, 2], [3, 4]], np.int32)
+    q = jnp.asarray(r.normal(size=(2, 1, 3, 64)), jnp.float32)
+    return q, k, v, jnp.asarray(bt)
+
+
+@pytest.mark.parametrize("impl", LEAK_IMPLS)
+@pytest.mark.parametrize("kv_lens", [[64, 20], [1000, 20], [-1, 20]])
+def test_lengths_past_the_row_are_refused_eagerly(impl, kv_lens):
+    q, k, v, bt = leak_case()
+    with pytest.raises(ValueError, match=r"kv_lens must be in \[0, pages_per_seq \* page_size = 32\].*rows \[0\]"):
+        paged_attention(q, jnp.asarray(k), jnp.asarray(v), bt, jnp.asarray(kv_lens, jnp.int32),
+                        jnp.asarray([1, 1], jnp.int32), impl=impl)
+    with pytest.raises(ValueError, match=r"q_lens must be in \[0, kv_lens\]"):
+        paged_attention(q, jnp.asarray(k), jnp.asarray(v), bt, jnp.asarray([20, 20], jnp.int32),
+                        jnp.asarray([1, 21], jnp.int32), impl=impl)
+
+
+@pytest.mark.parametrize("impl", LEAK_IMPLS)
+def test_lengths_past_the_row_never_read_other_pages_under_jit(impl):
+    """Under jit the lengths cannot be checked; they are clamped to the
+    row, so row 0's output ignores every page it does not own (the null
+    page and the other row's pages change; row 0 stays bit-identical)."""
+    q, k, v, bt = leak_case()
+    fn = jax.jit(lambda k, v, kl: paged_attention(q, k, v, bt, kl, jnp.asarray([1, 1], jnp.int32), impl=impl))
+    kl = jnp.asarray([64, 20], jnp.int32)
+    base = np.asarray(fn(jnp.asarray(k), jnp.asarray(v), kl))
+    k2, v2 = k.copy(), v.copy()
+    for p in (0, 3, 4, 5, 6, 7):
+        k2[:, p] = 1e3
+        v2[:, p] = -1e3
+    other = np.asarray(fn(jnp.asarray(k2), jnp.asarray(v2), kl))
+    np.testing.assert_array_equal(base[0], other[0])
+    assert np.isfinite(base).all()
+
+
+def test_kernel_entry_points_refuse_and_clamp_lengths_too():
+    """Called directly, not through paged_attention, each kernel's public
+    function refuses eagerly and clamps under jit as well."""
+    from pallas_kernels import paged_attention_cpu, paged_attention_gpu, ragged_paged_attention
+
+    q, k, v, bt = leak_case()
+    k, v = jnp.asarray(k), jnp.asarray(v)
+    bad = jnp.asarray([64, 20], jnp.int32)
+    decode = (paged_attention_cpu.paged_attention_cpu, paged_attention_gpu.paged_attention_gpu)
+    for kernel in decode:
+        with pytest.raises(ValueError, match="kv_lens must be in"):
+            kernel(q[:, 0], k, v, bt, bad)
+        out = jax.jit(lambda k, kl: kernel(q[:, 0], k, v, bt, kl))(k, bad)
+        k2 = k.at[:, 3:].set(1e3).at[:, 0].set(1e3)
+        out2 = jax.jit(lambda k, kl: kernel(q[:, 0], k, v, bt, kl))(k2, bad)
+        np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(out2[0]))
+    with pytest.raises(ValueError, match="kv_lens must be in"):
+        ragged_paged_attention.ragged_paged_attention(q, k, v, bt, bad, jnp.asarray([1, 1], jnp.int32))
