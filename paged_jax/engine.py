@@ -34,8 +34,12 @@ device will do, and the device's ``ok`` and free count are checked against
 it after each call.
 
 Shapes are bucketed (:func:`paged_jax.batch.batch_shape`: tokens by powers of
-two, attention work by powers of four) so ``jit`` compiles a handful of
-programs, shared by every engine of the same model object.
+two, and which phases a call has; lengths are not part of a shape) so
+``jit`` compiles a handful of programs, shared by every engine of the same
+model object.
+
+With ``async_scheduling`` the next iteration is dispatched before the
+current one's tokens are read (see :class:`EngineConfig`).
 
 Contiguous baseline: with ``reserve_max_len=True`` every request reserves
 ``max_seq_len`` slots when admitted, as pre-paging servers reserved a
