@@ -101,11 +101,6 @@ class BatchShape:
         if self.num_logits > self.num_tokens:
             raise ValueError(f"num_logits={self.num_logits} exceeds num_tokens={self.num_tokens}")
 
-    def __getattr__(self, name):  # the tiling's fields read through
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.tiling, name)
-
 
 @struct.dataclass
 class RaggedBatch:

@@ -61,6 +61,7 @@ from typing import Any, Iterable, Protocol, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from paged_jax import page_state as ps
 from paged_jax.batch import BatchShape, RaggedBatch, Tiling, batch_shape
@@ -259,9 +260,10 @@ class EngineStats:
         return len(self.programs)
 
 
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class _StepInputs:
-    """Host-built arrays of one call (numpy; see :meth:`Engine._build`)."""
+    """Host-built arrays of one call (numpy; see :meth:`Engine._build`), a
+    pytree handed to the jitted step as is."""
 
     free_mask: np.ndarray  # bool[S] slots to free before growing
     num_new: np.ndarray  # i32[S]
@@ -306,37 +308,37 @@ def _compile_seconds() -> float:
 
 
 @functools.partial(jax.jit, static_argnames=("model", "shape", "greedy_only"), donate_argnums=(2, 3))
-def _device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array, inp: dict, *, shape: BatchShape,
+def _device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array, inp: _StepInputs, *, shape: BatchShape,
                  greedy_only: bool):
     """Free, grow, forward, sample: one iteration's device work, one program
     per (model, shape, greedy_only). ``prev``: i32[S] the previous call's
     sampled token per page-state row (inputs marked ``from_prev`` take it).
     Returns ``(state, kv, sampled i32[S] per row, ok, num_free_pages)``."""
     _TRACES[id(model)] += 1  # runs at trace time only
-    state = ps.unchecked_free(state, inp["free_mask"])
-    state, ok, cow_src, cow_dst = ps.unchecked_extend(state, inp["num_new"], inp["min_pages"])
+    state = ps.unchecked_free(state, inp.free_mask)
+    state, ok, cow_src, cow_dst = ps.unchecked_extend(state, inp.num_new, inp.min_pages)
     # Copy-on-write copies are rare: skip the pool-wide gather when none.
     kv = jax.lax.cond(jnp.any(cow_src != ps.NO_PAGE), copy_pages, lambda kv, s, d: kv, kv, cow_src, cow_dst)
-    rows, positions = inp["token_rows"], inp["positions"]
+    rows, positions = inp.token_rows, inp.positions
     slots = ps.flat_slot_mapping(state.block_tables, rows, positions, page_size=state.page_size)
-    tokens = jnp.where(inp["from_prev"], prev[jnp.clip(rows, 0, prev.shape[0] - 1)], inp["tokens"])
+    tokens = jnp.where(inp.from_prev, prev[jnp.clip(rows, 0, prev.shape[0] - 1)], inp.tokens)
     batch = RaggedBatch(
         tokens=tokens,
         positions=positions,
         slots=slots,
         block_tables=state.block_tables,
-        q_starts=inp["q_starts"],
-        q_lens=inp["num_new"],
+        q_starts=inp.q_starts,
+        q_lens=inp.num_new,
         kv_lens=state.seq_lens,
-        logits_rows=inp["logits_rows"],
+        logits_rows=inp.logits_rows,
         shape=shape,
     )
     logits, kv = model.apply(params, batch, kv)  # [R, V]
     if greedy_only:
         new = greedy(logits)
     else:
-        new = sample(logits, inp["temperature"], inp["top_p"], inp["seeds"], inp["steps"])
-    dest = jnp.where(inp["logits_slots"] < 0, prev.shape[0], inp["logits_slots"])  # -1: dropped
+        new = sample(logits, inp.temperature, inp.top_p, inp.seeds, inp.steps)
+    dest = jnp.where(inp.logits_slots < 0, prev.shape[0], inp.logits_slots)  # -1: dropped
     by_row = jnp.zeros_like(prev).at[dest].set(new, mode="drop")
     return state, kv, by_row, ok, state.num_free_pages
 
@@ -744,7 +746,7 @@ class Engine:
         c0, t0 = _compile_seconds(), time.perf_counter()
         self.state, self.kv, new, ok, num_free = _device_step(
             self.model, self.model.params, self.state, self.kv, self._no_prev if prev is None else prev.sampled,
-            dataclasses.asdict(inputs), shape=shape, greedy_only=greedy_only,
+            inputs, shape=shape, greedy_only=greedy_only,
         )
         compile_s = _compile_seconds() - c0
         self._to_free[:] = False

@@ -129,8 +129,10 @@ def ragged_paged_attention(
       q_lens: i32[S] query tokens per sequence; 0 leaves the row out.
       kv_lens: i32[S] cached tokens per sequence, queries included. Query
         ``t`` of sequence ``s`` sits at position ``kv_lens[s] - q_lens[s] + t``
-        and sees keys at positions ``<=`` its own. Clamped to the table
-        width ``pages_per_seq * L``.
+        and sees keys at positions ``<=`` its own. Lengths past the table
+        width ``pages_per_seq * L`` are refused eagerly and clamped under
+        ``jit`` (``pallas_kernels.common.checked_lengths``, as every
+        paged-attention entry point).
       num_tiles: static, at least :func:`count_work`'s first number (tiles
         beyond it would be dropped; :func:`paged_jax.batch.batch_shape`
         guarantees it).
@@ -147,8 +149,8 @@ def ragged_paged_attention(
     Raises:
       ValueError: shapes that do not fit each other, a static size below 1,
         options that are not positive; when the lengths are concrete (not
-        traced): a negative length, ``q_lens > kv_lens``, sequences whose
-        rows overlap or pass ``T``, or ``num_tiles`` below
+        traced): a length outside its range (``checked_lengths``),
+        sequences whose rows overlap or pass ``T``, or ``num_tiles`` below
         :func:`count_work`'s (work would be dropped).
     """
     _validate(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, num_tiles=num_tiles, tile_q=tile_q,
@@ -164,8 +166,7 @@ def ragged_paged_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     i32 = jnp.int32
-    kv_lens = jnp.minimum(kv_lens.astype(i32), pages_per_seq * page_size)  # never past the row
-    q_lens = jnp.minimum(q_lens.astype(i32), kv_lens)
+    kv_lens, q_lens = common.checked_lengths(block_tables, page_size, kv_lens.astype(i32), q_lens.astype(i32))
 
     # --- tiles: U = num_tiles -> (sequence, first row within it)
     tiles_per_seq = _cdiv(q_lens, tile_q)  # [S]
@@ -282,19 +283,15 @@ def _validate(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens,
     layer = int(layer)
     if not 0 <= layer < k_pool.shape[0]:
         raise ValueError(f"layer must be in [0, {k_pool.shape[0]}), got layer={layer}")
+    common.checked_lengths(block_tables, k_pool.shape[3], kv_lens, q_lens)  # ranges, named
     ql, kl, qs = np.asarray(q_lens), np.asarray(kv_lens), np.asarray(q_starts)
-    if (ql < 0).any() or (kl < 0).any():
-        raise ValueError(f"lengths must be >= 0, got q_lens={ql.tolist()} kv_lens={kl.tolist()}")
-    bad = np.flatnonzero(ql > kl)
-    if bad.size:
-        raise ValueError(f"q_lens > kv_lens in rows {bad.tolist()}: {ql[bad].tolist()} > {kl[bad].tolist()}")
     live = np.flatnonzero(ql > 0)
     order = live[np.argsort(qs[live])]
     ends = qs[order] + ql[order]
     if live.size and (qs[order][0] < 0 or ends[-1] > q.shape[0] or (qs[order][1:] < ends[:-1]).any()):
         raise ValueError(f"sequences' query rows overlap or pass T={q.shape[0]}: q_starts={qs.tolist()} "
                          f"q_lens={ql.tolist()}")
-    need, _ = count_work(np.minimum(ql, kl), kl, tile_q=tile_q, block_tokens=pages_per_block * k_pool.shape[3],
+    need, _ = count_work(ql, kl, tile_q=tile_q, block_tokens=pages_per_block * k_pool.shape[3],
                          sliding_window=sliding_window)
     if num_tiles < need:
         raise ValueError(f"num_tiles={num_tiles} is below the {need} tiles these lengths need (work would be dropped)")
@@ -320,7 +317,7 @@ def attend(
       layer: i32[] the layer.
       batch: the flat batch (block tables, starts and lengths, static sizes).
       impl: ``"xla"``: :func:`ragged_paged_attention` (decode with one-token
-        tiles, chunks with ``batch.shape.prefill_tile_q``-token tiles);
+        tiles, chunks with ``batch.shape.tiling.prefill_tile_q``-token tiles);
         any other name of :data:`paged_jax.attention.IMPLS` (the Pallas
         kernels): the flat batch is viewed as padded rows, ``[S, 1]`` for
         decode and ``[max_prefill_chunks, T]`` for chunks, and handed to
@@ -345,14 +342,14 @@ def attend(
                             sliding_window=options.get("sliding_window"))
     if impl == "auto" and jax.default_backend() == "cpu":
         impl = "xla"
-    shape = batch.shape
+    shape, tiling = batch.shape, batch.shape.tiling
     out = jnp.zeros(q.shape, q.dtype)
     decode, chunk = batch.q_lens == 1, batch.q_lens > 1
     if impl == "xla":
         for tiles, tile_q, ppb, work_chunk, rows in (
-            (shape.decode_tiles, 1, shape.decode_pages_per_block, min(shape.decode_work_chunk, shape.decode_tiles),
+            (shape.decode_tiles, 1, tiling.decode_pages_per_block, min(tiling.decode_work_chunk, shape.decode_tiles),
              decode),
-            (shape.prefill_tiles, shape.prefill_tile_q, shape.prefill_pages_per_block, shape.prefill_work_chunk,
+            (shape.prefill_tiles, tiling.prefill_tile_q, tiling.prefill_pages_per_block, tiling.prefill_work_chunk,
              chunk),
         ):
             if tiles == 0:
@@ -367,7 +364,7 @@ def attend(
         out = _padded(out, q, k_pool, v_pool, layer, batch, jnp.arange(decode.shape[0]), decode, 1, impl, options)
     if shape.prefill_tiles:
         # The chunks' rows in row order; entries past their count are row 0, masked out.
-        n = shape.max_prefill_chunks
+        n = tiling.max_prefill_chunks
         rows = jnp.nonzero(chunk, size=n, fill_value=0)[0]
         mine = jnp.arange(n) < jnp.sum(chunk)
         out = _padded(out, q, k_pool, v_pool, layer, batch, rows, mine, shape.num_tokens, impl, options)
