@@ -82,7 +82,7 @@ def ref_paged_attention(
     """
     validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens)
     common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    kv_lens, q_lens = common.checked_lengths(block_tables, k_pages.shape[2], kv_lens, q_lens)
+    kv_lens, q_lens = common.checked_lengths(block_tables, k_pages.shape[1], k_pages.shape[2], kv_lens, q_lens, q.shape[1])
     return _ref_paged_attention(
         q, k_pages, v_pages, block_tables, kv_lens, q_lens,
         scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
@@ -241,7 +241,7 @@ def paged_attention(
         raise ValueError(f"impl must be one of {IMPLS}, got {impl=!r}")
     validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales)
     common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    kv_lens, q_lens = common.checked_lengths(block_tables, k_pages.shape[2], kv_lens, q_lens)
+    kv_lens, q_lens = common.checked_lengths(block_tables, k_pages.shape[1], k_pages.shape[2], kv_lens, q_lens, q.shape[1])
     if impl == "auto":
         impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "xla")
     options = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)

@@ -455,7 +455,9 @@ class Engine:
             prompt plus ``max_new_tokens`` above ``max_seq_len``, sampling
             that is not a :class:`SamplingParams`, or a duplicate
             ``request_id``. The engine is then unchanged.
+          RuntimeError: the engine failed in an earlier step.
         """
+        self._raise_if_failed()
         self._check(request, self._ids)
         self._ids.add(request.request_id)
         ids = request.prompt_ids
@@ -558,16 +560,20 @@ class Engine:
             refuses to go on rather than compute wrong answers or spin.
             Make a new one.
         """
-        if self._failed is not None:
-            raise RuntimeError(
-                f"this engine failed in an earlier step ({type(self._failed).__name__}: {self._failed}); "
-                "its state is no longer consistent, make a new Engine"
-            ) from self._failed
+        self._raise_if_failed()
         try:
             return self._step()
         except BaseException as e:
             self._failed = e
             raise
+
+    def _raise_if_failed(self) -> None:
+        if self._failed is not None:
+            first = str(self._failed).splitlines()[0] if str(self._failed) else ""
+            raise RuntimeError(
+                f"this engine failed in an earlier step ({type(self._failed).__name__}: {first}); "
+                "its state is no longer consistent, make a new Engine"
+            ) from self._failed
 
     def _step(self) -> list[RequestOutput]:
         if not self.has_unfinished():

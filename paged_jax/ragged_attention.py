@@ -166,7 +166,7 @@ def ragged_paged_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     i32 = jnp.int32
-    kv_lens, q_lens = common.checked_lengths(block_tables, page_size, kv_lens.astype(i32), q_lens.astype(i32))
+    kv_lens, q_lens = common.checked_lengths(block_tables, k_pool.shape[2], page_size, kv_lens.astype(i32), q_lens.astype(i32))
 
     # --- tiles: U = num_tiles -> (sequence, first row within it)
     tiles_per_seq = _cdiv(q_lens, tile_q)  # [S]
@@ -283,7 +283,7 @@ def _validate(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens,
     layer = int(layer)
     if not 0 <= layer < k_pool.shape[0]:
         raise ValueError(f"layer must be in [0, {k_pool.shape[0]}), got layer={layer}")
-    common.checked_lengths(block_tables, k_pool.shape[3], kv_lens, q_lens)  # ranges, named
+    common.checked_lengths(block_tables, k_pool.shape[2], k_pool.shape[3], kv_lens, q_lens)  # ranges, named
     ql, kl, qs = np.asarray(q_lens), np.asarray(kv_lens), np.asarray(q_starts)
     live = np.flatnonzero(ql > 0)
     order = live[np.argsort(qs[live])]
@@ -329,7 +329,9 @@ def attend(
       [T, N, H] in ``q.dtype``; zeros in padding rows.
 
     Raises:
-      ValueError: an unknown ``impl``; options that are not positive.
+      ValueError: an unknown ``impl``; options that are not positive;
+        (eager calls) a ``batch.shape`` that cannot hold the batch's
+        classes (work would be dropped).
     """
     from paged_jax.attention import IMPLS
 
@@ -343,6 +345,15 @@ def attend(
     if impl == "auto" and jax.default_backend() == "cpu":
         impl = "xla"
     shape, tiling = batch.shape, batch.shape.tiling
+    if not isinstance(batch.q_lens, jax.core.Tracer):
+        chunks = int(np.sum(np.asarray(batch.q_lens) > 1))
+        if chunks > tiling.max_prefill_chunks or (chunks and not shape.prefill_tiles) or (
+                np.any(np.asarray(batch.q_lens) == 1) and not shape.decode_tiles):
+            raise ValueError(
+                f"batch.shape does not fit batch.q_lens: {chunks} chunks of 2+ tokens (max_prefill_chunks="
+                f"{tiling.max_prefill_chunks}), decode_tiles={shape.decode_tiles}, prefill_tiles="
+                f"{shape.prefill_tiles}; build it with paged_jax.batch.batch_shape"
+            )
     out = jnp.zeros(q.shape, q.dtype)
     decode, chunk = batch.q_lens == 1, batch.q_lens > 1
     if impl == "xla":

@@ -142,8 +142,9 @@ def validate_inputs(
             raise ValueError(f"{name} must be int32, got dtype {x.dtype}")
 
 
-def checked_lengths(block_tables: jax.Array, page_size: int, kv_lens: jax.Array, q_lens: jax.Array | None = None):
-    """Lengths that can never walk past a row's block table.
+def checked_lengths(block_tables: jax.Array, num_pages: int, page_size: int, kv_lens: jax.Array,
+                    q_lens: jax.Array | None = None, num_q_tokens: int | None = None):
+    """Lengths (and page ids) that can never walk past a row's block table.
 
     A kernel walks ``ceil(kv_lens[b] / page_size)`` entries of row ``b``'s
     table; a length beyond the row would step into entries the row does not
@@ -152,21 +153,26 @@ def checked_lengths(block_tables: jax.Array, page_size: int, kv_lens: jax.Array,
 
     Args:
       block_tables: i32[B, pages_per_seq].
+      num_pages: P, pages in the pool.
       page_size: L.
       kv_lens: i32[B].
       q_lens: i32[B] or None (decode).
+      num_q_tokens: T, query rows per sequence of a padded ``[B, T]`` call;
+        None for flat batches.
 
     Returns:
       ``(kv_lens, q_lens)`` clamped to ``[0, pages_per_seq * L]`` and
-      ``[0, kv_lens]``: what every implementation uses, so under ``jit`` no
-      input can make a row read another row's entries.
+      ``[0, min(T, kv_lens)]``: what every implementation uses, so under
+      ``jit`` no input can make a row read another row's entries.
 
     Raises:
-      ValueError: (eager calls, when the lengths can be read) a length
-        outside those ranges, naming the rows and values.
+      ValueError: (eager calls, when the values can be read) a length
+        outside those ranges, or a block-table entry outside ``[0,
+        num_pages)``, naming the rows and values.
     """
     cap = block_tables.shape[1] * page_size
-    traced = any(isinstance(x, jax.core.Tracer) for x in (kv_lens, q_lens) if x is not None)
+    q_cap = None if num_q_tokens is None else num_q_tokens
+    traced = any(isinstance(x, jax.core.Tracer) for x in (block_tables, kv_lens, q_lens) if x is not None)
     if not traced:
         kl = np.asarray(kv_lens)
         bad = np.flatnonzero((kl < 0) | (kl > cap))
@@ -177,12 +183,22 @@ def checked_lengths(block_tables: jax.Array, page_size: int, kv_lens: jax.Array,
             )
         if q_lens is not None:
             ql = np.asarray(q_lens)
-            bad = np.flatnonzero((ql < 0) | (ql > kl))
+            high = kl if q_cap is None else np.minimum(kl, q_cap)
+            bad = np.flatnonzero((ql < 0) | (ql > high))
             if bad.size:
-                raise ValueError(f"q_lens must be in [0, kv_lens], got rows {bad.tolist()}: q_lens "
-                                 f"{ql[bad].tolist()} kv_lens {kl[bad].tolist()}")
+                raise ValueError(f"q_lens must be in [0, kv_lens]{'' if q_cap is None else f' and <= T={q_cap}'}, "
+                                 f"got rows {bad.tolist()}: q_lens {ql[bad].tolist()} kv_lens {kl[bad].tolist()}")
+        bt = np.asarray(block_tables)
+        bad = np.argwhere((bt < 0) | (bt >= num_pages))
+        if bad.size:
+            r, c = bad[0]
+            raise ValueError(f"block_tables entries must be page ids in [0, num_pages={num_pages}), got "
+                             f"block_tables[{r}, {c}] = {bt[r, c]} ({len(bad)} such entries)")
     kv_lens = jnp.clip(kv_lens, 0, cap)
-    return kv_lens, (None if q_lens is None else jnp.clip(q_lens, 0, kv_lens))
+    if q_lens is None:
+        return kv_lens, None
+    high = kv_lens if q_cap is None else jnp.minimum(kv_lens, q_cap)
+    return kv_lens, jnp.clip(q_lens, 0, high)
 
 
 def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:

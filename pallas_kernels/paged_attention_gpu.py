@@ -335,7 +335,7 @@ def paged_attention_gpu(
         (``block_sizes.keys_per_block``).
     """
     common.validate_inputs(q, k_pages, v_pages, block_tables, lengths, None, k_scales, v_scales)
-    lengths, _ = common.checked_lengths(block_tables, k_pages.shape[2], lengths)
+    lengths, _ = common.checked_lengths(block_tables, k_pages.shape[1], k_pages.shape[2], lengths)
     common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
     block_sizes.keys_per_block(k_pages.shape[2])
     return _paged_attention_gpu(

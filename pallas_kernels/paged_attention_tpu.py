@@ -242,7 +242,7 @@ def paged_attention_tpu(
         ``common.validate_options``.
     """
     common.validate_inputs(q, k_pages, v_pages, block_tables, lengths, None, k_scales, v_scales)
-    lengths, _ = common.checked_lengths(block_tables, k_pages.shape[2], lengths)
+    lengths, _ = common.checked_lengths(block_tables, k_pages.shape[1], k_pages.shape[2], lengths)
     common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
     return _paged_attention_tpu(
         q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,

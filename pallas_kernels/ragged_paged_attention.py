@@ -126,7 +126,7 @@ def ragged_paged_attention(
     common.validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales)
     common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
     block_sizes.check_page_size(k_pages.shape[2])
-    kv_lens, q_lens = common.checked_lengths(block_tables, k_pages.shape[2], kv_lens, q_lens)
+    kv_lens, q_lens = common.checked_lengths(block_tables, k_pages.shape[1], k_pages.shape[2], kv_lens, q_lens, q.shape[1])
     return _ragged(
         q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales,
         scale=common.resolve_scale(scale, q.shape[-1]), soft_cap=soft_cap, sliding_window=sliding_window,

@@ -252,3 +252,16 @@ def test_kernel_entry_points_refuse_and_clamp_lengths_too():
         np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(out2[0]))
     with pytest.raises(ValueError, match="kv_lens must be in"):
         ragged_paged_attention.ragged_paged_attention(q, k, v, bt, bad, jnp.asarray([1, 1], jnp.int32))
+
+
+@pytest.mark.parametrize("impl", LEAK_IMPLS)
+def test_query_rows_and_page_ids_are_checked(impl):
+    """q_lens above the T query rows, and page ids outside the pool, are
+    refused eagerly by every implementation."""
+    q, k, v, bt = leak_case()  # T = 1, 8 pages
+    k, v = jnp.asarray(k), jnp.asarray(v)
+    with pytest.raises(ValueError, match=r"q_lens must be in \[0, kv_lens\] and <= T=1"):
+        paged_attention(q, k, v, bt, jnp.asarray([20, 20], jnp.int32), jnp.asarray([2, 1], jnp.int32), impl=impl)
+    with pytest.raises(ValueError, match=r"page ids in \[0, num_pages=8\), got block_tables\[0, 1\] = 99"):
+        paged_attention(q, k, v, jnp.asarray([[1, 99], [3, 4]], jnp.int32), jnp.asarray([20, 20], jnp.int32),
+                        jnp.asarray([1, 1], jnp.int32), impl=impl)

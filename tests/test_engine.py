@@ -340,6 +340,8 @@ def test_a_failed_step_poisons_the_engine_instead_of_hanging(overlap):
             engine.step()
     with pytest.raises(RuntimeError, match="make a new Engine"):
         engine.run()
+    with pytest.raises(RuntimeError, match="make a new Engine"):
+        engine.add_request(Request(request_id="late", prompt_ids=[1], max_new_tokens=2))
 
 
 def test_engine_refuses_a_pool_or_vocabulary_that_does_not_fit_the_model():

@@ -281,3 +281,18 @@ def test_batch_shape_refuses_bad_lengths():
         batch_shape([1], num_seq_rows=2, tiling=None)
     with pytest.raises(ValueError, match="min_tokens must be a power of two"):
         Tiling(min_tokens=3)
+
+
+def test_attend_refuses_a_shape_that_cannot_hold_the_batch():
+    """A hand-built BatchShape with room for fewer chunks than the batch
+    carries would drop the extra chunks on the padded kernel path."""
+    q, k, v, bt, qs, ql, kl = make_case([2, 2, 2], [4, 4, 4])
+    tiling = Tiling(max_prefill_chunks=2, min_tokens=8, prefill_tile_q=4)
+    shape = BatchShape(num_tokens=8, num_logits=3, prefill_tiles=4, tiling=tiling)
+    z = jnp.zeros(8, jnp.int32)
+    batch = RaggedBatch(tokens=z, positions=z, slots=z, block_tables=jnp.asarray(bt), q_starts=jnp.asarray(qs),
+                        q_lens=jnp.asarray(ql), kv_lens=jnp.asarray(kl), logits_rows=jnp.zeros(1, jnp.int32),
+                        shape=shape)
+    for impl in ("xla", "pallas_ragged"):
+        with pytest.raises(ValueError, match="3 chunks of 2\\+ tokens \\(max_prefill_chunks=2\\)"):
+            attend(jnp.zeros((8, *q.shape[1:])), jnp.asarray(k), jnp.asarray(v), 0, batch, impl=impl)
