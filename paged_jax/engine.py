@@ -65,9 +65,11 @@ from flax import struct
 
 from paged_jax import page_state as ps
 from paged_jax.batch import BatchShape, RaggedBatch, Tiling, batch_shape
+from paged_jax.block_pool import BlockPool
 from paged_jax.checks import check_int
 from paged_jax.jit_stats import CompileMonitor
 from paged_jax.kv_cache import KVPool, copy_pages
+from paged_jax.prefix_cache import PrefixCache, chain_keys
 from paged_jax.sampling import SamplingParams, greedy, sample
 
 
@@ -110,6 +112,10 @@ class EngineConfig:
         vLLM's async scheduling. A sequence that stops on a stop token then
         computes one token more, which is discarded. Outputs are the same
         either way.
+      enable_prefix_caching: keep full pages keyed by their tokens after
+        their sequence ends, and let a new (or recomputed) sequence whose
+        first pages equal them take them instead of prefilling
+        (:mod:`paged_jax.prefix_cache`).
     """
 
     max_seqs: int = 64
@@ -118,6 +124,7 @@ class EngineConfig:
     reserve_max_len: bool = False
     tiling: Tiling = Tiling()
     async_scheduling: bool = True
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         for name in ("max_seqs", "max_seq_len", "max_num_batched_tokens"):
@@ -129,7 +136,7 @@ class EngineConfig:
                 "max_num_batched_tokens must be >= max_seqs (every running sequence decodes in each call), "
                 f"got max_num_batched_tokens={self.max_num_batched_tokens} max_seqs={self.max_seqs}"
             )
-        for name in ("reserve_max_len", "async_scheduling"):
+        for name in ("reserve_max_len", "async_scheduling", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {name}={getattr(self, name)!r}")
 
@@ -145,6 +152,9 @@ class Request:
       sampling: greedy by default.
       ignore_eos: keep generating through stop tokens (fixed output lengths,
         as serving benchmarks do).
+      cache_salt: requests with different salts never share a cached page,
+        even with identical tokens (isolation between users or tenants);
+        ``None`` is a salt like any other.
     """
 
     request_id: str | int
@@ -152,6 +162,7 @@ class Request:
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
     ignore_eos: bool = False
+    cache_salt: str | None = None
 
 
 @dataclasses.dataclass
@@ -160,8 +171,11 @@ class RequestOutput:
 
     Attributes:
       output_ids: generated token ids (a stop token, if one ended it, last).
-      finish_reason: "stop" (a stop token) or "length" (max_new_tokens).
+      finish_reason: "stop" (a stop token), "length" (max_new_tokens) or
+        "abort" (:meth:`Engine.abort`).
       num_preemptions: times it was preempted and recomputed.
+      num_cached_tokens: prompt tokens served from the prefix cache when
+        it was first admitted.
       first_token_s, finish_s: seconds from the start of :meth:`Engine.run`
         (or the first :meth:`Engine.step`).
     """
@@ -173,6 +187,7 @@ class RequestOutput:
     num_preemptions: int
     first_token_s: float
     finish_s: float
+    num_cached_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -186,6 +201,13 @@ class _Seq:
     done: bool = False  # finished: anything still in flight for it is discarded
     num_preemptions: int = 0
     first_token_s: float = float("nan")
+    keys: list = dataclasses.field(default_factory=list)  # prefix-cache key per full page of tokens
+    num_keyed: int = 0  # leading pages offered to the prefix cache
+    num_cached_tokens: int = -1  # prompt tokens hit at first admission (-1: not admitted yet)
+
+    @property
+    def extra_key(self):
+        return (self.request.cache_salt,)
 
     @property
     def num_generated(self) -> int:
@@ -223,6 +245,14 @@ class EngineStats:
     inside them; ``host_s`` everything else an iteration spends (scheduling,
     building the batch), which with ``async_scheduling`` overlaps the
     device's work on the previous call.
+
+    Prefix caching: ``prompt_tokens`` counts the prompt tokens of requests
+    at their first admission and ``prefix_hit_tokens`` those of them served
+    from the cache (``prefix_hit_rate`` is the ratio); ``recompute_hit_tokens``
+    counts tokens of preempted sequences found again in the cache when
+    readmitted. ``prefix_hit_pages`` counts pages taken from the cache, and
+    ``pages_saved`` those of them another running sequence held at the time
+    (memory not spent twice; the others only save compute).
     """
 
     iterations: int = 0
@@ -232,6 +262,12 @@ class EngineStats:
     generated_tokens: int = 0
     discarded_tokens: int = 0  # sampled after a stop token was already in flight
     preemptions: int = 0
+    aborted: int = 0
+    prompt_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    recompute_hit_tokens: int = 0
+    prefix_hit_pages: int = 0
+    pages_saved: int = 0
     peak_concurrency: int = 0
     busy_s: float = 0.0
     model_s: float = 0.0
@@ -240,6 +276,11 @@ class EngineStats:
     token_fraction_s: float = 0.0  # integral of used/allocated over time
     programs: set = dataclasses.field(default_factory=set)  # (BatchShape, greedy only)
     calls: list = dataclasses.field(default_factory=list)  # CallRecord per model call
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache / prompt tokens."""
+        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def host_s(self) -> float:
@@ -266,6 +307,8 @@ class _StepInputs:
     pytree handed to the jitted step as is."""
 
     free_mask: np.ndarray  # bool[S] slots to free before growing
+    num_hit: np.ndarray  # i32[S] prefix-cache pages an empty slot takes
+    hit_pages: np.ndarray  # i32[S, max_pages_per_seq] their ids
     num_new: np.ndarray  # i32[S]
     min_pages: np.ndarray  # i32[S]
     tokens: np.ndarray  # i32[T]
@@ -316,7 +359,11 @@ def _device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array
     Returns ``(state, kv, sampled i32[S] per row, ok, num_free_pages)``."""
     _TRACES[id(model)] += 1  # runs at trace time only
     state = ps.unchecked_free(state, inp.free_mask)
+    state, hit_ok = jax.lax.cond(
+        jnp.any(inp.num_hit > 0), ps.unchecked_share, lambda st, n, p: (st, jnp.bool_(True)), state, inp.num_hit, inp.hit_pages
+    )
     state, ok, cow_src, cow_dst = ps.unchecked_extend(state, inp.num_new, inp.min_pages)
+    ok &= hit_ok
     # Copy-on-write copies are rare: skip the pool-wide gather when none.
     kv = jax.lax.cond(jnp.any(cow_src != ps.NO_PAGE), copy_pages, lambda kv, s, d: kv, kv, cow_src, cow_dst)
     rows, positions = inp.token_rows, inp.positions
@@ -364,6 +411,9 @@ class Engine:
       stop_ids: token ids that end a request (unless it ignores EOS).
       vocab_size: prompt ids are checked against it; default the model's
         ``vocab_size``.
+      check_page_state: after every call, read the device's whole page
+        state back and compare it with the host's twin
+        (:class:`paged_jax.block_pool.BlockPool`); slow, for tests.
 
     Raises:
       ValueError: the pool cannot hold one sequence of ``config.max_seq_len``
@@ -381,6 +431,7 @@ class Engine:
         *,
         stop_ids: Iterable[int] = (),
         vocab_size: int | None = None,
+        check_page_state: bool = False,
     ):
         if not (hasattr(model, "params") and callable(getattr(model, "apply", None))):
             raise ValueError(
@@ -429,13 +480,23 @@ class Engine:
             max_pages_per_seq=self.max_pages_per_seq,
             page_size=page_size,
         )
+        if not isinstance(check_page_state, bool):
+            raise ValueError(f"check_page_state must be a bool, got {check_page_state!r}")
+        self.check_page_state = check_page_state
         self.waiting: collections.deque[_Seq] = collections.deque()
         self.running: list[_Seq] = []  # admission order, oldest first
         self.free_slots = list(range(config.max_seqs - 1, -1, -1))  # pop() gives 0 first
-        # Host mirror of the page state (what the scheduler needs of it).
-        self._num_free = kv_pool.num_pages - 1
-        self._held = np.zeros(config.max_seqs, np.int64)  # pages per slot
+        self._live: dict = {}  # request_id -> _Seq, until it finishes or is aborted
+        self.prefix_cache = PrefixCache(page_size) if config.enable_prefix_caching else None
+        # The host's twin of the page state (exact: see paged_jax.block_pool).
+        self.pool = BlockPool(
+            num_pages=kv_pool.num_pages, max_seqs=config.max_seqs, max_pages_per_seq=self.max_pages_per_seq,
+            page_size=page_size, on_evict=self.prefix_cache.evict if self.prefix_cache is not None else None,
+        )
+        self._num_free = kv_pool.num_pages - 1  # free pages once this round's plan is done
+        self._held = np.zeros(config.max_seqs, np.int64)  # pages per slot once this round's plan is done
         self._to_free = np.zeros(config.max_seqs, bool)  # freed by the next call
+        self._hits: dict[int, list[int]] = {}  # slot -> prefix-cache pages it takes in the next call
         self._inflight: _InFlight | None = None  # the dispatched call not yet read
         self._no_prev = jnp.zeros(config.max_seqs, jnp.int32)
         self._failed: BaseException | None = None
@@ -462,7 +523,52 @@ class Engine:
         self._ids.add(request.request_id)
         ids = request.prompt_ids
         prompt = [int(t) for t in (ids.tolist() if isinstance(ids, (np.ndarray, jax.Array)) else ids)]
-        self.waiting.append(_Seq(request=request, tokens=prompt, num_prompt=len(prompt)))
+        seq = _Seq(request=request, tokens=prompt, num_prompt=len(prompt))
+        self.waiting.append(seq)
+        self._live[request.request_id] = seq
+
+    def abort(self, request_id) -> RequestOutput:
+        """Ends a request now, waiting or running; its pages are freed (full
+        ones stay in the prefix cache) and the other requests go on as if
+        it had never been there.
+
+        Returns:
+          its output so far, with ``finish_reason="abort"``.
+
+        Raises:
+          ValueError: no unfinished request has this id (never added, or
+            already finished or aborted). The engine is then unchanged.
+          RuntimeError: the engine failed in an earlier step.
+        """
+        self._raise_if_failed()
+        try:
+            seq = self._live.get(request_id)
+        except TypeError:
+            raise ValueError(f"request_id must be hashable, got {request_id!r}") from None
+        if seq is None:
+            state = "already finished or aborted" if request_id in self._ids else "never added"
+            raise ValueError(f"request_id {request_id!r} is not an unfinished request ({state})")
+        seq.done = True  # a token of it still in flight is discarded when read
+        if seq.slot >= 0:
+            self._release(seq)
+        else:
+            self.waiting.remove(seq)
+        self.stats.aborted += 1
+        out = self._finish(seq, reason="abort")
+        if not self.has_unfinished():
+            self._flush_frees()
+        return out
+
+    def accounting(self) -> dict[str, int]:
+        """Pages by state, after the pending frees: ``free`` (no content
+        worth keeping), ``cached`` (no holder, kept for the prefix cache),
+        ``used`` (held by a sequence; a page shared by k sequences counts
+        once) and ``total`` (usable pages, the null page excluded). Free +
+        cached + used = total always."""
+        refs = self.pool.ref_counts
+        used = int(np.count_nonzero(refs[1:]))
+        cached = sum(1 for p in self.prefix_cache.pages if refs[p] == 0) if self.prefix_cache is not None else 0
+        return {"free": self.pool.num_free - cached, "cached": cached, "used": used, "total": len(refs) - 1}
 
     def _check_token_ids(self, name: str, ids) -> None:
         """Every id an integer in [0, vocab_size) (or in int32 when the
@@ -593,7 +699,7 @@ class Engine:
             else:
                 self._complete(current, finished)
 
-        held = int(self._held.sum())
+        held = int(self.pool.num_seq_pages.sum())
         tokens = sum(s.num_computed for s in self.running)
         outputs = [self._finish(s) for s in finished]
         for s in finished:
@@ -631,7 +737,7 @@ class Engine:
             if seq.num_generated + seq.pending >= seq.request.max_new_tokens or n == 0 or (n > 1 and not chunks):
                 i += 1  # finishes when its token in flight is read; or waits for the next call
                 continue
-            need = self._pages_after(seq, n) - self._held[seq.slot]
+            need = self._pages_after(seq, n) - self._held[seq.slot] + self.pool.cow_needed(seq.slot)
             while need > self._num_free:  # preempt the newest until it fits
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -654,38 +760,73 @@ class Engine:
         )
         while self.waiting and self.free_slots and budget > 0:
             seq = self.waiting[0]
-            if seq.pending or (min(len(seq.tokens), budget) > 1 and not chunks):
+            if seq.pending:
                 break  # a preempted sequence waits for its token in flight
+            hits = self._lookup(seq)
+            rest = len(seq.tokens) - len(hits) * self.page_size
+            if min(rest, budget) > 1 and not chunks:
+                break
             whole = max(ps.pages_for_tokens(len(seq.tokens), self.page_size), self._reserve_pages)
-            if whole + watermark > self._num_free:
+            reused = sum(1 for p in hits if self.pool.ref_counts[p] == 0)  # cached pages leave the free queue
+            if whole - len(hits) + reused + watermark > self._num_free:
                 break
             self.waiting.popleft()
             seq.slot = self.free_slots.pop()
             self.running.append(seq)
-            n = min(len(seq.tokens), budget)
+            self._admit_hits(seq, hits)
+            n = min(rest, budget)
             need = self._pages_after(seq, n)
-            self._num_free -= need
+            self._num_free -= need - len(hits)
             self._held[seq.slot] = need
             scheduled.append((seq, n))
             budget -= n
             chunks -= n > 1
         return scheduled
 
+    def _lookup(self, seq: _Seq) -> list[int]:
+        """Cached pages holding ``seq``'s first tokens (none without prefix
+        caching), never all of them: its last token is always computed, so
+        there are logits to sample from."""
+        if self.prefix_cache is None:
+            return []
+        chain_keys(seq.tokens, self.page_size, seq.extra_key, seq.keys)
+        return self.prefix_cache.lookup(seq.tokens, seq.keys, seq.extra_key, (len(seq.tokens) - 1) // self.page_size)
+
+    def _admit_hits(self, seq: _Seq, hits: list[int]) -> None:
+        st = self.stats
+        hit_tokens = len(hits) * self.page_size
+        if seq.num_cached_tokens < 0:  # first admission
+            seq.num_cached_tokens = hit_tokens
+            st.prompt_tokens += seq.num_prompt
+            st.prefix_hit_tokens += hit_tokens
+        else:
+            st.recompute_hit_tokens += hit_tokens
+        if not hits:
+            return
+        st.prefix_hit_pages += len(hits)
+        st.pages_saved += sum(1 for p in hits if self.pool.ref_counts[p] > 0)
+        self._num_free -= self.pool.share(seq.slot, hits)
+        self._hits[seq.slot] = hits
+        seq.num_computed = hit_tokens
+
     def _preempt(self, seq: _Seq) -> None:
         """Recompute: free everything; prefill prompt + generated tokens
         again when readmitted."""
         self._release(seq)
         seq.num_computed = 0
+        seq.num_keyed = 0  # its pages come anew (or from the cache) when readmitted
         seq.num_preemptions += 1
         self.stats.preemptions += 1
         self.waiting.appendleft(seq)
 
     def _release(self, seq: _Seq) -> None:
         """Gives back ``seq``'s slot and pages (freed on device by the next
-        call, or by :meth:`_flush_frees`)."""
+        call, or by :meth:`_flush_frees`); a page another sequence shares
+        stays held."""
         self.running.remove(seq)
-        self._num_free += int(self._held[seq.slot])
+        self._num_free += self.pool.release(seq.slot)  # it is not scheduled in this round: no planned growth
         self._held[seq.slot] = 0
+        self._hits.pop(seq.slot, None)
         self._to_free[seq.slot] = True
         self.free_slots.append(seq.slot)
         seq.slot = -1
@@ -694,6 +835,7 @@ class Engine:
         if self._to_free.any():
             self.state = ps.free(self.state, jnp.asarray(self._to_free))
             self._to_free[:] = False
+        self.pool.flush()
 
     # ------------------------------------------------------------- device
 
@@ -734,8 +876,13 @@ class Engine:
                 steps[r] = seq.num_generated + seq.pending
                 samplers.append(seq)
             offset += n
+        num_hit = np.zeros(S, np.int32)
+        hit_pages = np.zeros((S, self.max_pages_per_seq), np.int32)
+        for slot, pages in self._hits.items():
+            num_hit[slot] = len(pages)
+            hit_pages[slot, : len(pages)] = pages
         inputs = _StepInputs(
-            free_mask=self._to_free.copy(), num_new=num_new,
+            free_mask=self._to_free.copy(), num_hit=num_hit, hit_pages=hit_pages, num_new=num_new,
             min_pages=np.full(S, self._reserve_pages, np.int32), tokens=tokens, from_prev=from_prev,
             positions=positions, token_rows=token_rows, q_starts=q_starts, logits_rows=logits_rows,
             logits_slots=logits_slots, temperature=temperature, top_p=top_p, seeds=seeds, steps=steps,
@@ -747,6 +894,13 @@ class Engine:
         device is done). Sequences that sample in it hold a token in flight
         until :meth:`_complete` reads it."""
         inputs, shape, samplers = self._build(scheduled)
+        # The twin takes the same steps as the device call: free, share (done
+        # at admission), extend.
+        if self.pool.extend(inputs.num_new, self._reserve_pages) is None:  # the plan is exact: a bug
+            raise RuntimeError(f"the scheduler planned growth the pool cannot give ({self.pool.num_free} free pages)")
+        self._hits.clear()
+        self._num_free = self.pool.num_free  # the plan counted a copy for every shared page; now exact
+        self._held[:] = self.pool.num_seq_pages
         greedy_only = all(s.request.sampling.greedy for s in samplers)
         self.stats.programs.add((shape, greedy_only))
         c0, t0 = _compile_seconds(), time.perf_counter()
@@ -756,18 +910,36 @@ class Engine:
         )
         compile_s = _compile_seconds() - c0
         self._to_free[:] = False
+        if self.check_page_state:
+            self.pool.check(self.state)
         decode = sum(1 for s, n in scheduled if n == 1 and s.num_computed >= s.num_prompt)
         total = sum(n for _, n in scheduled)
         for seq, n in scheduled:
             seq.num_computed += n
         for seq in samplers:
             seq.pending += 1
+        if self.prefix_cache is not None:
+            for seq in self.running:
+                self._offer_pages(seq)
         return _InFlight(
             sampled=new, ok=ok, num_free=num_free, samplers=samplers,
             sampler_slots=[seq.slot for seq in samplers], expected_free=self._num_free,
             record=CallRecord(shape=shape, tokens=total, decode_tokens=decode,
                               seconds=time.perf_counter() - t0 - compile_s, compile_s=compile_s),
         )
+
+    def _offer_pages(self, seq: _Seq) -> None:
+        """Offers ``seq``'s newly full pages to the prefix cache: pages whose
+        K/V a dispatched call computes and whose tokens the host knows (a
+        token in flight is not known yet; its page is offered later)."""
+        full = min(seq.num_computed, len(seq.tokens)) // self.page_size
+        if full <= seq.num_keyed:
+            return
+        chain_keys(seq.tokens, self.page_size, seq.extra_key, seq.keys)
+        table = self.pool.block_tables[seq.slot]
+        for j in range(seq.num_keyed, full):
+            self.prefix_cache.insert(int(table[j]), seq.tokens, seq.keys, seq.extra_key, j)
+        seq.num_keyed = full
 
     def _complete(self, call: "_InFlight", finished: list[_Seq]) -> None:
         """Reads a call's sampled tokens (the one transfer), checks the
@@ -804,15 +976,19 @@ class Engine:
                 seq.done = True
                 finished.append(seq)
 
-    def _finish(self, seq: _Seq) -> RequestOutput:
+    def _finish(self, seq: _Seq, reason: str | None = None) -> RequestOutput:
+        self._live.pop(seq.request.request_id, None)
         out = seq.tokens[seq.num_prompt :]
-        stop = out[-1] in self.stop_ids and not seq.request.ignore_eos
+        if reason is None:
+            reason = "stop" if out[-1] in self.stop_ids and not seq.request.ignore_eos else "length"
+        now = time.perf_counter()
         return RequestOutput(
             request_id=seq.request.request_id,
             prompt_ids=seq.tokens[: seq.num_prompt],
             output_ids=out,
-            finish_reason="stop" if stop else "length",
+            finish_reason=reason,
             num_preemptions=seq.num_preemptions,
             first_token_s=seq.first_token_s,
-            finish_s=time.perf_counter() - self._t0,
+            finish_s=now - (self._t0 if self._t0 is not None else now),
+            num_cached_tokens=max(seq.num_cached_tokens, 0),
         )

@@ -502,22 +502,133 @@ def unchecked_free(state: PageState, seq_mask: jax.Array) -> PageState:
 
 @jax.jit
 def unchecked_fork(state: PageState, src: jax.Array, dst: jax.Array) -> PageState:
-    """Makes empty slot ``dst`` share ``src``'s tokens (parallel sampling,
-    beam search; paper section 4.4). The pages holding ``src``'s tokens gain
-    a reference; reserved pages beyond its length are not shared. Later
-    appends to either sequence copy a shared page before writing
-    (:func:`append`)."""
-    n = pages_for_tokens(state.seq_lens[src], state.page_size)
-    j = jnp.arange(state.max_pages_per_seq)
-    shared = j < n
-    row = jnp.where(shared, state.block_tables[src], NULL_PAGE)
-    ref_counts = state.ref_counts.at[jnp.where(shared, row, state.num_pages)].add(1, mode="drop")
-    return state.replace(
-        block_tables=state.block_tables.at[dst].set(row),
-        seq_lens=state.seq_lens.at[dst].set(state.seq_lens[src]),
-        num_seq_pages=state.num_seq_pages.at[dst].set(n),
-        ref_counts=ref_counts,
+    """Makes empty slot ``dst`` share ``src``'s tokens: :func:`unchecked_fork_many`
+    with one pair (state unchanged if it is refused)."""
+    src_of = jnp.full((state.max_seqs,), -1, jnp.int32).at[dst].set(src)
+    return unchecked_fork_many(state, src_of)[0]
+
+
+@jax.jit
+def unchecked_fork_many(state: PageState, src_of: jax.Array) -> tuple[PageState, jax.Array]:
+    """Forks sequences: every slot ``d`` with ``src_of[d] >= 0`` becomes a
+    copy of slot ``src_of[d]`` that shares its pages (parallel sampling,
+    beam search; paper section 4.4).
+
+    The pages holding the source's tokens gain one reference per copy;
+    reserved pages beyond its length are not shared. A later write into a
+    shared page copies it first (:func:`unchecked_extend`).
+
+    Args:
+      state: the page state.
+      src_of: i32[max_seqs] source slot per destination slot, -1 for none.
+
+    Returns:
+      ``(state, ok)``; ``ok`` is False, and the state unchanged, when a
+      destination is not empty, is its own source, or is itself a source in
+      this call, or a source is out of range.
+    """
+    rows = jnp.arange(state.max_seqs, dtype=jnp.int32)
+    is_dst = src_of >= 0
+    src = jnp.clip(src_of, 0, state.max_seqs - 1)
+    n = jnp.where(is_dst, pages_for_tokens(state.seq_lens[src], state.page_size), 0)
+    shared = jnp.arange(state.max_pages_per_seq)[None, :] < n[:, None]  # [S, max_pages]
+    table = jnp.where(shared, state.block_tables[src], NULL_PAGE)
+    occupied = (state.num_seq_pages > 0) | (state.seq_lens > 0)
+    src_is_dst = jnp.zeros((state.max_seqs,), bool).at[jnp.where(is_dst, src, state.max_seqs)].set(True, mode="drop") & is_dst
+    ok = ~jnp.any(is_dst & (occupied | (src_of == rows) | (src_of >= state.max_seqs))) & ~jnp.any(src_is_dst)
+    new = state.replace(
+        block_tables=jnp.where(is_dst[:, None], table, state.block_tables),
+        seq_lens=jnp.where(is_dst, state.seq_lens[src], state.seq_lens),
+        num_seq_pages=jnp.where(is_dst, n, state.num_seq_pages),
+        ref_counts=state.ref_counts.at[jnp.where(shared, table, state.num_pages)].add(1, mode="drop"),
     )
+    return _select(ok, new, state), ok
+
+
+@jax.jit
+def unchecked_share(state: PageState, num_hit: jax.Array, hit_pages: jax.Array) -> tuple[PageState, jax.Array]:
+    """Gives empty slots pages that already hold their first tokens (a
+    prefix-cache hit; :mod:`paged_jax.prefix_cache` finds them).
+
+    Slot ``s`` takes pages ``hit_pages[s, :num_hit[s]]`` as its first
+    ``num_hit[s]`` pages, full: it then holds ``num_hit[s] * page_size``
+    tokens, whose K/V are already there. Each page gains a reference. A page
+    with no reference before (a cached page sitting in the free queue)
+    leaves the free queue; the others keep their order (so the queue stays
+    least recently freed first).
+
+    Args:
+      state: the page state.
+      num_hit: i32[max_seqs] pages to take per slot, 0 for none.
+      hit_pages: i32[max_seqs, max_pages_per_seq] their ids, in logical
+        order; entries past ``num_hit[s]`` are ignored.
+
+    Returns:
+      ``(state, ok)``; ``ok`` is False, and the state unchanged, when a slot
+      with a hit is not empty, ``num_hit`` is outside ``[0,
+      max_pages_per_seq]``, or a page id is the null page or outside the
+      pool.
+    """
+    num_pages, max_pages, cap = state.num_pages, state.max_pages_per_seq, state.free_queue.shape[0]
+    active = num_hit > 0
+    take = jnp.arange(max_pages)[None, :] < num_hit[:, None]  # [S, max_pages]
+    occupied = (state.num_seq_pages > 0) | (state.seq_lens > 0)
+    ok = ~jnp.any(active & occupied) & ~jnp.any((num_hit < 0) | (num_hit > max_pages))
+    ok &= ~jnp.any(take & ((hit_pages <= NULL_PAGE) | (hit_pages >= num_pages)))
+    table = jnp.where(take, hit_pages, NULL_PAGE)
+    ref_counts = state.ref_counts.at[jnp.where(take, table, num_pages)].add(1, mode="drop")
+    taken = (state.ref_counts == 0) & (ref_counts > 0)  # bool[num_pages] leaving the free queue
+    # Compact the ring without them, head first, into a queue that starts at 0.
+    queue = state.free_queue[(state.free_head + jnp.arange(cap)) % cap]
+    keep = (jnp.arange(cap) < state.num_free_pages) & ~taken[queue]
+    dest = jnp.where(keep, jnp.cumsum(keep) - 1, cap)
+    new = state.replace(
+        block_tables=jnp.where(active[:, None], table, state.block_tables),
+        seq_lens=jnp.where(active, num_hit * state.page_size, state.seq_lens),
+        num_seq_pages=jnp.where(active, num_hit, state.num_seq_pages),
+        ref_counts=ref_counts,
+        free_queue=jnp.zeros_like(queue).at[dest].set(queue, mode="drop"),
+        free_head=jnp.zeros((), jnp.int32),
+        num_free_pages=state.num_free_pages - taken.sum(dtype=jnp.int32),
+    )
+    return _select(ok, new, state), ok
+
+
+def share(state: PageState, num_hit, hit_pages) -> tuple[PageState, jax.Array]:
+    """Gives empty slots pages that already hold their first tokens (a
+    prefix-cache hit); see :func:`unchecked_share`.
+
+    Args:
+      num_hit: int[max_seqs] pages per slot.
+      hit_pages: int[max_seqs, max_pages_per_seq] page ids.
+
+    Returns:
+      ``(state, ok)`` as :func:`unchecked_share`.
+
+    Raises:
+      ValueError: wrong shapes or dtypes; (eager calls) a slot with a hit
+        that is not empty, ``num_hit`` outside ``[0, max_pages_per_seq]``,
+        or a taken page id that is the null page or outside the pool. The
+        state is then untouched.
+    """
+    S, P = state.max_seqs, state.max_pages_per_seq
+    for name, value, shape in (("num_hit", num_hit, (S,)), ("hit_pages", hit_pages, (S, P))):
+        dtype = getattr(value, "dtype", None)
+        if getattr(value, "shape", None) != shape or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+            raise ValueError(f"{name} must be int{list(shape)}, got {getattr(value, 'dtype', None)}{list(getattr(value, 'shape', ()))}")
+    if not _is_traced(state, num_hit, hit_pages):
+        n, pages = np.asarray(num_hit), np.asarray(hit_pages)
+        bad = np.flatnonzero((n < 0) | (n > P))
+        if bad.size:
+            raise ValueError(f"num_hit must be in [0, max_pages_per_seq={P}], got {n[bad].tolist()} at slots {bad.tolist()}")
+        busy = np.flatnonzero((n > 0) & ((np.asarray(state.num_seq_pages) > 0) | (np.asarray(state.seq_lens) > 0)))
+        if busy.size:
+            raise ValueError(f"slots {busy.tolist()} already hold a sequence; a hit needs an empty slot")
+        taken = pages[np.arange(P)[None, :] < n[:, None]]
+        bad_pages = taken[(taken <= NULL_PAGE) | (taken >= state.num_pages)]
+        if bad_pages.size:
+            raise ValueError(f"hit_pages must be in [1, num_pages={state.num_pages}), got {bad_pages.tolist()}")
+    return unchecked_share(state, jnp.asarray(num_hit, jnp.int32), jnp.asarray(hit_pages, jnp.int32))
 
 
 def slot_mapping(

@@ -84,15 +84,16 @@ def shared_step():
 
 
 def serve(requests, num_pages, page_size=4, max_seqs=8, max_seq_len=80, reserve=False, stop_ids=(), budget=64,
-          overlap=True):
+          overlap=True, prefix_caching=True, check=True):
     step = shared_step()
     engine = Engine(
         step,
         toy_pool(num_pages, page_size),
         EngineConfig(max_seqs=max_seqs, max_seq_len=max_seq_len, reserve_max_len=reserve,
-                     max_num_batched_tokens=budget, async_scheduling=overlap),
+                     max_num_batched_tokens=budget, async_scheduling=overlap, enable_prefix_caching=prefix_caching),
         stop_ids=stop_ids,
         vocab_size=VOCAB,
+        check_page_state=check,
     )
     outs = engine.run(requests)
     return {o.request_id: o for o in outs}, engine

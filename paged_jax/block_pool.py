@@ -1,0 +1,222 @@
+"""The host's twin of the device page state, for the scheduler and the prefix cache.
+
+Why a twin. The engine's page state (:class:`paged_jax.page_state.PageState`)
+lives on device and changes inside the jitted step. Once pages are shared,
+the scheduler needs more than counts: which page ids a sequence holds (to
+key full pages in the prefix cache and hand them to later requests), how
+many pages a release really frees (a page shared by k sequences is freed
+with the last of them), and which growth needs a copy-on-write copy.
+Reading the device state back would stall async scheduling (the host plans
+call ``i + 1`` before call ``i`` is done), so the host keeps an exact NumPy
+twin: the same block tables, reference counts and FIFO free queue, changed
+by the same rules in the same order as the device functions in one call
+(:func:`~paged_jax.page_state.unchecked_free`, then
+:func:`~paged_jax.page_state.unchecked_share`, then
+:func:`~paged_jax.page_state.unchecked_extend`, then
+:func:`~paged_jax.page_state.unchecked_fork_many`). The engine checks the
+device's free count against the twin after every call, and the whole state
+with ``Engine(check_page_state=True)`` (the tests do); the hypothesis state
+machine in ``tests/test_sharing_state.py`` drives both with random
+operations and compares them after each.
+
+Like vLLM v1's ``BlockPool``, the free queue is ordered least recently
+freed first and removes a page from its middle in O(1) (a dict keeps
+insertion order) when a prefix-cache hit takes a freed page back, and
+``on_evict(page)`` is called when a page leaves the free queue for new use,
+so the prefix cache forgets what the page held.
+
+Releases are deferred, as on device: :meth:`BlockPool.release` drops the
+references at once (the scheduler plans with the new counts) and
+:meth:`BlockPool.flush` queues the pages that reached zero in ascending page
+id, which is what ``unchecked_free`` does for all the slots freed in one
+call.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from paged_jax.page_state import NULL_PAGE, PageState, pages_for_tokens
+
+
+class BlockPool:
+    """Block tables, reference counts and the free queue, on the host.
+
+    Attributes:
+      block_tables: i64[max_seqs, max_pages_per_seq] page ids, ``NULL_PAGE``
+        where unused.
+      seq_lens: i64[max_seqs] tokens per slot.
+      num_seq_pages: i64[max_seqs] pages per slot.
+      ref_counts: i64[num_pages] slots holding each page.
+      on_evict: called with a page id when the page leaves the free queue
+        for new use (its content is about to be overwritten).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_pages: int,
+        max_seqs: int,
+        max_pages_per_seq: int,
+        page_size: int,
+        on_evict: Callable[[int], None] | None = None,
+    ):
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.max_pages_per_seq = max_pages_per_seq
+        self.block_tables = np.full((max_seqs, max_pages_per_seq), NULL_PAGE, np.int64)
+        self.seq_lens = np.zeros(max_seqs, np.int64)
+        self.num_seq_pages = np.zeros(max_seqs, np.int64)
+        self.ref_counts = np.zeros(num_pages, np.int64)
+        self._queue: dict[int, None] = dict.fromkeys(range(1, num_pages))
+        self._released: set[int] = set()  # reached zero references; queued by flush()
+        self.on_evict = on_evict
+
+    @property
+    def num_free(self) -> int:
+        """Pages with no reference (queued or about to be), cached ones
+        included."""
+        return len(self._queue) + len(self._released)
+
+    def pages(self, slot: int) -> list[int]:
+        """The page ids ``slot`` holds, in logical order."""
+        return self.block_tables[slot, : self.num_seq_pages[slot]].tolist()
+
+    def free_pages(self) -> list[int]:
+        """Pages with no reference, in the order new allocations take them
+        (the released ones after the queued ones, ascending)."""
+        return list(self._queue) + sorted(self._released)
+
+    # ------------------------------------------------------------ changes
+
+    def release(self, slot: int) -> int:
+        """Empties ``slot``; its pages lose a reference. Returns how many
+        reached zero (they join the free queue at :meth:`flush`)."""
+        freed = 0
+        for p in self.pages(slot):
+            self.ref_counts[p] -= 1
+            if self.ref_counts[p] == 0:
+                self._released.add(p)
+                freed += 1
+        self.block_tables[slot] = NULL_PAGE
+        self.seq_lens[slot] = 0
+        self.num_seq_pages[slot] = 0
+        return freed
+
+    def flush(self) -> None:
+        """Queues the released pages, ascending (``unchecked_free``'s order)."""
+        for p in sorted(self._released):
+            self._queue[p] = None
+        self._released.clear()
+
+    def share(self, slot: int, pages: Sequence[int]) -> int:
+        """Gives empty ``slot`` full ``pages`` (a prefix-cache hit), as
+        ``unchecked_share``. Returns how many of them had no reference (they
+        leave the free queue)."""
+        taken = 0
+        for p in pages:
+            if self.ref_counts[p] == 0:
+                if p in self._released:
+                    self._released.remove(p)
+                else:
+                    del self._queue[p]
+                taken += 1
+            self.ref_counts[p] += 1
+        self.block_tables[slot, : len(pages)] = pages
+        self.num_seq_pages[slot] = len(pages)
+        self.seq_lens[slot] = len(pages) * self.page_size
+        return taken
+
+    def _pop(self) -> int:
+        page = next(iter(self._queue))
+        del self._queue[page]
+        if self.on_evict is not None:
+            self.on_evict(page)
+        return page
+
+    def cow_needed(self, slot: int) -> bool:
+        """Whether ``slot``'s next token lands in a page another slot holds
+        (a copy-on-write copy, unless every other holder also grows in the
+        same call: then the last in slot order keeps the page)."""
+        idx = self.seq_lens[slot] // self.page_size
+        return bool(idx < self.num_seq_pages[slot] and self.ref_counts[self.block_tables[slot, idx]] > 1)
+
+    def extend(self, num_new: np.ndarray, min_pages: int = 0) -> list[tuple[int, int]] | None:
+        """Grows slot ``s`` by ``num_new[s]`` tokens, as ``unchecked_extend``:
+        released pages are queued (:meth:`flush`), then slots in ascending
+        order take pages off the queue's head, a copy-on-write copy first.
+
+        Returns:
+          the ``(src, dst)`` page copies; ``None``, with nothing changed, when
+          ``unchecked_extend`` would refuse (the pool is short, a sequence
+          would pass ``max_pages_per_seq`` pages, a negative count).
+        """
+        if (num_new < 0).any():
+            return None
+        self.flush()
+        active = np.flatnonzero(num_new > 0)
+        idx = self.seq_lens[active] // self.page_size
+        has_page = idx < self.num_seq_pages[active]
+        cur = self.block_tables[active, np.minimum(idx, self.max_pages_per_seq - 1)]
+        shared = has_page & (self.ref_counts[cur] > 1)
+        cow = np.zeros(len(active), bool)
+        for i in range(len(active)):  # an earlier sharer copies; the last one keeps the page
+            earlier = int(np.sum(shared[:i] & (cur[:i] == cur[i])))
+            cow[i] = shared[i] and self.ref_counts[cur[i]] - earlier > 1
+        want = np.maximum(pages_for_tokens(self.seq_lens[active] + num_new[active], self.page_size), min_pages)
+        grow = np.maximum(want - self.num_seq_pages[active], 0)
+        if int(grow.sum() + cow.sum()) > len(self._queue) or (self.num_seq_pages[active] + grow > self.max_pages_per_seq).any():
+            return None
+        copies = []
+        before = self.ref_counts.copy()
+        for i, s in enumerate(active):
+            if cow[i]:
+                dst = self._pop()
+                self.ref_counts[dst] += 1
+                self.ref_counts[cur[i]] -= 1
+                self.block_tables[s, idx[i]] = dst
+                copies.append((int(cur[i]), dst))
+            for _ in range(int(grow[i])):
+                page = self._pop()
+                self.ref_counts[page] += 1
+                self.block_tables[s, self.num_seq_pages[s]] = page
+                self.num_seq_pages[s] += 1
+            self.seq_lens[s] += num_new[s]
+        assert (self.ref_counts[before > 0] > 0).all()  # a copy never frees the original
+        return copies
+
+    def fork(self, src: int, dst: int) -> None:
+        """Empty ``dst`` shares ``src``'s tokens, as ``unchecked_fork_many``."""
+        n = pages_for_tokens(int(self.seq_lens[src]), self.page_size)
+        pages = self.block_tables[src, :n]
+        self.ref_counts[pages] += 1
+        self.block_tables[dst, :n] = pages
+        self.block_tables[dst, n:] = NULL_PAGE
+        self.num_seq_pages[dst] = n
+        self.seq_lens[dst] = self.seq_lens[src]
+
+    # -------------------------------------------------------------- check
+
+    def check(self, state: PageState) -> None:
+        """Raises RuntimeError naming the first field where the device's
+        page state (read back) differs from this twin."""
+        dev = {
+            "block_tables": np.asarray(state.block_tables),
+            "seq_lens": np.asarray(state.seq_lens),
+            "num_seq_pages": np.asarray(state.num_seq_pages),
+            "ref_counts": np.asarray(state.ref_counts),
+        }
+        for name, value in dev.items():
+            mine = getattr(self, name)
+            if not np.array_equal(value, mine):
+                where = np.argwhere(value != mine)[:4].tolist()
+                raise RuntimeError(f"page state and host twin differ in {name} at {where}")
+        cap = state.free_queue.shape[0]
+        head, n = int(state.free_head), int(state.num_free_pages)
+        queue = np.asarray(state.free_queue)[(head + np.arange(n)) % cap].tolist()
+        if self._released:
+            raise RuntimeError("host twin has unflushed releases; compare after flush()")
+        if queue != list(self._queue):
+            raise RuntimeError(f"free queues differ: device {queue[:8]}..., host {list(self._queue)[:8]}...")

@@ -1,0 +1,215 @@
+"""Prefix caching: hits skip prefill without changing a token, salts isolate,
+collisions cannot hit, and every page comes back (free or cached).
+
+The engine runs with ``check_page_state=True``: after every call the
+device's page state is read back and compared with the host's twin.
+"""
+
+import numpy as np
+import pytest
+
+from paged_jax.engine import Engine, EngineConfig, Request
+from paged_jax.prefix_cache import PrefixCache, chain_keys
+from paged_jax.sampling import SamplingParams
+from tests.test_engine import VOCAB, serve, shared_step, toy_pool, toy_requests
+
+PAGE = 4
+
+
+def make_engine(num_pages=200, prefix_caching=True, max_seqs=8, budget=64, overlap=True):
+    return Engine(
+        shared_step(),
+        toy_pool(num_pages, PAGE),
+        EngineConfig(max_seqs=max_seqs, max_seq_len=80, max_num_batched_tokens=budget,
+                     enable_prefix_caching=prefix_caching, async_scheduling=overlap),
+        vocab_size=VOCAB,
+        check_page_state=True,
+    )
+
+
+def check_accounting(engine):
+    acc = engine.accounting()
+    assert acc["free"] + acc["cached"] + acc["used"] == acc["total"], acc
+    assert min(acc.values()) >= 0, acc
+    return acc
+
+
+def test_keys_chain_and_lookup_verifies_tokens_parent_and_salt():
+    cache = PrefixCache(PAGE)
+    a = list(range(10))  # two full pages and a partial one
+    keys = chain_keys(a, PAGE, ("s",), [])
+    assert len(keys) == 2 and keys[0] != keys[1]
+    assert chain_keys(a + [99] * 2, PAGE, ("s",), list(keys)) [:2] == keys  # a chain only grows
+    assert cache.insert(7, a, keys, ("s",), 0) and cache.insert(3, a, keys, ("s",), 1)
+    assert cache.lookup(a, keys, ("s",), 2) == [7, 3]
+    assert cache.lookup(a, keys, ("s",), 1) == [7]  # capped
+    assert cache.lookup(a, chain_keys(a, PAGE, ("t",), []), ("t",), 2) == []  # another salt: other keys
+    # A forged collision: B's tokens looked up under A's keys must not hit.
+    b = [1] + a[1:]
+    assert cache.lookup(b, keys, ("s",), 2) == []
+    c = a[:4] + [42] + a[5:]  # first page equal, second differs
+    assert cache.lookup(c, keys, ("s",), 2) == [7]
+    assert cache.lookup(a, keys, ("t",), 2) == []  # right keys, wrong extra key
+    # A child is reached only through the parent recorded with it.
+    cache.evict(7)
+    assert cache.lookup(a, keys, ("s",), 2) == []
+    assert cache.insert(9, a, keys, ("s",), 0)
+    assert cache.lookup(a, keys, ("s",), 2) == [9]  # page 3's parent was 7, not 9
+    assert not cache.insert(5, a, keys, ("s",), 0)  # the key is taken: the first page stays
+    assert len(cache) == 2
+
+
+def test_hits_leave_greedy_outputs_unchanged_over_two_rounds():
+    """Two rounds of the same prompts (the second all hits) give the outputs
+    of an engine without caching, and the second round skips every full
+    prompt page but the one holding the last token."""
+    reqs = toy_requests(10, seed=11)
+    off, e_off = serve(reqs, num_pages=200, prefix_caching=False)
+    engine = make_engine()
+    first = {o.request_id: o for o in engine.run(reqs)}
+    again = [Request(request_id=("again", r.request_id), prompt_ids=r.prompt_ids, max_new_tokens=r.max_new_tokens)
+             for r in reqs]
+    second = {o.request_id[1]: o for o in engine.run(again)}
+    for r in reqs:
+        assert first[r.request_id].output_ids == off[r.request_id].output_ids
+        assert second[r.request_id].output_ids == off[r.request_id].output_ids
+        assert first[r.request_id].num_cached_tokens == 0
+        assert second[r.request_id].num_cached_tokens == (len(r.prompt_ids) - 1) // PAGE * PAGE
+    st = engine.stats
+    assert st.prefix_hit_tokens == sum((len(r.prompt_ids) - 1) // PAGE * PAGE for r in reqs) > 0
+    assert st.prompt_tokens == 2 * sum(len(r.prompt_ids) for r in reqs)
+    assert e_off.stats.prefix_hit_tokens == 0 and e_off.prefix_cache is None
+    assert st.prefill_tokens == e_off.stats.prefill_tokens * 2 - st.prefix_hit_tokens
+    acc = check_accounting(engine)
+    assert acc["used"] == 0 and acc["cached"] > 0
+
+
+def test_one_prompt_five_times_first_misses_rest_hit():
+    prompt = np.random.default_rng(5).integers(0, VOCAB, size=23).tolist()  # 5 full pages + 3 tokens
+    reference = None
+    engine = make_engine()
+    for i in range(5):
+        (out,) = engine.run([Request(request_id=i, prompt_ids=prompt, max_new_tokens=12)])
+        reference = reference or out.output_ids
+        assert out.output_ids == reference
+        # The first misses; later ones hit the prompt's 5 pages and the
+        # pages of the output the first one generated (the same tokens).
+        assert out.num_cached_tokens == (0 if i == 0 else 20)
+        check_accounting(engine)
+    (off,) = serve([Request(request_id=0, prompt_ids=prompt, max_new_tokens=12)], num_pages=200,
+                   prefix_caching=False)[0].values()
+    assert off.output_ids == reference
+    assert engine.stats.prefix_hit_rate == pytest.approx(4 * 20 / (5 * 23))
+
+
+def test_concurrent_requests_share_pages_and_copy_nothing():
+    """Requests sharing a 16-token system prompt, admitted in one call after
+    the first has computed it, hold the same 4 pages (counted once in
+    ``used``)."""
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, VOCAB, size=16).tolist()
+    reqs = [Request(request_id=i, prompt_ids=system + rng.integers(0, VOCAB, size=5).tolist(), max_new_tokens=30,
+                    ignore_eos=True) for i in range(4)]
+    engine = make_engine()
+    engine.add_request(reqs[0])
+    engine.step()
+    engine.step()  # the first request's pages are computed and offered
+    for r in reqs[1:]:
+        engine.add_request(r)
+    engine.step()
+    tables = [engine.pool.pages(s.slot) for s in engine.running]
+    assert len(tables) == 4
+    assert all(t[:4] == tables[0][:4] for t in tables)
+    assert engine.pool.ref_counts[tables[0][0]] == 4
+    acc = check_accounting(engine)
+    assert acc["used"] == 4 + sum(len(t) - 4 for t in tables)
+    assert engine.stats.pages_saved == 12
+    outs = {o.request_id: o for o in engine.run()}
+    solo = serve(reqs, num_pages=200, prefix_caching=False)[0]
+    for r in reqs:
+        assert outs[r.request_id].output_ids == solo[r.request_id].output_ids
+
+
+def test_different_salts_never_share_a_page():
+    prompt = np.random.default_rng(1).integers(0, VOCAB, size=30).tolist()
+    engine = make_engine()
+    engine.run([Request(request_id="a", prompt_ids=prompt, max_new_tokens=3, cache_salt="alice")])
+    (b,) = engine.run([Request(request_id="b", prompt_ids=prompt, max_new_tokens=3, cache_salt="bob")])
+    (c,) = engine.run([Request(request_id="c", prompt_ids=prompt, max_new_tokens=3, cache_salt="alice")])
+    assert b.num_cached_tokens == 0 and c.num_cached_tokens == 28
+    # Running together: disjoint pages.
+    for salt in ("carol", "dave"):
+        engine.add_request(Request(request_id=salt, prompt_ids=prompt, max_new_tokens=20, cache_salt=salt))
+    engine.step()
+    engine.step()
+    pages = [set(engine.pool.pages(s.slot)) for s in engine.running]
+    assert len(pages) == 2 and not pages[0] & pages[1]
+    engine.run()
+
+
+def test_cached_pages_are_evicted_least_recently_freed_first_under_pressure():
+    """With a pool barely larger than one request, a cached prefix is
+    evicted by the requests that follow, and a later repeat of it misses
+    but still gives the same tokens."""
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(0, VOCAB, size=40).tolist()
+    engine = make_engine(num_pages=24)  # 23 usable pages, 80 tokens per sequence at most
+    (first,) = engine.run([Request(request_id=0, prompt_ids=prompt, max_new_tokens=20)])
+    others = [Request(request_id=i, prompt_ids=rng.integers(0, VOCAB, size=40).tolist(), max_new_tokens=40)
+              for i in range(1, 4)]
+    engine.run(others)
+    (again,) = engine.run([Request(request_id=9, prompt_ids=prompt, max_new_tokens=20)])
+    assert again.output_ids == first.output_ids
+    assert again.num_cached_tokens < 36
+    acc = check_accounting(engine)
+    assert acc["used"] == 0
+
+
+def test_preempted_sequences_recompute_from_the_cache():
+    """Under a small pool, preempted sequences find the pages they freed
+    still cached when readmitted; outputs equal the unpressured run."""
+    reqs = toy_requests(12, sampling=lambda i: SamplingParams(temperature=0.8, seed=i))
+    big, _ = serve(reqs, num_pages=400)
+    small, engine = serve(reqs, num_pages=25)
+    assert engine.stats.preemptions > 0 and engine.stats.recompute_hit_tokens > 0
+    for i in big:
+        assert small[i].output_ids == big[i].output_ids
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_abort_soak_leaks_nothing_and_keeps_other_outputs(overlap):
+    """A few hundred requests (many sharing prefixes) with random aborts of
+    waiting and running ones: the rest give the outputs of a run without
+    aborts, and afterwards every page is free or cached."""
+    rng = np.random.default_rng(3)
+    stems = [rng.integers(0, VOCAB, size=12).tolist() for _ in range(5)]
+    reqs = [
+        Request(request_id=i, prompt_ids=stems[i % 5] + rng.integers(0, VOCAB, size=int(rng.integers(1, 20))).tolist(),
+                max_new_tokens=int(rng.integers(1, 25)))
+        for i in range(240)
+    ]
+    engine = make_engine(num_pages=40, overlap=overlap)
+    for r in reqs:
+        engine.add_request(r)
+    outs, aborted = {}, set()
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id] = o
+        live = list(engine._live)
+        if live and rng.random() < 0.3:
+            rid = live[int(rng.integers(len(live)))]
+            o = engine.abort(rid)
+            assert o.finish_reason == "abort"
+            aborted.add(rid)
+        check_accounting(engine)
+    assert aborted and len(outs) + len(aborted) == len(reqs)
+    with pytest.raises(ValueError, match="already finished or aborted"):
+        engine.abort(next(iter(aborted)))
+    with pytest.raises(ValueError, match="never added"):
+        engine.abort("nobody")
+    acc = check_accounting(engine)
+    assert acc["used"] == 0 and acc["cached"] > 0
+    engine.pool.check(engine.state)
+    plain = serve([r for r in reqs if r.request_id in outs], num_pages=400, prefix_caching=False, check=False)[0]
+    for rid, o in outs.items():
+        assert o.output_ids == plain[rid].output_ids, rid

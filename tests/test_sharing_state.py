@@ -1,0 +1,205 @@
+"""A hypothesis state machine over the device page state, the host's twin of
+it and the prefix cache.
+
+Random operations (allocate, append, extend, fork, a write into a shared
+page, free, cache hits, evictions through new allocations, and refused
+calls) run on the device functions of ``paged_jax.page_state`` and on the
+NumPy twin ``paged_jax.block_pool.BlockPool``, which is written separately
+from the same rules. After every step:
+
+* the twin equals the device state, field by field, free-queue order included;
+* every page's reference count equals the block-table entries holding it;
+* no page is both free and held; the null page is never handed out;
+* free + cached + used = the usable pages, a shared page counted once;
+* every cached page holds, slot by slot, the tokens its cache entry names
+  (a shadow of page contents follows every write and copy-on-write copy),
+  so a hit can never hand out wrong K/V;
+* a refused call leaves the device state bit-identical.
+"""
+
+import jax
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from paged_jax import page_state as ps
+from paged_jax.block_pool import BlockPool
+from paged_jax.prefix_cache import PrefixCache, chain_keys
+
+NUM_PAGES, MAX_SEQS, MAX_PAGES, PAGE = 14, 4, 5, 2
+VOCAB = 2  # few distinct tokens: many equal pages, many hits
+EXTRA = (None,)
+
+
+def same(a, b) -> bool:
+    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+class SharingMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.state = ps.init_page_state(num_pages=NUM_PAGES, max_seqs=MAX_SEQS, max_pages_per_seq=MAX_PAGES,
+                                        page_size=PAGE)
+        self.cache = PrefixCache(PAGE)
+        self.pool = BlockPool(num_pages=NUM_PAGES, max_seqs=MAX_SEQS, max_pages_per_seq=MAX_PAGES, page_size=PAGE,
+                              on_evict=self.cache.evict)
+        self.tokens = [[] for _ in range(MAX_SEQS)]  # each slot's token ids
+        self.keyed = [0] * MAX_SEQS  # leading pages offered to the cache
+        self.content = np.full((NUM_PAGES, PAGE), -1)  # shadow: token id held at each page slot
+        self.refused = 0
+
+    # ------------------------------------------------------------ helpers
+
+    def _extend(self, num_new: np.ndarray, new_tokens: list[list[int]]):
+        before = self.state
+        state, ok, cow_src, cow_dst = ps.unchecked_extend(self.state, jax.numpy.asarray(num_new, jax.numpy.int32))
+        copies = self.pool.extend(num_new.astype(np.int64))
+        assert bool(ok) == (copies is not None)
+        if not ok:
+            assert same(state, before)
+            self.refused += 1
+            return
+        self.state = state
+        dev = sorted((int(a), int(b)) for a, b in zip(np.asarray(cow_src), np.asarray(cow_dst)) if a != ps.NO_PAGE)
+        assert dev == sorted(copies)
+        for src, dst in copies:
+            self.content[dst] = self.content[src]
+        for s in range(MAX_SEQS):
+            start = len(self.tokens[s])
+            for i, t in enumerate(new_tokens[s]):
+                pos = start + i
+                self.content[self.pool.block_tables[s, pos // PAGE], pos % PAGE] = t
+            self.tokens[s] += new_tokens[s]
+            self._offer(s)
+
+    def _offer(self, s):
+        keys = chain_keys(self.tokens[s], PAGE, EXTRA, [])
+        for j in range(self.keyed[s], len(keys)):
+            self.cache.insert(int(self.pool.block_tables[s, j]), self.tokens[s], keys, EXTRA, j)
+        self.keyed[s] = len(keys)
+
+    def _free(self, mask: np.ndarray):
+        self.state = ps.free(self.state, jax.numpy.asarray(mask))
+        for s in np.flatnonzero(mask):
+            self.pool.release(int(s))
+            self.tokens[s] = []
+            self.keyed[s] = 0
+        self.pool.flush()
+
+    # -------------------------------------------------------------- rules
+
+    @rule(data=st.data())
+    def extend(self, data):
+        """Allocate (an empty slot), append (1 token), or a chunk; several
+        slots at once, some of them writing into shared pages."""
+        num_new = np.array(data.draw(st.lists(st.integers(0, 5), min_size=MAX_SEQS, max_size=MAX_SEQS)))
+        num_new = np.minimum(num_new, MAX_PAGES * PAGE - np.array([len(t) for t in self.tokens]))
+        new = [data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=int(n), max_size=int(n))) for n in num_new]
+        self._extend(num_new, new)
+
+    @rule(data=st.data())
+    def fork(self, data):
+        busy = [s for s in range(MAX_SEQS) if self.tokens[s]]
+        empty = [s for s in range(MAX_SEQS) if not self.tokens[s] and not self.pool.num_seq_pages[s]]
+        if not busy or not empty:
+            return
+        src, dst = data.draw(st.sampled_from(busy)), data.draw(st.sampled_from(empty))
+        self.state = ps.fork(self.state, src, dst)
+        self.pool.fork(src, dst)
+        self.tokens[dst] = list(self.tokens[src])
+        self.keyed[dst] = len(self.tokens[dst]) // PAGE  # its full pages are the source's
+
+    @rule(data=st.data())
+    def free(self, data):
+        mask = np.array(data.draw(st.lists(st.booleans(), min_size=MAX_SEQS, max_size=MAX_SEQS)))
+        self._free(mask)
+
+    @rule(data=st.data())
+    def cache_hit(self, data):
+        """A new sequence whose first tokens may be cached takes the hit
+        pages (some of them freed, back out of the free queue)."""
+        empty = [s for s in range(MAX_SEQS) if not self.tokens[s] and not self.pool.num_seq_pages[s]]
+        if not empty:
+            return
+        s = data.draw(st.sampled_from(empty))
+        tokens = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=PAGE, max_size=MAX_PAGES * PAGE))
+        keys = chain_keys(tokens, PAGE, EXTRA, [])
+        hits = self.cache.lookup(tokens, keys, EXTRA, len(keys))
+        if not hits:
+            return
+        for j, p in enumerate(hits):  # the hit's content is the request's
+            assert self.content[p].tolist() == tokens[j * PAGE : (j + 1) * PAGE]
+        num_hit = np.zeros(MAX_SEQS, np.int32)
+        table = np.zeros((MAX_SEQS, MAX_PAGES), np.int32)
+        num_hit[s], table[s, : len(hits)] = len(hits), hits
+        self.state, ok = ps.share(self.state, num_hit, table)
+        assert ok
+        self.pool.share(s, hits)
+        self.tokens[s] = tokens[: len(hits) * PAGE]
+        self.keyed[s] = len(hits)
+
+    @rule(data=st.data())
+    def refused_share(self, data):
+        """A hit into a busy slot or of the null page is refused and leaves
+        the state bit-identical (unchecked: the checked door raises)."""
+        busy = [s for s in range(MAX_SEQS) if self.pool.num_seq_pages[s]]
+        num_hit = np.zeros(MAX_SEQS, np.int32)
+        table = np.zeros((MAX_SEQS, MAX_PAGES), np.int32)
+        if busy and data.draw(st.booleans()):
+            num_hit[data.draw(st.sampled_from(busy))] = 1
+            table[:, 0] = 1
+        else:
+            num_hit[0] = 1  # page 0: the null page
+        new, ok = ps.unchecked_share(self.state, jax.numpy.asarray(num_hit), jax.numpy.asarray(table))
+        assert not ok and same(new, self.state)
+        self.refused += 1
+
+    @precondition(lambda self: any(self.tokens))
+    @rule()
+    def refused_growth(self):
+        """Asking for more pages than are free is refused, state unchanged."""
+        num_new = np.zeros(MAX_SEQS, np.int64)
+        s = next(s for s in range(MAX_SEQS) if self.tokens[s])
+        num_new[s] = MAX_PAGES * PAGE + 1  # past max_pages_per_seq too
+        new, ok, _, _ = ps.unchecked_extend(self.state, jax.numpy.asarray(num_new, jax.numpy.int32))
+        assert not ok and same(new, self.state)
+        assert self.pool.extend(num_new) is None
+
+    # --------------------------------------------------------- invariants
+
+    @invariant()
+    def twin_equals_device(self):
+        self.pool.check(self.state)
+
+    @invariant()
+    def ref_counts_count_block_table_entries(self):
+        held = np.arange(MAX_PAGES)[None, :] < self.pool.num_seq_pages[:, None]
+        entries = self.pool.block_tables[held]
+        assert (entries != ps.NULL_PAGE).all(), "the null page was handed out"
+        assert np.array_equal(np.bincount(entries, minlength=NUM_PAGES), self.pool.ref_counts)
+        free = self.pool.free_pages()
+        assert ps.NULL_PAGE not in free and len(set(free)) == len(free)
+        assert not set(free) & set(entries.tolist()), "a page is both free and held"
+        cached = [p for p in self.cache.pages if self.pool.ref_counts[p] == 0]
+        used = int(np.count_nonzero(self.pool.ref_counts))
+        assert (len(free) - len(cached)) + len(cached) + used == NUM_PAGES - 1
+        assert set(cached) <= set(free)
+
+    @invariant()
+    def cached_pages_hold_their_tokens(self):
+        for p in self.cache.pages:
+            e = self.cache._by_page[p]
+            assert self.content[p].tolist() == list(e.tokens), p
+
+    @invariant()
+    def slots_hold_their_tokens(self):
+        for s in range(MAX_SEQS):
+            for pos, t in enumerate(self.tokens[s]):
+                assert self.content[self.pool.block_tables[s, pos // PAGE], pos % PAGE] == t
+
+
+SharingMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestSharingMachine = SharingMachine.TestCase
