@@ -21,6 +21,7 @@ demo: setup
 
 tables: setup
 	$(PY) -m experiments.reproduce
+	$(PY) -m experiments.sharing
 
 test: setup
 	$(PY) -m pytest -q

@@ -79,7 +79,8 @@ class BatchShape:
 
     Attributes:
       num_tokens: T, rows of the flat token array.
-      num_logits: R, rows whose logits the call returns.
+      num_logits: R, rows whose logits the call returns (a row may be
+        returned more than once: parallel samples of one prompt).
       decode_tiles: tiles of the one-token class (0: the call has none).
       prefill_tiles: tiles of the chunk class (0: none).
       tiling: the tile and block sizes.
@@ -98,8 +99,6 @@ class BatchShape:
         check_int("prefill_tiles", self.prefill_tiles, 0)
         if not isinstance(self.tiling, Tiling):
             raise ValueError(f"tiling must be a Tiling, got tiling={self.tiling!r}")
-        if self.num_logits > self.num_tokens:
-            raise ValueError(f"num_logits={self.num_logits} exceeds num_tokens={self.num_tokens}")
 
 
 @struct.dataclass
@@ -131,12 +130,13 @@ class RaggedBatch:
     shape: BatchShape = struct.field(pytree_node=False)
 
 
-def batch_shape(q_lens, *, num_seq_rows: int, tiling: Tiling = Tiling()) -> BatchShape:
+def batch_shape(q_lens, *, num_seq_rows: int, tiling: Tiling = Tiling(), num_samples: int = 0) -> BatchShape:
     """The bucketed static sizes for a flat batch whose sequences bring
     ``q_lens`` tokens.
 
     Tokens round up to a power of two (at least ``tiling.min_tokens``);
-    logits rows to ``min(tokens, num_seq_rows)``; tiles follow from the
+    logits rows to ``min(tokens, num_seq_rows)``, doubled until they hold
+    ``num_samples`` (capped at ``num_seq_rows``); tiles follow from the
     tokens: one per decode sequence, and for chunks ``tokens / tile`` plus
     one partial tile per chunk.
 
@@ -144,14 +144,19 @@ def batch_shape(q_lens, *, num_seq_rows: int, tiling: Tiling = Tiling()) -> Batc
       q_lens: i32[S] tokens each sequence brings.
       num_seq_rows: S, rows of the page state.
       tiling: tile and block sizes.
+      num_samples: tokens the call samples (one per sampling sequence row,
+        parallel samples forked in the call included), <= ``num_seq_rows``.
 
     Raises:
       ValueError: ``q_lens`` not a 1-D array of integers >= 0 with at most
         ``num_seq_rows`` entries; more than ``tiling.max_prefill_chunks``
         chunks of 2 or more tokens; no token at all; more tokens than int32
-        positions can index.
+        positions can index; ``num_samples`` outside ``[0, num_seq_rows]``.
     """
     check_int("num_seq_rows", num_seq_rows)
+    check_int("num_samples", num_samples, 0)
+    if num_samples > num_seq_rows:
+        raise ValueError(f"num_samples={num_samples} exceeds num_seq_rows={num_seq_rows}")
     if not isinstance(tiling, Tiling):
         raise ValueError(f"tiling must be a Tiling, got tiling={tiling!r}")
     q_lens = np.asarray(q_lens)
@@ -174,6 +179,8 @@ def batch_shape(q_lens, *, num_seq_rows: int, tiling: Tiling = Tiling()) -> Batc
     while num_tokens < total:
         num_tokens *= 2
     rows = min(num_tokens, num_seq_rows)
+    while rows < num_samples:
+        rows = min(2 * rows, num_seq_rows)
     return BatchShape(
         num_tokens=num_tokens,
         num_logits=rows,

@@ -111,23 +111,37 @@ class BlockPool:
             self._queue[p] = None
         self._released.clear()
 
-    def share(self, slot: int, pages: Sequence[int]) -> int:
-        """Gives empty ``slot`` full ``pages`` (a prefix-cache hit), as
-        ``unchecked_share``. Returns how many of them had no reference (they
-        leave the free queue)."""
+    def share(self, slot: int, pages: Sequence[int], num_tokens: int | None = None) -> int:
+        """Gives empty ``slot`` ``pages`` holding ``num_tokens`` tokens
+        (default: full pages), as ``unchecked_share``: a prefix-cache hit,
+        or a swap-in into pages from :meth:`take_free`. Returns how many
+        left the free queue here (pages with no reference that
+        :meth:`take_free` did not already take)."""
         taken = 0
         for p in pages:
             if self.ref_counts[p] == 0:
                 if p in self._released:
                     self._released.remove(p)
-                else:
+                    taken += 1
+                elif p in self._queue:
                     del self._queue[p]
-                taken += 1
+                    taken += 1
             self.ref_counts[p] += 1
         self.block_tables[slot, : len(pages)] = pages
         self.num_seq_pages[slot] = len(pages)
-        self.seq_lens[slot] = len(pages) * self.page_size
+        self.seq_lens[slot] = len(pages) * self.page_size if num_tokens is None else num_tokens
         return taken
+
+    def take_free(self, count: int) -> list[int]:
+        """Takes ``count`` pages off the free queue's head for new content
+        (evicting what the prefix cache kept in them), to be given to slots
+        by :meth:`share` in the same call. The pages released since the
+        last call are queued first (:meth:`flush`): the call frees them
+        before it shares, and no release may follow in the same call."""
+        self.flush()
+        if count > len(self._queue):
+            raise RuntimeError(f"block pool short: {count} pages wanted, {len(self._queue)} queued")
+        return [self._pop() for _ in range(count)]
 
     def _pop(self) -> int:
         page = next(iter(self._queue))

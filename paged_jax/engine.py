@@ -13,25 +13,37 @@ OSDI 2024, and vLLM v1):
    decoding sequence, a chunk of its prompt for one still prefilling); then
    waiting requests are admitted first come, first served, while pages,
    sequence slots and budget last, the last of them with a partial chunk.
-   If the pool is short, the newest running sequence is preempted by
-   *recompute*: its pages are freed and it goes back to the head of the queue
-   with the tokens it has generated, to be prefilled again when readmitted.
+   A request's sequences (its parallel samples or beams: a *sequence group*,
+   paper section 4.5) are admitted, preempted and resumed together. If the
+   pool is short, the newest running group is preempted, by *recompute*
+   (its pages are freed; its sequences are prefilled again when readmitted)
+   or by *swap* (its pages are copied to host memory first and back into
+   fresh pages then, :mod:`paged_jax.swap`). With prefix caching
+   (:mod:`paged_jax.prefix_cache`) an admitted sequence takes the cached
+   pages that hold its first tokens and skips their prefill.
 2. One jitted call does the rest on device: free the pages of sequences that
-   finished or were preempted, grow each scheduled sequence's pages
+   finished or were preempted, give admitted sequences their cached or
+   swapped-in pages (:func:`paged_jax.page_state.unchecked_share`), fork new
+   beams, grow each scheduled sequence's pages
    (:func:`paged_jax.page_state.unchecked_extend`, copy-on-write included),
-   run the model over the flat batch of every scheduled token
+   fork parallel samples from a prompt that just finished prefilling, run the
+   model over the flat batch of every scheduled token
    (:mod:`paged_jax.batch`), and sample one token for each sequence whose
-   chunk reached its end. The host gets back the sampled tokens, ``ok`` and
-   the free-page count in one transfer.
+   chunk reached its end (for beams: its top log-probabilities, from which
+   the host picks the next beams, :mod:`paged_jax.beam_search`). The host
+   gets back the sampled tokens, ``ok`` and the free-page count in one
+   transfer.
 
 Running out of pages is never an error here: it is what preemption is for.
 The engine refuses, at construction, a pool too small to hold one sequence of
-``max_seq_len`` tokens, so the oldest running sequence can always proceed.
+``max_seq_len`` tokens, and at admission a group whose sequences could not
+all fit in the pool, so the oldest running group can always proceed.
 
-The host plans with a mirror of what it needs of the page state (each
-slot's tokens and pages, the free-page count); it computes exactly what the
-device will do, and the device's ``ok`` and free count are checked against
-it after each call.
+The host plans with an exact twin of the page state
+(:class:`paged_jax.block_pool.BlockPool`: block tables, reference counts,
+the free queue); it does what the device will do, in the same order, and
+the device's ``ok`` and free count are checked against it after each call
+(the whole state with ``check_page_state=True``).
 
 Shapes are bucketed (:func:`paged_jax.batch.batch_shape`: tokens by powers of
 two, and which phases a call has; lengths are not part of a shape) so
@@ -63,6 +75,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from paged_jax import beam_search
 from paged_jax import page_state as ps
 from paged_jax.batch import BatchShape, RaggedBatch, Tiling, batch_shape
 from paged_jax.block_pool import BlockPool
@@ -71,6 +84,7 @@ from paged_jax.jit_stats import CompileMonitor
 from paged_jax.kv_cache import KVPool, copy_pages
 from paged_jax.prefix_cache import PrefixCache, chain_keys
 from paged_jax.sampling import SamplingParams, greedy, sample
+from paged_jax.swap import SwapSpace, SwappedGroup, gather_pages, scatter_pages
 
 
 class PagedModel(Protocol):
@@ -116,6 +130,12 @@ class EngineConfig:
         their sequence ends, and let a new (or recomputed) sequence whose
         first pages equal them take them instead of prefilling
         (:mod:`paged_jax.prefix_cache`).
+      preemption_mode: "recompute" (free a preempted group's pages and
+        prefill its tokens again when resumed) or "swap" (copy its pages to
+        host memory and back, :mod:`paged_jax.swap`; paper section 4.5). A
+        group that does not fit in the swap space is recomputed.
+      swap_space_pages: pages the swap space holds; default as many as the
+        KV pool's usable pages.
     """
 
     max_seqs: int = 64
@@ -125,6 +145,8 @@ class EngineConfig:
     tiling: Tiling = Tiling()
     async_scheduling: bool = True
     enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    swap_space_pages: int | None = None
 
     def __post_init__(self):
         for name in ("max_seqs", "max_seq_len", "max_num_batched_tokens"):
@@ -136,6 +158,10 @@ class EngineConfig:
                 "max_num_batched_tokens must be >= max_seqs (every running sequence decodes in each call), "
                 f"got max_num_batched_tokens={self.max_num_batched_tokens} max_seqs={self.max_seqs}"
             )
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got preemption_mode={self.preemption_mode!r}")
+        if self.swap_space_pages is not None:
+            check_int("swap_space_pages", self.swap_space_pages, 0)
         for name in ("reserve_max_len", "async_scheduling", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {name}={getattr(self, name)!r}")
@@ -166,14 +192,34 @@ class Request:
 
 
 @dataclasses.dataclass
+class CompletionOutput:
+    """One continuation of a request (``SamplingParams.n`` of them).
+
+    Attributes:
+      index: its place among the request's samples (its random stream).
+      output_ids: generated token ids (a stop token, if one ended it, last).
+      finish_reason: "stop" (a stop token), "length" (max_new_tokens) or
+        "abort" (:meth:`Engine.abort`).
+      cumulative_logprob: the sum of its tokens' log-probabilities (beam
+        search only; None otherwise).
+    """
+
+    index: int
+    output_ids: list[int]
+    finish_reason: str
+    cumulative_logprob: float | None = None
+
+
+@dataclasses.dataclass
 class RequestOutput:
     """What came of a request.
 
     Attributes:
-      output_ids: generated token ids (a stop token, if one ended it, last).
-      finish_reason: "stop" (a stop token), "length" (max_new_tokens) or
-        "abort" (:meth:`Engine.abort`).
-      num_preemptions: times it was preempted and recomputed.
+      outputs: its continuations, by index (one unless ``SamplingParams.n``
+        asked for more); for beam search its ``beam_width`` best
+        hypotheses, best first.
+      num_preemptions: times it was preempted and recomputed (all its
+        sequences together).
       num_cached_tokens: prompt tokens served from the prefix cache when
         it was first admitted.
       first_token_s, finish_s: seconds from the start of :meth:`Engine.run`
@@ -182,28 +228,44 @@ class RequestOutput:
 
     request_id: str | int
     prompt_ids: list[int]
-    output_ids: list[int]
-    finish_reason: str
+    outputs: list[CompletionOutput]
     num_preemptions: int
     first_token_s: float
     finish_s: float
     num_cached_tokens: int = 0
 
+    @property
+    def output_ids(self) -> list[int]:
+        """The first continuation's tokens."""
+        return self.outputs[0].output_ids
 
-@dataclasses.dataclass
+    @property
+    def finish_reason(self) -> str:
+        """The first continuation's finish reason."""
+        return self.outputs[0].finish_reason
+
+
+@dataclasses.dataclass(eq=False)
 class _Seq:
-    request: Request
+    """One sequence: a request's prompt and one continuation of it."""
+
+    group: "_Group"
+    index: int  # among the group's samples: its random stream
     tokens: list[int]  # prompt + generated
     num_prompt: int
     slot: int = -1
     num_computed: int = 0  # tokens whose K/V are in the cache (or being computed)
     pending: int = 0  # tokens sampled on device, not yet read by the host (0 or 1)
     done: bool = False  # finished: anything still in flight for it is discarded
-    num_preemptions: int = 0
-    first_token_s: float = float("nan")
+    finish_reason: str = ""
     keys: list = dataclasses.field(default_factory=list)  # prefix-cache key per full page of tokens
     num_keyed: int = 0  # leading pages offered to the prefix cache
-    num_cached_tokens: int = -1  # prompt tokens hit at first admission (-1: not admitted yet)
+    cum_logprob: float = 0.0  # beam search
+    fork_pre: "_Seq | None" = None  # beam search: forks from this beam's pages in the next call
+
+    @property
+    def request(self) -> Request:
+        return self.group.request
 
     @property
     def extra_key(self):
@@ -217,6 +279,51 @@ class _Seq:
     def num_tokens(self) -> int:
         """Tokens it has, the one in flight included."""
         return len(self.tokens) + self.pending
+
+
+@dataclasses.dataclass(eq=False)
+class _Group:
+    """A request's sequences (the paper's sequence group, section 4.5):
+    scheduled, preempted and resumed together.
+
+    Parallel sampling: until its prompt is prefilled a group has one
+    sequence and holds ``child_slots`` for the others; the call that samples
+    the first token forks them from it (they share its pages). Beam search:
+    the group holds a slot for each of its ``beam_width`` beams; beams that
+    die give theirs back to ``child_slots``, forks take from it."""
+
+    request: Request
+    seqs: list[_Seq] = dataclasses.field(default_factory=list)
+    child_slots: list[int] = dataclasses.field(default_factory=list)
+    num_preemptions: int = 0
+    first_token_s: float = float("nan")
+    num_cached_tokens: int = -1  # prompt tokens hit at first admission (-1: not admitted yet)
+    reported: bool = False
+    results: dict = dataclasses.field(default_factory=dict)  # beam index -> (top ids, top log-probs)
+    hyps: list = dataclasses.field(default_factory=list)  # finished beams: (score, tokens, cum_logprob, reason)
+    beam_done: bool = False
+
+    @property
+    def beam(self) -> bool:
+        return self.request.sampling.beam_width > 0
+
+    @property
+    def spare_slots(self) -> int:
+        """Slots it needs beyond its live sequences' (children to fork,
+        beams to come)."""
+        if self.beam:
+            return 0 if self.beam_done else self.request.sampling.beam_width - len(self.live)
+        return self.request.sampling.n - len(self.seqs)
+
+    @property
+    def live(self) -> list[_Seq]:
+        return [s for s in self.seqs if not s.done]
+
+    @property
+    def finished(self) -> bool:
+        if self.beam:
+            return self.beam_done and not self.live
+        return len(self.seqs) == self.request.sampling.n and not self.live
 
 
 @dataclasses.dataclass
@@ -253,6 +360,13 @@ class EngineStats:
     readmitted. ``prefix_hit_pages`` counts pages taken from the cache, and
     ``pages_saved`` those of them another running sequence held at the time
     (memory not spent twice; the others only save compute).
+
+    Sharing: after each iteration ``seq_pages_sum`` adds the pages every
+    sequence holds, each sequence counting its own (what they would take
+    without sharing), and ``used_pages_sum`` the distinct pages held;
+    ``sharing_saving`` is ``1 - used / seq`` over the run, the measure of
+    the paper's Figures 15 and 17. ``recomputed_tokens``: tokens prefilled
+    again after a preemption by recompute.
     """
 
     iterations: int = 0
@@ -262,12 +376,19 @@ class EngineStats:
     generated_tokens: int = 0
     discarded_tokens: int = 0  # sampled after a stop token was already in flight
     preemptions: int = 0
+    swap_outs: int = 0  # preemptions by swapping (the rest recomputed)
+    swapped_out_pages: int = 0
+    swapped_in_pages: int = 0
     aborted: int = 0
     prompt_tokens: int = 0
     prefix_hit_tokens: int = 0
     recompute_hit_tokens: int = 0
     prefix_hit_pages: int = 0
     pages_saved: int = 0
+    recomputed_tokens: int = 0
+    seq_pages_sum: int = 0
+    used_pages_sum: int = 0
+    peak_pages_used: int = 0
     peak_concurrency: int = 0
     busy_s: float = 0.0
     model_s: float = 0.0
@@ -276,6 +397,12 @@ class EngineStats:
     token_fraction_s: float = 0.0  # integral of used/allocated over time
     programs: set = dataclasses.field(default_factory=set)  # (BatchShape, greedy only)
     calls: list = dataclasses.field(default_factory=list)  # CallRecord per model call
+
+    @property
+    def sharing_saving(self) -> float:
+        """Share of the pages sequences hold that sharing saves (0 when
+        nothing is shared)."""
+        return 1 - self.used_pages_sum / self.seq_pages_sum if self.seq_pages_sum else 0.0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -307,10 +434,13 @@ class _StepInputs:
     pytree handed to the jitted step as is."""
 
     free_mask: np.ndarray  # bool[S] slots to free before growing
-    num_hit: np.ndarray  # i32[S] prefix-cache pages an empty slot takes
+    num_hit: np.ndarray  # i32[S] pages an empty slot takes (a prefix-cache hit or a swap-in)
     hit_pages: np.ndarray  # i32[S, max_pages_per_seq] their ids
+    hit_tokens: np.ndarray  # i32[S] tokens they hold
     num_new: np.ndarray  # i32[S]
     min_pages: np.ndarray  # i32[S]
+    fork_pre: np.ndarray  # i32[S] slot each empty slot forks from before growing (beam search), -1 none
+    fork_src: np.ndarray  # i32[S] slot each empty slot forks from after growing (parallel samples), -1 none
     tokens: np.ndarray  # i32[T]
     from_prev: np.ndarray  # bool[T] token is the previous call's sample for its row
     positions: np.ndarray  # i32[T]
@@ -321,6 +451,7 @@ class _StepInputs:
     temperature: np.ndarray  # f32[R]
     top_p: np.ndarray  # f32[R]
     seeds: np.ndarray  # u32[R]
+    streams: np.ndarray  # i32[R] sample index within the request
     steps: np.ndarray  # i32[R]
 
 
@@ -329,6 +460,7 @@ class _InFlight:
     """A dispatched call whose results the host has not read yet."""
 
     sampled: jax.Array  # i32[S] sampled token per page-state row (device)
+    top: tuple  # (i32[S, K] ids, f32[S, K] log-probs) per row, K = 0 without beam search (device)
     ok: jax.Array  # bool[] the page-state update succeeded (device)
     num_free: jax.Array  # i32[] free pages after it (device)
     samplers: list  # the _Seq that sample in it
@@ -350,20 +482,26 @@ def _compile_seconds() -> float:
     return _MONITOR.counts.seconds
 
 
-@functools.partial(jax.jit, static_argnames=("model", "shape", "greedy_only"), donate_argnums=(2, 3))
+@functools.partial(jax.jit, static_argnames=("model", "shape", "greedy_only", "top_k"), donate_argnums=(2, 3))
 def _device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array, inp: _StepInputs, *, shape: BatchShape,
-                 greedy_only: bool):
-    """Free, grow, forward, sample: one iteration's device work, one program
-    per (model, shape, greedy_only). ``prev``: i32[S] the previous call's
-    sampled token per page-state row (inputs marked ``from_prev`` take it).
-    Returns ``(state, kv, sampled i32[S] per row, ok, num_free_pages)``."""
+                 greedy_only: bool, top_k: int):
+    """Free, share, grow, fork, forward, sample: one iteration's device work, one program
+    per (model, shape, greedy_only, top_k). ``prev``: i32[S] the previous
+    call's sampled token per page-state row (inputs marked ``from_prev``
+    take it). Returns ``(state, kv, sampled i32[S] per row, (top ids
+    i32[S, k], top log-probs f32[S, k]) per row with ``k = min(top_k, V)``,
+    ok, num_free_pages)``."""
     _TRACES[id(model)] += 1  # runs at trace time only
     state = ps.unchecked_free(state, inp.free_mask)
     state, hit_ok = jax.lax.cond(
-        jnp.any(inp.num_hit > 0), ps.unchecked_share, lambda st, n, p: (st, jnp.bool_(True)), state, inp.num_hit, inp.hit_pages
+        jnp.any(inp.num_hit > 0), ps.unchecked_share, lambda st, n, p, t: (st, jnp.bool_(True)), state, inp.num_hit,
+        inp.hit_pages, inp.hit_tokens,
     )
+    no_fork = lambda st, f: (st, jnp.bool_(True))  # noqa: E731
+    state, pre_ok = jax.lax.cond(jnp.any(inp.fork_pre >= 0), ps.unchecked_fork_many, no_fork, state, inp.fork_pre)
     state, ok, cow_src, cow_dst = ps.unchecked_extend(state, inp.num_new, inp.min_pages)
-    ok &= hit_ok
+    state, fork_ok = jax.lax.cond(jnp.any(inp.fork_src >= 0), ps.unchecked_fork_many, no_fork, state, inp.fork_src)
+    ok &= hit_ok & pre_ok & fork_ok
     # Copy-on-write copies are rare: skip the pool-wide gather when none.
     kv = jax.lax.cond(jnp.any(cow_src != ps.NO_PAGE), copy_pages, lambda kv, s, d: kv, kv, cow_src, cow_dst)
     rows, positions = inp.token_rows, inp.positions
@@ -384,10 +522,15 @@ def _device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array
     if greedy_only:
         new = greedy(logits)
     else:
-        new = sample(logits, inp.temperature, inp.top_p, inp.seeds, inp.steps)
+        new = sample(logits, inp.temperature, inp.top_p, inp.seeds, inp.streams, inp.steps)
     dest = jnp.where(inp.logits_slots < 0, prev.shape[0], inp.logits_slots)  # -1: dropped
     by_row = jnp.zeros_like(prev).at[dest].set(new, mode="drop")
-    return state, kv, by_row, ok, state.num_free_pages
+    k = min(top_k, logits.shape[-1])
+    top = (jnp.zeros((prev.shape[0], k), jnp.int32), jnp.zeros((prev.shape[0], k), jnp.float32))
+    if k:  # beam search: each row's k most likely tokens
+        top_lp, top_ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)  # [R, k]
+        top = (top[0].at[dest].set(top_ids, mode="drop"), top[1].at[dest].set(top_lp, mode="drop"))
+    return state, kv, by_row, top, ok, state.num_free_pages
 
 
 def num_traces(model) -> int:
@@ -496,7 +639,9 @@ class Engine:
         self._num_free = kv_pool.num_pages - 1  # free pages once this round's plan is done
         self._held = np.zeros(config.max_seqs, np.int64)  # pages per slot once this round's plan is done
         self._to_free = np.zeros(config.max_seqs, bool)  # freed by the next call
-        self._hits: dict[int, list[int]] = {}  # slot -> prefix-cache pages it takes in the next call
+        self._hits: dict[int, tuple[list[int], int]] = {}  # slot -> (pages, tokens) it takes in the next call
+        swap_pages = config.swap_space_pages if config.swap_space_pages is not None else kv_pool.num_pages - 1
+        self.swap = SwapSpace(swap_pages)
         self._inflight: _InFlight | None = None  # the dispatched call not yet read
         self._no_prev = jnp.zeros(config.max_seqs, jnp.int32)
         self._failed: BaseException | None = None
@@ -514,8 +659,11 @@ class Engine:
             is not an integer or is outside the vocabulary, a non-bool
             ``ignore_eos``, ``max_new_tokens`` not an integer >= 1,
             prompt plus ``max_new_tokens`` above ``max_seq_len``, sampling
-            that is not a :class:`SamplingParams`, or a duplicate
-            ``request_id``. The engine is then unchanged.
+            that is not a :class:`SamplingParams`, ``sampling.n`` above
+            ``max_seqs`` or with ``n`` sequences of the request's full length
+            needing more pages than the pool has (a preempted group could
+            never be resumed together), or a duplicate ``request_id``. The
+            engine is then unchanged.
           RuntimeError: the engine failed in an earlier step.
         """
         self._raise_if_failed()
@@ -523,9 +671,11 @@ class Engine:
         self._ids.add(request.request_id)
         ids = request.prompt_ids
         prompt = [int(t) for t in (ids.tolist() if isinstance(ids, (np.ndarray, jax.Array)) else ids)]
-        seq = _Seq(request=request, tokens=prompt, num_prompt=len(prompt))
+        group = _Group(request=request)
+        seq = _Seq(group=group, index=0, tokens=prompt, num_prompt=len(prompt))
+        group.seqs.append(seq)
         self.waiting.append(seq)
-        self._live[request.request_id] = seq
+        self._live[request.request_id] = group
 
     def abort(self, request_id) -> RequestOutput:
         """Ends a request now, waiting or running; its pages are freed (full
@@ -542,19 +692,24 @@ class Engine:
         """
         self._raise_if_failed()
         try:
-            seq = self._live.get(request_id)
+            group = self._live.get(request_id)
         except TypeError:
             raise ValueError(f"request_id must be hashable, got {request_id!r}") from None
-        if seq is None:
+        if group is None:
             state = "already finished or aborted" if request_id in self._ids else "never added"
             raise ValueError(f"request_id {request_id!r} is not an unfinished request ({state})")
-        seq.done = True  # a token of it still in flight is discarded when read
-        if seq.slot >= 0:
-            self._release(seq)
-        else:
-            self.waiting.remove(seq)
+        for seq in group.live:
+            seq.done = True  # a token of it still in flight is discarded when read
+            seq.finish_reason = "abort"
+            if seq.slot >= 0:
+                self._release(seq)
+            else:
+                self.waiting.remove(seq)
+        self._return_child_slots(group)
+        if group in self.swap:
+            self.swap.pop(group)
         self.stats.aborted += 1
-        out = self._finish(seq, reason="abort")
+        out = self._finish(group)
         if not self.has_unfinished():
             self._flush_frees()
         return out
@@ -606,6 +761,18 @@ class Engine:
             )
         if not isinstance(request.sampling, SamplingParams):
             raise ValueError(f"request {rid!r}: sampling must be a SamplingParams, got {request.sampling!r}")
+        k = request.sampling.num_seqs
+        if k > self.config.max_seqs:
+            what = "beam_width" if request.sampling.beam_width else "n"
+            raise ValueError(f"request {rid!r}: sampling.{what}={k} exceeds max_seqs={self.config.max_seqs}")
+        group_pages = k * max(ps.pages_for_tokens(total, self.page_size), self._reserve_pages)
+        if group_pages > self.kv.num_pages - 1:
+            raise ValueError(
+                f"request {rid!r}: {k} sequences of {total} tokens need up to {group_pages} pages, more than the "
+                f"pool's {self.kv.num_pages - 1}; after a preemption they could never be resumed together"
+            )
+        if request.cache_salt is not None and not isinstance(request.cache_salt, str):
+            raise ValueError(f"request {rid!r}: cache_salt must be a str or None, got {request.cache_salt!r}")
         try:
             duplicate = rid in taken
         except TypeError:
@@ -700,18 +867,27 @@ class Engine:
                 self._complete(current, finished)
 
         held = int(self.pool.num_seq_pages.sum())
+        used = int(np.count_nonzero(self.pool.ref_counts))
         tokens = sum(s.num_computed for s in self.running)
-        outputs = [self._finish(s) for s in finished]
+        outputs = []
         for s in finished:
             if s.slot >= 0:
                 self._release(s)
             else:  # preempted while its last token was in flight
                 self.waiting.remove(s)
+            if s.group.finished and not s.group.reported:
+                self._return_child_slots(s.group)
+                if s.group in self.swap:  # a beam group that finished while swapped out
+                    self.swap.pop(s.group)
+                outputs.append(self._finish(s.group))
         if not self.has_unfinished():
             self._flush_frees()
         dt = time.perf_counter() - t_start
         st = self.stats
         st.iterations += 1
+        st.seq_pages_sum += held
+        st.used_pages_sum += used
+        st.peak_pages_used = max(st.peak_pages_used, used)
         st.busy_s += dt
         st.peak_concurrency = max(st.peak_concurrency, len(self.running) + len(finished))
         st.concurrency_s += (len(self.running) + len(finished)) * dt
@@ -729,25 +905,33 @@ class Engine:
         """Who runs this iteration and how many tokens each computes."""
         budget = self.config.max_num_batched_tokens
         chunks = self.config.tiling.max_prefill_chunks  # chunks of 2+ tokens left for this call
-        scheduled: list[tuple[_Seq, int]] = []
+        scheduled: list[tuple[_Seq, int, int]] = []  # (sequence, tokens, pages planned)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
-            if seq.num_generated + seq.pending >= seq.request.max_new_tokens or n == 0 or (n > 1 and not chunks):
-                i += 1  # finishes when its token in flight is read; or waits for the next call
-                continue
+            if (seq.num_generated + seq.pending >= seq.request.max_new_tokens or n == 0 or (n > 1 and not chunks)
+                    or (seq.pending and seq.group.beam)):
+                i += 1  # finishes when its token in flight is read; waits for the next call; or (a beam)
+                continue  # waits for the host to choose its next token
             need = self._pages_after(seq, n) - self._held[seq.slot] + self.pool.cow_needed(seq.slot)
-            while need > self._num_free:  # preempt the newest until it fits
-                victim = self.running[-1]
+            while need > self._num_free:  # preempt the newest group until it fits
+                victim = self.running[-1].group
+                if victim is seq.group:  # nothing newer left: its own group goes, planned members too
+                    for entry in [e for e in scheduled if e[0].group is victim]:
+                        scheduled.remove(entry)
+                        budget += entry[1]
+                        chunks += entry[1] > 1
+                        self._num_free += entry[2]
+                        self._held[entry[0].slot] -= entry[2]
                 self._preempt(victim)
-                if victim is seq:
+                if victim is seq.group:
                     break
-            if seq.slot < 0:  # preempted itself: nothing newer was left
+            if seq.slot < 0:
                 break
             self._num_free -= need
             self._held[seq.slot] += need
-            scheduled.append((seq, n))
+            scheduled.append((seq, n, need))
             budget -= n
             chunks -= n > 1
             i += 1
@@ -755,33 +939,55 @@ class Engine:
         # Pages that running sequences will need for their next token soon:
         # keep one for each whose pages are full, so admission does not cause
         # preemption on the very next step.
-        watermark = sum(
-            1 for s, n in scheduled if (s.num_computed + n) >= self._held[s.slot] * self.page_size
-        )
-        while self.waiting and self.free_slots and budget > 0:
-            seq = self.waiting[0]
-            if seq.pending:
-                break  # a preempted sequence waits for its token in flight
-            hits = self._lookup(seq)
-            rest = len(seq.tokens) - len(hits) * self.page_size
-            if min(rest, budget) > 1 and not chunks:
+        watermark = sum(1 for s, n, _ in scheduled if (s.num_computed + n) >= self._held[s.slot] * self.page_size)
+        while self.waiting and budget > 0:
+            group = self.waiting[0].group
+            members = group.live  # waiting together at the queue's head (gang scheduling)
+            if any(s.pending for s in members) or len(members) + group.spare_slots > len(self.free_slots):
+                break  # a preempted group waits for its tokens in flight
+            swapped = self.swap.get(group)
+            if swapped is not None:
+                rows = [swapped.tables[s.index] for s in members]
+                # The pages to copy back, growth to the tokens still to
+                # compute, and a copy-on-write copy each at most.
+                cost = len(set().union(*rows)) + sum(
+                    max(ps.pages_for_tokens(s.num_tokens, self.page_size), self._reserve_pages) - len(r) + 1
+                    for s, r in zip(members, rows)
+                )
+                first_chunk = members[0].num_tokens - swapped.num_tokens[members[0].index]
+            else:
+                hits = [self._lookup(s) for s in members]
+                new_pages = sum(
+                    max(ps.pages_for_tokens(len(s.tokens), self.page_size), self._reserve_pages) - len(h)
+                    for s, h in zip(members, hits)
+                )
+                cost = new_pages + sum(1 for p in set().union(*hits) if self.pool.ref_counts[p] == 0)
+                first_chunk = len(members[0].tokens) - len(hits[0]) * self.page_size
+            if (min(first_chunk, budget) > 1 and not chunks) or cost + watermark > self._num_free:
                 break
-            whole = max(ps.pages_for_tokens(len(seq.tokens), self.page_size), self._reserve_pages)
-            reused = sum(1 for p in hits if self.pool.ref_counts[p] == 0)  # cached pages leave the free queue
-            if whole - len(hits) + reused + watermark > self._num_free:
-                break
-            self.waiting.popleft()
-            seq.slot = self.free_slots.pop()
-            self.running.append(seq)
-            self._admit_hits(seq, hits)
-            n = min(rest, budget)
-            need = self._pages_after(seq, n)
-            self._num_free -= need - len(hits)
-            self._held[seq.slot] = need
-            scheduled.append((seq, n))
-            budget -= n
-            chunks -= n > 1
-        return scheduled
+            for seq in members:
+                self.waiting.popleft()
+                seq.slot = self.free_slots.pop()
+                self.running.append(seq)
+            if swapped is not None:
+                self._swap_in(group, members, self.swap.pop(group))
+            else:
+                for seq, seq_hits in zip(members, hits):
+                    self._admit_hits(seq, seq_hits)
+            for seq in members:
+                n = min(seq.num_tokens - seq.num_computed, budget)
+                if n > 1 and not chunks:
+                    n = 0  # admitted; computes from the next call on
+                held = int(self.pool.num_seq_pages[seq.slot])
+                need = self._pages_after(seq, n) - held + (self.pool.cow_needed(seq.slot) if n else 0)
+                self._num_free -= need
+                self._held[seq.slot] = held + need
+                if n:
+                    scheduled.append((seq, n, need))
+                    budget -= n
+                    chunks -= n > 1
+            group.child_slots = [self.free_slots.pop() for _ in range(group.spare_slots)]
+        return [(s, n) for s, n, _ in scheduled]
 
     def _lookup(self, seq: _Seq) -> list[int]:
         """Cached pages holding ``seq``'s first tokens (none without prefix
@@ -795,38 +1001,89 @@ class Engine:
     def _admit_hits(self, seq: _Seq, hits: list[int]) -> None:
         st = self.stats
         hit_tokens = len(hits) * self.page_size
-        if seq.num_cached_tokens < 0:  # first admission
-            seq.num_cached_tokens = hit_tokens
+        if seq.group.num_cached_tokens < 0:  # first admission
+            seq.group.num_cached_tokens = hit_tokens
             st.prompt_tokens += seq.num_prompt
             st.prefix_hit_tokens += hit_tokens
         else:
             st.recompute_hit_tokens += hit_tokens
+            st.recomputed_tokens += len(seq.tokens) - hit_tokens
         if not hits:
             return
         st.prefix_hit_pages += len(hits)
         st.pages_saved += sum(1 for p in hits if self.pool.ref_counts[p] > 0)
         self._num_free -= self.pool.share(seq.slot, hits)
-        self._hits[seq.slot] = hits
+        self._hits[seq.slot] = (hits, hit_tokens)
         seq.num_computed = hit_tokens
 
-    def _preempt(self, seq: _Seq) -> None:
-        """Recompute: free everything; prefill prompt + generated tokens
-        again when readmitted."""
-        self._release(seq)
-        seq.num_computed = 0
-        seq.num_keyed = 0  # its pages come anew (or from the cache) when readmitted
-        seq.num_preemptions += 1
+    def _swap_out(self, group: _Group, members: list[_Seq]) -> bool:
+        """Copies the pages holding ``members``' computed tokens to the swap
+        space (a page they share, once). Returns False, copying nothing,
+        when the swap space cannot take them."""
+        unique: dict[int, int] = {}  # page id -> index among the copied pages
+        tables, num_tokens = {}, {}
+        for seq in members:
+            holder = seq.fork_pre or seq  # a beam not forked yet holds its parent's pages
+            pages = self.pool.pages(holder.slot)[: ps.pages_for_tokens(seq.num_computed, self.page_size)]
+            tables[seq.index] = [unique.setdefault(p, len(unique)) for p in pages]
+            num_tokens[seq.index] = seq.num_computed
+        if not unique or not self.swap.fits(len(unique)):
+            return False
+        # Dispatched now, so it runs after the calls that wrote these pages
+        # and before the next call, which frees them.
+        k, v = gather_pages(self.kv, list(unique))
+        self.swap.put(group, SwappedGroup(k=k, v=v, num_pages=len(unique), tables=tables, num_tokens=num_tokens))
+        self.stats.swap_outs += 1
+        self.stats.swapped_out_pages += len(unique)
+        return True
+
+    def _swap_in(self, group: _Group, members: list[_Seq], swapped: SwappedGroup) -> None:
+        """Copies a swapped group's pages into fresh pages (taken off the
+        free queue now, so the next call's growth does not take them) and
+        gives each member its pages back, shared as before."""
+        needed = sorted(set().union(*(swapped.tables[s.index] for s in members)))  # a finished member's drop out
+        fresh = self.pool.take_free(len(needed))
+        self._num_free -= len(needed)
+        new_page = dict(zip(needed, fresh))
+        self.kv = scatter_pages(self.kv, fresh, swapped.k, swapped.v, source=needed)
+        for seq in members:
+            table = [new_page[i] for i in swapped.tables[seq.index]]
+            seq.num_computed = swapped.num_tokens[seq.index]
+            self.pool.share(seq.slot, table, seq.num_computed)
+            self._hits[seq.slot] = (table, seq.num_computed)
+        self.stats.swapped_in_pages += len(needed)
+
+    def _preempt(self, group: _Group) -> None:
+        """Frees every running sequence of the group. By recompute, each
+        prefills its prompt + generated tokens again when the group is
+        readmitted (pages still in the prefix cache are taken back); by
+        swap, their pages are copied out first and back in then."""
+        members = [s for s in group.live if s.slot >= 0]
+        swapped = self.config.preemption_mode == "swap" and self._swap_out(group, members)
+        for seq in members:
+            self._release(seq)
+            if not swapped:
+                seq.num_computed = 0
+            seq.num_keyed = 0  # its pages come anew (or from the cache) when readmitted
+            seq.fork_pre = None  # a beam not forked yet: gets its own pages back
+        self._return_child_slots(group)
+        group.num_preemptions += 1
         self.stats.preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.extendleft(reversed(members))
+
+    def _return_child_slots(self, group: _Group) -> None:
+        self.free_slots.extend(reversed(group.child_slots))
+        group.child_slots = []
 
     def _release(self, seq: _Seq) -> None:
         """Gives back ``seq``'s slot and pages (freed on device by the next
         call, or by :meth:`_flush_frees`); a page another sequence shares
         stays held."""
+        if seq.slot in self._hits:  # its pages were given to it in this round, but no call has taken them yet
+            raise RuntimeError(f"internal: slot {seq.slot} released before the call that shares its pages")
         self.running.remove(seq)
         self._num_free += self.pool.release(seq.slot)  # it is not scheduled in this round: no planned growth
         self._held[seq.slot] = 0
-        self._hits.pop(seq.slot, None)
         self._to_free[seq.slot] = True
         self.free_slots.append(seq.slot)
         seq.slot = -1
@@ -840,54 +1097,74 @@ class Engine:
     # ------------------------------------------------------------- device
 
     def _build(self, scheduled: list[tuple[_Seq, int]]) -> tuple[_StepInputs, BatchShape, list[_Seq]]:
+        """The call's inputs, and the sequences that sample in it in row
+        order: the scheduled ones whose chunk reaches their end, and the
+        children forked in it (new ``_Seq`` objects, not yet running)."""
         S = self.config.max_seqs
         num_new = np.zeros(S, np.int32)
         q_starts = np.zeros(S, np.int32)
+        fork_src = np.full(S, -1, np.int32)
+        fork_pre = np.full(S, -1, np.int32)
+        for seq in self.running:  # beams chosen since the last call: fork before anything grows
+            if seq.fork_pre is not None:
+                fork_pre[seq.slot] = seq.fork_pre.slot
+        samplers: list[tuple[_Seq, int]] = []  # (sequence, flat row of its logits)
+        offset = 0
         for seq, n in scheduled:
             num_new[seq.slot] = n
-        shape = batch_shape(num_new, num_seq_rows=S, tiling=self.config.tiling)
+            q_starts[seq.slot] = offset
+            offset += n
+            if seq.num_computed + n < seq.num_tokens:
+                continue  # a prefill chunk short of the end: nothing to sample
+            samplers.append((seq, offset - 1))
+            if seq.group.child_slots and not seq.group.beam and seq.num_generated + seq.pending == 0:
+                # Parallel sampling: the prompt is in; fork the other samples
+                # from it after growing, each drawing its first token from
+                # the same logits with its own stream.
+                for k, slot in enumerate(seq.group.child_slots, start=1):
+                    child = _Seq(group=seq.group, index=k, tokens=list(seq.tokens), num_prompt=seq.num_prompt,
+                                 slot=slot, keys=list(seq.keys))
+                    fork_src[slot] = seq.slot
+                    samplers.append((child, offset - 1))
+        shape = batch_shape(num_new, num_seq_rows=S, tiling=self.config.tiling, num_samples=len(samplers))
         T, R = shape.num_tokens, shape.num_logits
         tokens = np.zeros(T, np.int32)
         from_prev = np.zeros(T, bool)
         positions = np.zeros(T, np.int32)
         token_rows = np.full(T, -1, np.int32)
+        for seq, n in scheduled:
+            start, o = seq.num_computed, q_starts[seq.slot]
+            known = min(start + n, len(seq.tokens))  # the rest is the token in flight
+            tokens[o : o + known - start] = seq.tokens[start:known]
+            from_prev[o + known - start : o + n] = True
+            positions[o : o + n] = np.arange(start, start + n)
+            token_rows[o : o + n] = seq.slot
         logits_rows = np.zeros(R, np.int32)
         logits_slots = np.full(R, -1, np.int32)
         temperature = np.zeros(R, np.float32)
         top_p = np.ones(R, np.float32)
         seeds = np.zeros(R, np.uint32)
+        streams = np.zeros(R, np.int32)
         steps = np.zeros(R, np.int32)
-        samplers: list[_Seq] = []
-        offset = 0
-        for seq, n in scheduled:
-            start = seq.num_computed
-            known = min(start + n, len(seq.tokens))  # the rest is the token in flight
-            q_starts[seq.slot] = offset
-            tokens[offset : offset + known - start] = seq.tokens[start:known]
-            from_prev[offset + known - start : offset + n] = True
-            positions[offset : offset + n] = np.arange(start, start + n)
-            token_rows[offset : offset + n] = seq.slot
-            if start + n == seq.num_tokens:  # the chunk reaches the end: sample
-                r = len(samplers)
-                p = seq.request.sampling
-                logits_rows[r] = offset + n - 1
-                logits_slots[r] = seq.slot
-                temperature[r], top_p[r], seeds[r] = p.temperature, p.top_p, p.seed
-                steps[r] = seq.num_generated + seq.pending
-                samplers.append(seq)
-            offset += n
+        for r, (seq, row) in enumerate(samplers):
+            p = seq.request.sampling
+            logits_rows[r], logits_slots[r] = row, seq.slot
+            temperature[r], top_p[r], seeds[r] = p.temperature, p.top_p, p.seed
+            streams[r], steps[r] = seq.index, seq.num_generated + seq.pending
         num_hit = np.zeros(S, np.int32)
         hit_pages = np.zeros((S, self.max_pages_per_seq), np.int32)
-        for slot, pages in self._hits.items():
-            num_hit[slot] = len(pages)
+        hit_tokens = np.zeros(S, np.int32)
+        for slot, (pages, num_tokens) in self._hits.items():
+            num_hit[slot], hit_tokens[slot] = len(pages), num_tokens
             hit_pages[slot, : len(pages)] = pages
         inputs = _StepInputs(
-            free_mask=self._to_free.copy(), num_hit=num_hit, hit_pages=hit_pages, num_new=num_new,
-            min_pages=np.full(S, self._reserve_pages, np.int32), tokens=tokens, from_prev=from_prev,
-            positions=positions, token_rows=token_rows, q_starts=q_starts, logits_rows=logits_rows,
-            logits_slots=logits_slots, temperature=temperature, top_p=top_p, seeds=seeds, steps=steps,
+            free_mask=self._to_free.copy(), num_hit=num_hit, hit_pages=hit_pages, hit_tokens=hit_tokens, num_new=num_new,
+            min_pages=np.full(S, self._reserve_pages, np.int32), fork_pre=fork_pre, fork_src=fork_src, tokens=tokens,
+            from_prev=from_prev, positions=positions, token_rows=token_rows, q_starts=q_starts,
+            logits_rows=logits_rows, logits_slots=logits_slots, temperature=temperature, top_p=top_p, seeds=seeds,
+            streams=streams, steps=steps,
         )
-        return inputs, shape, samplers
+        return inputs, shape, [seq for seq, _ in samplers]
 
     def _dispatch(self, scheduled: list[tuple[_Seq, int]], prev: "_InFlight | None") -> "_InFlight":
         """Builds and launches one call (JAX dispatch returns before the
@@ -895,18 +1172,27 @@ class Engine:
         until :meth:`_complete` reads it."""
         inputs, shape, samplers = self._build(scheduled)
         # The twin takes the same steps as the device call: free, share (done
-        # at admission), extend.
+        # at admission), fork (beams), extend, fork (parallel samples).
+        for seq in self.running:
+            if seq.fork_pre is not None:
+                self.pool.fork(seq.fork_pre.slot, seq.slot)
+                seq.fork_pre = None
         if self.pool.extend(inputs.num_new, self._reserve_pages) is None:  # the plan is exact: a bug
             raise RuntimeError(f"the scheduler planned growth the pool cannot give ({self.pool.num_free} free pages)")
+        children = [s for s in samplers if s.slot >= 0 and inputs.fork_src[s.slot] >= 0]
+        for child in children:
+            self.pool.fork(int(inputs.fork_src[child.slot]), child.slot)
         self._hits.clear()
         self._num_free = self.pool.num_free  # the plan counted a copy for every shared page; now exact
         self._held[:] = self.pool.num_seq_pages
         greedy_only = all(s.request.sampling.greedy for s in samplers)
-        self.stats.programs.add((shape, greedy_only))
+        width = max((s.request.sampling.beam_width for s in samplers), default=0)
+        top_k = 1 << (2 * width - 1).bit_length() if width else 0  # 2 * width, bucketed to a power of two
+        self.stats.programs.add((shape, greedy_only, top_k))
         c0, t0 = _compile_seconds(), time.perf_counter()
-        self.state, self.kv, new, ok, num_free = _device_step(
+        self.state, self.kv, new, top, ok, num_free = _device_step(
             self.model, self.model.params, self.state, self.kv, self._no_prev if prev is None else prev.sampled,
-            inputs, shape=shape, greedy_only=greedy_only,
+            inputs, shape=shape, greedy_only=greedy_only, top_k=top_k,
         )
         compile_s = _compile_seconds() - c0
         self._to_free[:] = False
@@ -916,13 +1202,19 @@ class Engine:
         total = sum(n for _, n in scheduled)
         for seq, n in scheduled:
             seq.num_computed += n
+        for child in children:  # they join the group, right after its first sequence
+            parent = child.group.seqs[0]
+            child.num_computed = parent.num_computed
+            child.group.seqs.append(child)
+            child.group.child_slots = []
+            self.running.insert(self.running.index(parent) + len(child.group.seqs) - 1, child)
         for seq in samplers:
             seq.pending += 1
         if self.prefix_cache is not None:
             for seq in self.running:
                 self._offer_pages(seq)
         return _InFlight(
-            sampled=new, ok=ok, num_free=num_free, samplers=samplers,
+            sampled=new, top=top, ok=ok, num_free=num_free, samplers=samplers,
             sampler_slots=[seq.slot for seq in samplers], expected_free=self._num_free,
             record=CallRecord(shape=shape, tokens=total, decode_tokens=decode,
                               seconds=time.perf_counter() - t0 - compile_s, compile_s=compile_s),
@@ -945,7 +1237,7 @@ class Engine:
         """Reads a call's sampled tokens (the one transfer), checks the
         device's page state against the host's plan, and records tokens."""
         t0 = time.perf_counter()
-        sampled, ok, num_free = jax.device_get((call.sampled, call.ok, call.num_free))
+        sampled, (top_ids, top_lps), ok, num_free = jax.device_get((call.sampled, call.top, call.ok, call.num_free))
         rec = call.record
         rec.seconds += time.perf_counter() - t0
         if not ok or int(num_free) != call.expected_free:  # the host plan is exact, so this is a bug
@@ -961,34 +1253,120 @@ class Engine:
         st.prefill_tokens += rec.tokens - rec.decode_tokens
         st.calls.append(rec)
         now = time.perf_counter() - self._t0
+        beam_groups: list[_Group] = []
         for seq, slot in zip(call.samplers, call.sampler_slots):
             seq.pending -= 1
             if seq.done:  # it stopped on the token before: this one was never wanted
                 st.discarded_tokens += 1
                 continue
+            if seq.group.beam:  # the host chooses its next token once every beam has its candidates
+                seq.group.results[seq.index] = (top_ids[slot], top_lps[slot])
+                if seq.group not in beam_groups:
+                    beam_groups.append(seq.group)
+                continue
             tok = int(sampled[slot])
             seq.tokens.append(tok)
             st.generated_tokens += 1
-            if seq.num_generated == 1 and seq.num_preemptions == 0:
-                seq.first_token_s = now
+            if seq.group.first_token_s != seq.group.first_token_s:  # NaN: its first token
+                seq.group.first_token_s = now
             stop = tok in self.stop_ids and not seq.request.ignore_eos
             if stop or seq.num_generated >= seq.request.max_new_tokens:
                 seq.done = True
+                seq.finish_reason = "stop" if stop else "length"
                 finished.append(seq)
+        for group in beam_groups:
+            live = group.live
+            if all(s.index in group.results and not s.pending for s in live):
+                if group.first_token_s != group.first_token_s:
+                    group.first_token_s = now
+                self._beam_step(group, live, finished)
 
-    def _finish(self, seq: _Seq, reason: str | None = None) -> RequestOutput:
-        self._live.pop(seq.request.request_id, None)
-        out = seq.tokens[seq.num_prompt :]
-        if reason is None:
-            reason = "stop" if out[-1] in self.stop_ids and not seq.request.ignore_eos else "length"
+    def _beam_step(self, group: _Group, live: list[_Seq], finished: list[_Seq]) -> None:
+        """Chooses the group's next beams from every live beam's candidates
+        (:func:`paged_jax.beam_search.expand`): a beam with several
+        continuations forks (the children share its pages from the next
+        call on), a beam with none is freed now, finished hypotheses are
+        kept. Ends the group once ``beam_width`` hypotheses have finished or
+        no beam is left."""
+        sp = group.request.sampling
+        ids = np.stack([group.results[s.index][0] for s in live])
+        lps = np.stack([group.results[s.index][1] for s in live])
+        group.results.clear()
+        beams, ended = beam_search.expand(
+            [s.cum_logprob for s in live], ids, lps, width=sp.beam_width,
+            stop_ids=frozenset() if group.request.ignore_eos else self.stop_ids,
+            at_max_len=live[0].num_generated + 1 >= group.request.max_new_tokens,
+        )
+        self.stats.generated_tokens += len(beams) + len(ended)
+        for c in ended:
+            out = live[c.parent].tokens[live[c.parent].num_prompt :] + [c.token]
+            group.hyps.append((beam_search.score(c.cum_logprob, len(out), sp.length_penalty), out, c.cum_logprob,
+                               c.finish_reason))
+        if not beams or len(group.hyps) >= sp.beam_width:
+            group.beam_done = True
+            for seq in live:
+                seq.done, seq.finish_reason = True, "length"
+                finished.append(seq)
+            return
+        kids: dict[int, list[beam_search.Continuation]] = {i: [] for i in range(len(live))}
+        for c in beams:
+            kids[c.parent].append(c)
+        # The group is wholly running, or wholly waiting (preempted while
+        # its candidates were in flight): then beams change on the host
+        # only, and a swapped child takes its parent's pages at swap-in.
+        running = live[0].slot >= 0
+        queue = self.running if running else self.waiting
+        for i, parent in enumerate(live):
+            if not kids[i]:  # pruned: its pages go now, its slot stays with the group
+                parent.done, parent.finish_reason = True, "pruned"
+                if running:
+                    self._release(parent)
+                    group.child_slots.append(self.free_slots.pop())
+                else:
+                    self.waiting.remove(parent)
+        at = max(i for i, s in enumerate(queue) if s.group is group) + 1
+        swapped = self.swap.get(group)
+        for i, parent in enumerate(live):
+            if not kids[i]:
+                continue
+            for c in kids[i][1:]:
+                child = _Seq(group=group, index=len(group.seqs), tokens=parent.tokens + [c.token],
+                             num_prompt=parent.num_prompt, num_computed=parent.num_computed, keys=list(parent.keys),
+                             cum_logprob=c.cum_logprob)
+                if running:
+                    child.slot, child.fork_pre = group.child_slots.pop(), parent
+                elif swapped is not None:
+                    swapped.tables[child.index] = list(swapped.tables[parent.index])
+                    swapped.num_tokens[child.index] = swapped.num_tokens[parent.index]
+                group.seqs.append(child)
+                queue.insert(at, child)
+                at += 1
+            parent.tokens.append(kids[i][0].token)
+            parent.cum_logprob = kids[i][0].cum_logprob
+
+    def _finish(self, group: _Group) -> RequestOutput:
+        self._live.pop(group.request.request_id, None)
+        group.reported = True
         now = time.perf_counter()
+        first = group.seqs[0]
+        if group.beam:  # the best hypotheses (and, if aborted, the beams still searching)
+            sp = group.request.sampling
+            hyps = group.hyps + [
+                (beam_search.score(s.cum_logprob, s.num_generated, sp.length_penalty), s.tokens[s.num_prompt :],
+                 s.cum_logprob, s.finish_reason) for s in group.seqs if s.finish_reason == "abort"
+            ]
+            best = sorted(hyps, key=lambda h: -h[0])[: sp.beam_width]
+            outputs = [CompletionOutput(index=i, output_ids=toks, finish_reason=reason, cumulative_logprob=cum)
+                       for i, (_, toks, cum, reason) in enumerate(best)]
+        else:
+            outputs = [CompletionOutput(index=s.index, output_ids=s.tokens[s.num_prompt :], finish_reason=s.finish_reason)
+                       for s in group.seqs]
         return RequestOutput(
-            request_id=seq.request.request_id,
-            prompt_ids=seq.tokens[: seq.num_prompt],
-            output_ids=out,
-            finish_reason=reason,
-            num_preemptions=seq.num_preemptions,
-            first_token_s=seq.first_token_s,
+            request_id=group.request.request_id,
+            prompt_ids=first.tokens[: first.num_prompt],
+            outputs=outputs,
+            num_preemptions=group.num_preemptions,
+            first_token_s=group.first_token_s,
             finish_s=now - (self._t0 if self._t0 is not None else now),
-            num_cached_tokens=max(seq.num_cached_tokens, 0),
+            num_cached_tokens=max(group.num_cached_tokens, 0),
         )

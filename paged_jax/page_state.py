@@ -546,13 +546,16 @@ def unchecked_fork_many(state: PageState, src_of: jax.Array) -> tuple[PageState,
 
 
 @jax.jit
-def unchecked_share(state: PageState, num_hit: jax.Array, hit_pages: jax.Array) -> tuple[PageState, jax.Array]:
-    """Gives empty slots pages that already hold their first tokens (a
-    prefix-cache hit; :mod:`paged_jax.prefix_cache` finds them).
+def unchecked_share(
+    state: PageState, num_hit: jax.Array, hit_pages: jax.Array, num_tokens: jax.Array | None = None
+) -> tuple[PageState, jax.Array]:
+    """Gives empty slots pages that already hold their tokens' K/V: a
+    prefix-cache hit (:mod:`paged_jax.prefix_cache` finds the pages) or a
+    swap-in (:mod:`paged_jax.swap` has written them).
 
     Slot ``s`` takes pages ``hit_pages[s, :num_hit[s]]`` as its first
-    ``num_hit[s]`` pages, full: it then holds ``num_hit[s] * page_size``
-    tokens, whose K/V are already there. Each page gains a reference. A page
+    ``num_hit[s]`` pages and then holds ``num_tokens[s]`` tokens (default
+    ``num_hit[s] * page_size``: full pages). Each page gains a reference. A page
     with no reference before (a cached page sitting in the free queue)
     leaves the free queue; the others keep their order (so the queue stays
     least recently freed first).
@@ -562,12 +565,15 @@ def unchecked_share(state: PageState, num_hit: jax.Array, hit_pages: jax.Array) 
       num_hit: i32[max_seqs] pages to take per slot, 0 for none.
       hit_pages: i32[max_seqs, max_pages_per_seq] their ids, in logical
         order; entries past ``num_hit[s]`` are ignored.
+      num_tokens: i32[max_seqs] tokens each slot holds afterwards, which
+        the ``num_hit[s]`` pages must fit exactly (``ceil(num_tokens /
+        page_size) == num_hit``); None for full pages.
 
     Returns:
       ``(state, ok)``; ``ok`` is False, and the state unchanged, when a slot
       with a hit is not empty, ``num_hit`` is outside ``[0,
-      max_pages_per_seq]``, or a page id is the null page or outside the
-      pool.
+      max_pages_per_seq]``, ``num_tokens`` does not fit the pages, or a page
+      id is the null page or outside the pool.
     """
     num_pages, max_pages, cap = state.num_pages, state.max_pages_per_seq, state.free_queue.shape[0]
     active = num_hit > 0
@@ -575,6 +581,8 @@ def unchecked_share(state: PageState, num_hit: jax.Array, hit_pages: jax.Array) 
     occupied = (state.num_seq_pages > 0) | (state.seq_lens > 0)
     ok = ~jnp.any(active & occupied) & ~jnp.any((num_hit < 0) | (num_hit > max_pages))
     ok &= ~jnp.any(take & ((hit_pages <= NULL_PAGE) | (hit_pages >= num_pages)))
+    lens = num_hit * state.page_size if num_tokens is None else num_tokens
+    ok &= ~jnp.any(active & (pages_for_tokens(lens, state.page_size) != num_hit))
     table = jnp.where(take, hit_pages, NULL_PAGE)
     ref_counts = state.ref_counts.at[jnp.where(take, table, num_pages)].add(1, mode="drop")
     taken = (state.ref_counts == 0) & (ref_counts > 0)  # bool[num_pages] leaving the free queue
@@ -584,7 +592,7 @@ def unchecked_share(state: PageState, num_hit: jax.Array, hit_pages: jax.Array) 
     dest = jnp.where(keep, jnp.cumsum(keep) - 1, cap)
     new = state.replace(
         block_tables=jnp.where(active[:, None], table, state.block_tables),
-        seq_lens=jnp.where(active, num_hit * state.page_size, state.seq_lens),
+        seq_lens=jnp.where(active, lens, state.seq_lens),
         num_seq_pages=jnp.where(active, num_hit, state.num_seq_pages),
         ref_counts=ref_counts,
         free_queue=jnp.zeros_like(queue).at[dest].set(queue, mode="drop"),

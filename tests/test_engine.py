@@ -83,18 +83,24 @@ def shared_step():
     return make_toy_step(toy_params())
 
 
-def serve(requests, num_pages, page_size=4, max_seqs=8, max_seq_len=80, reserve=False, stop_ids=(), budget=64,
-          overlap=True, prefix_caching=True, check=True):
-    step = shared_step()
-    engine = Engine(
-        step,
+def make_engine(num_pages, page_size=4, max_seqs=8, max_seq_len=80, reserve=False, stop_ids=(), budget=64,
+                overlap=True, prefix_caching=True, check=True, **config):
+    """An engine over the shared toy model; ``check`` compares the device
+    page state with the host's twin after every call."""
+    return Engine(
+        shared_step(),
         toy_pool(num_pages, page_size),
         EngineConfig(max_seqs=max_seqs, max_seq_len=max_seq_len, reserve_max_len=reserve,
-                     max_num_batched_tokens=budget, async_scheduling=overlap, enable_prefix_caching=prefix_caching),
+                     max_num_batched_tokens=budget, async_scheduling=overlap, enable_prefix_caching=prefix_caching,
+                     **config),
         stop_ids=stop_ids,
         vocab_size=VOCAB,
         check_page_state=check,
     )
+
+
+def serve(requests, num_pages, **kwargs):
+    engine = make_engine(num_pages, **kwargs)
     outs = engine.run(requests)
     return {o.request_id: o for o in outs}, engine
 

@@ -8,23 +8,17 @@ device's page state is read back and compared with the host's twin.
 import numpy as np
 import pytest
 
-from paged_jax.engine import Engine, EngineConfig, Request
+from paged_jax.engine import Request
 from paged_jax.prefix_cache import PrefixCache, chain_keys
 from paged_jax.sampling import SamplingParams
-from tests.test_engine import VOCAB, serve, shared_step, toy_pool, toy_requests
+from tests.test_engine import VOCAB, serve, toy_requests
+from tests.test_engine import make_engine as engine_for
 
 PAGE = 4
 
 
-def make_engine(num_pages=200, prefix_caching=True, max_seqs=8, budget=64, overlap=True):
-    return Engine(
-        shared_step(),
-        toy_pool(num_pages, PAGE),
-        EngineConfig(max_seqs=max_seqs, max_seq_len=80, max_num_batched_tokens=budget,
-                     enable_prefix_caching=prefix_caching, async_scheduling=overlap),
-        vocab_size=VOCAB,
-        check_page_state=True,
-    )
+def make_engine(num_pages=200, **kwargs):
+    return engine_for(num_pages, page_size=PAGE, **kwargs)
 
 
 def check_accounting(engine):

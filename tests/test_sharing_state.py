@@ -2,8 +2,8 @@
 it and the prefix cache.
 
 Random operations (allocate, append, extend, fork, a write into a shared
-page, free, cache hits, evictions through new allocations, and refused
-calls) run on the device functions of ``paged_jax.page_state`` and on the
+page, free, cache hits, evictions through new allocations, swap out and swap
+in, and refused calls) run on the device functions of ``paged_jax.page_state`` and on the
 NumPy twin ``paged_jax.block_pool.BlockPool``, which is written separately
 from the same rules. After every step:
 
@@ -48,6 +48,7 @@ class SharingMachine(RuleBasedStateMachine):
         self.keyed = [0] * MAX_SEQS  # leading pages offered to the cache
         self.content = np.full((NUM_PAGES, PAGE), -1)  # shadow: token id held at each page slot
         self.refused = 0
+        self.swapped = []  # (tokens, page contents) of swapped-out sequences
 
     # ------------------------------------------------------------ helpers
 
@@ -138,6 +139,44 @@ class SharingMachine(RuleBasedStateMachine):
         self.pool.share(s, hits)
         self.tokens[s] = tokens[: len(hits) * PAGE]
         self.keyed[s] = len(hits)
+
+    @rule(data=st.data())
+    def swap_out(self, data):
+        """Copy a sequence's page contents out and free its slot."""
+        busy = [s for s in range(MAX_SEQS) if self.tokens[s]]
+        if not busy:
+            return
+        s = data.draw(st.sampled_from(busy))
+        self.swapped.append((list(self.tokens[s]), self.content[self.pool.pages(s)].copy()))
+        mask = np.zeros(MAX_SEQS, bool)
+        mask[s] = True
+        self._free(mask)
+
+    @rule(data=st.data())
+    def swap_in(self, data):
+        """Fresh pages off the free queue's head take a swapped sequence's
+        contents back (a partial last page included)."""
+        empty = [s for s in range(MAX_SEQS) if not self.tokens[s] and not self.pool.num_seq_pages[s]]
+        if not self.swapped or not empty:
+            return
+        tokens, content = self.swapped[-1]
+        if len(content) > self.pool.num_free:
+            return
+        self.swapped.pop()
+        s = data.draw(st.sampled_from(empty))
+        pages = self.pool.take_free(len(content))
+        self.content[pages] = content
+        num_hit = np.zeros(MAX_SEQS, np.int32)
+        table = np.zeros((MAX_SEQS, MAX_PAGES), np.int32)
+        lens = np.zeros(MAX_SEQS, np.int32)
+        num_hit[s], table[s, : len(pages)], lens[s] = len(pages), pages, len(tokens)
+        self.state, ok = ps.unchecked_share(self.state, jax.numpy.asarray(num_hit), jax.numpy.asarray(table),
+                                            jax.numpy.asarray(lens))
+        assert ok
+        self.pool.share(s, pages, len(tokens))
+        self.tokens[s] = tokens
+        self.keyed[s] = 0
+        self._offer(s)
 
     @rule(data=st.data())
     def refused_share(self, data):

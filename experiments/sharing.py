@@ -1,0 +1,258 @@
+"""Sharing pages on SmolLM2 and ShareGPT: the paper's sharing tables.
+
+Three parts, each serving real ShareGPT requests with SmolLM2-135M-Instruct
+through the engine (PagedAttention, Kwon et al., SOSP 2023, sections 4.4
+and 4.5):
+
+* (a) prefix caching: a shared system prompt of about ``--system-tokens``
+  tokens before each request, served with automatic prefix caching off and
+  on: prefill tokens computed, pages held, hit rate, and whether the
+  outputs are the same;
+* (b) parallel sampling (n = 2, 4, 6) and beam search (width 2, 4, 6): the
+  KV memory sharing saves, measured as the paper's Figures 15 and 17 do (1 -
+  distinct pages held / pages the sequences would hold each on their own,
+  averaged over iterations); prefix caching is off here so only the forks
+  share;
+* (c) preemption by recompute versus swap (Figure 19) at page sizes 8 to
+  128: the same requests on a pool small enough to preempt and on one large
+  enough not to, side by side; the time lost is the difference in wall time
+  (compilation excluded).
+
+Prints the tables, writes ``sharing.md``, ``sharing.csv`` (every row, with a
+``part`` column) and ``sharing.png`` to ``--out``.
+
+Usage: ``python -m experiments.sharing [--parts abc] [--num-requests N] ...``
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import pathlib
+import time
+
+import numpy as np
+
+from experiments.serve_sharegpt import add_compile_cache_args, check_compile_cache, check_out_dir, machine
+from experiments.serve_sharegpt import setup_compile_cache
+from paged_jax.engine import Engine, EngineConfig, Request
+from paged_jax.jit_stats import CompileMonitor
+from paged_jax.sampling import SamplingParams
+
+# The paper's memory saving by sharing (section 6.3, Figures 15 and 17),
+# over parallel sizes / beam widths 2 to 6, OPT-13B.
+PAPER_SAVING = {
+    "parallel sampling": "6.1–9.8% (Alpaca), 16.2–30.5% (ShareGPT)",
+    "beam search": "37.6–55.2% (Alpaca), 44.3–66.3% (ShareGPT)",
+}
+PAGE_SIZES = (8, 16, 32, 64, 128)
+
+
+def serve(paged_model, model, requests, *, page_size: int, kv_tokens: int, max_seqs: int, max_seq_len: int,
+          **config):
+    """Runs ``requests`` on a fresh engine. Returns ``(stats, outputs by
+    request id, wall seconds without compilation)``."""
+    num_pages = kv_tokens // page_size + 1
+    engine = Engine(
+        paged_model,
+        model.config.make_kv_pool(num_pages, page_size),
+        EngineConfig(max_seqs=max_seqs, max_seq_len=max_seq_len, max_num_batched_tokens=max(256, max_seqs),
+                     **config),
+        vocab_size=model.config.vocab_size,
+    )
+    with CompileMonitor() as compiles:
+        t0 = time.perf_counter()
+        outputs = engine.run(requests)
+        wall = time.perf_counter() - t0 - compiles.counts.seconds
+    return engine.stats, {o.request_id: o for o in outputs}, wall
+
+
+def system_prompt_requests(tokenizer, requests: list[Request], prompts: list[str], system_tokens: int,
+                           max_seq_len: int) -> tuple[list[Request], int]:
+    """The requests again, each after one shared system prompt of about
+    ``system_tokens`` tokens (ShareGPT text the requests do not use).
+    Returns the requests and the system prompt's length in tokens."""
+    from experiments.sharegpt import load_conversations
+
+    conversations, _ = load_conversations()
+    used = set(prompts)
+    text, ids = "", []
+    for record in conversations:
+        for turn in record.get("conversations", [])[:1]:
+            value = turn.get("value") if isinstance(turn, dict) else None
+            if isinstance(value, str) and value not in used:
+                text += value.strip() + "\n\n"
+        ids = tokenizer.encode(text)
+        if len(ids) >= system_tokens:
+            break
+    system = tokenizer.decode(ids[:system_tokens])
+    out = []
+    for r, p in zip(requests, prompts):
+        ids = tokenizer.encode(tokenizer.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": p}]))
+        out.append(Request(request_id=r.request_id, prompt_ids=ids,
+                           max_new_tokens=min(r.max_new_tokens, max_seq_len - len(ids)), ignore_eos=True))
+    return out, len(tokenizer.encode(system))
+
+
+def part_a(paged_model, model, tokenizer, requests, prompts, args) -> list[dict]:
+    reqs, sys_len = system_prompt_requests(tokenizer, requests, prompts, args.system_tokens, 2048)
+    rows, outs = [], {}
+    for caching in (False, True):
+        st, outs[caching], wall = serve(paged_model, model, reqs, page_size=16, kv_tokens=args.kv_tokens,
+                                        max_seqs=args.max_seqs, max_seq_len=2048, enable_prefix_caching=caching)
+        rows.append({
+            "part": "a", "prefix_caching": "on" if caching else "off", "requests": len(reqs),
+            "system_tokens": sys_len, "prompt_tokens": sum(len(r.prompt_ids) for r in reqs),
+            "prefill_tokens": st.prefill_tokens, "prefix_hit_rate": round(st.prefix_hit_rate, 3),
+            "peak_pages": st.peak_pages_used, "mean_pages": round(st.used_pages_sum / st.iterations, 1),
+            "preemptions": st.preemptions, "wall_s": round(wall, 1),
+        })
+    same = sum(outs[True][i].output_ids == outs[False][i].output_ids for i in outs[True])
+    for row in rows:
+        row["same_outputs"] = f"{same}/{len(reqs)}"
+    return rows
+
+
+def part_b(paged_model, model, requests, args) -> list[dict]:
+    rows = []
+    for kind in ("parallel sampling", "beam search"):
+        for k in (2, 4, 6):
+            sampling = (SamplingParams(temperature=1.0, seed=0, n=k) if kind == "parallel sampling"
+                        else SamplingParams(beam_width=k))
+            reqs = [Request(request_id=r.request_id, prompt_ids=r.prompt_ids, max_new_tokens=r.max_new_tokens,
+                            ignore_eos=True, sampling=sampling) for r in requests]
+            st, _, wall = serve(paged_model, model, reqs, page_size=16, kv_tokens=args.kv_tokens,
+                                max_seqs=args.max_seqs, max_seq_len=2048, enable_prefix_caching=False)
+            rows.append({
+                "part": "b", "mode": kind, "k": k, "requests": len(reqs),
+                "mean_pages_unshared": round(st.seq_pages_sum / st.iterations, 1),
+                "mean_pages_shared": round(st.used_pages_sum / st.iterations, 1),
+                "saving": f"{100 * st.sharing_saving:.1f}%", "paper": PAPER_SAVING[kind],
+                "preemptions": st.preemptions, "wall_s": round(wall, 1),
+            })
+    return rows
+
+
+def part_c(paged_model, model, requests, args) -> list[dict]:
+    rows = []
+    max_len = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+    for page_size in args.page_sizes:
+        small = max(args.pressure_tokens, -(-max_len // page_size) * page_size)
+        _, base_out, base = serve(paged_model, model, requests, page_size=page_size, kv_tokens=args.kv_tokens,
+                                  max_seqs=args.max_seqs, max_seq_len=max_len)
+        for mode in ("recompute", "swap"):
+            st, out, wall = serve(paged_model, model, requests, page_size=page_size, kv_tokens=small,
+                                  max_seqs=args.max_seqs, max_seq_len=max_len, preemption_mode=mode,
+                                  enable_prefix_caching=False)
+            same = sum(out[i].output_ids == base_out[i].output_ids for i in out)
+            rows.append({
+                "part": "c", "page_size": page_size, "mode": mode, "pool_tokens": small,
+                "preemptions": st.preemptions, "recomputed_tokens": st.recomputed_tokens,
+                "swapped_pages": st.swapped_out_pages + st.swapped_in_pages, "wall_s": round(wall, 2),
+                "unpressured_s": round(base, 2), "lost_s": round(wall - base, 2),
+                "same_outputs": f"{same}/{len(out)}",
+            })
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    cols = [c for c in rows[0] if c != "part"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def plot(path: pathlib.Path, rows_b: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    for i, kind in enumerate(("parallel sampling", "beam search")):
+        sel = [r for r in rows_b if r["mode"] == kind]
+        x = np.arange(len(sel)) + i * 4
+        ax.bar(x, [float(r["saving"].rstrip("%")) for r in sel], color=f"C{i}", label=kind)
+        for xi, r in zip(x, sel):
+            ax.text(xi, 0.5, str(r["k"]), ha="center", color="white")
+    ax.set_xticks([1, 5], ["parallel sampling (n)", "beam search (width)"])
+    ax.set_ylabel("KV memory saved by sharing (%)")
+    ax.set_title("SmolLM2-135M on ShareGPT (cf. paper Figs. 15, 17)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m experiments.sharing", description=__doc__.split("\n\n")[0])
+    p.add_argument("--parts", default="abc", help="which parts to run, any of a, b, c (default abc)")
+    p.add_argument("--num-requests", type=int, default=12, help="ShareGPT requests per run (default 12)")
+    p.add_argument("--max-output-len", type=int, default=32, help="cap on output tokens (default 32)")
+    p.add_argument("--system-tokens", type=int, default=1000, help="(a) system prompt length (default 1000)")
+    p.add_argument("--kv-tokens", type=int, default=16384, help="KV pool of the unpressured runs, tokens")
+    p.add_argument("--pressure-tokens", type=int, default=2048, help="(c) KV pool that forces preemption, tokens")
+    p.add_argument("--page-sizes", type=int, nargs="+", default=list(PAGE_SIZES), help="(c) page sizes")
+    p.add_argument("--max-seqs", type=int, default=64, help="most sequences running at once (default 64)")
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="results folder")
+    add_compile_cache_args(p)
+    args = p.parse_args(argv)
+    if not args.parts or set(args.parts) - set("abc"):
+        p.error(f"--parts must be letters among a, b, c, got {args.parts!r}")
+    for name in ("num_requests", "max_output_len", "system_tokens", "kv_tokens", "pressure_tokens", "max_seqs"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if any(s < 1 for s in args.page_sizes):
+        p.error(f"--page-sizes must be >= 1, got {args.page_sizes}")
+    check_out_dir(p, args.out)
+    check_compile_cache(p, args)
+    return args
+
+
+def main(argv=None) -> dict[str, list[dict]]:
+    args = parse_args(argv)
+    from experiments.serve_sharegpt import build_requests
+    from models.llama import RaggedModel
+    from models.smollm2 import load_smollm2
+
+    print(f"machine: {machine()}")
+    print(setup_compile_cache(args))
+    model, tokenizer = load_smollm2()
+    requests, prompts, _ = build_requests(tokenizer, args.num_requests, args.max_output_len)
+    paged_model = RaggedModel(model)
+    tables = {}
+    titles = {
+        "a": f"(a) A shared system prompt before {len(requests)} requests: prefix caching off vs on",
+        "b": "(b) KV memory saved by sharing: parallel sampling and beam search (paper Figs. 15, 17)",
+        "c": "(c) Preemption by recompute vs swap, by page size (paper Fig. 19)",
+    }
+    for part in args.parts:
+        print(f"part {part} ...", flush=True)
+        if part == "a":
+            tables["a"] = part_a(paged_model, model, tokenizer, requests, prompts, args)
+        elif part == "b":
+            tables["b"] = part_b(paged_model, model, requests, args)
+        else:
+            tables["c"] = part_c(paged_model, model, requests, args)
+        print("\n" + titles[part] + "\n\n" + markdown(tables[part]) + "\n", flush=True)
+    note = (f"{len(requests)} ShareGPT requests (vLLM's sampling), outputs capped at {args.max_output_len} tokens, "
+            f"EOS ignored; SmolLM2-135M-Instruct, f32; {machine()}.")
+    md = "# Sharing pages: prefix caching, parallel sampling, beam search, swap\n\n" + note + "\n"
+    for part, rows in tables.items():
+        md += "\n## " + titles[part] + "\n\n" + markdown(rows) + "\n"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sharing.md").write_text(md)
+    fields = list(dict.fromkeys(k for rows in tables.values() for r in rows for k in r))
+    with open(args.out / "sharing.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for rows in tables.values():
+            w.writerows(rows)
+    if "b" in tables:
+        plot(args.out / "sharing.png", tables["b"])
+    print(f"wrote {args.out / 'sharing.md'}, sharing.csv" + (", sharing.png" if "b" in tables else ""))
+    return tables
+
+
+if __name__ == "__main__":
+    main()

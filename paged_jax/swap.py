@@ -1,0 +1,141 @@
+"""Swap space: preempted sequences' K/V pages kept in host memory.
+
+Preemption by swapping (PagedAttention, Kwon et al., SOSP 2023, section
+4.5): instead of dropping a preempted sequence group's K/V and recomputing
+it later, the engine copies the group's pages to host memory, frees them,
+and when the group is resumed copies the contents back into fresh pages.
+A page shared by several sequences of the group is copied once, and shared
+again after the swap-in. The round trip is a copy: the K/V come back
+bit-identical.
+
+The copies are device programs ordered with the engine's steps, so they run
+after the call that wrote the pages and before any call that reuses them:
+:func:`gather_pages` is dispatched before the call that frees the pages,
+:func:`scatter_pages` before the call that first reads the new ones. Page
+counts are padded to powers of two with the null page (its content never
+reaches an output), so a handful of programs serve every size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax.kv_cache import KVPool
+from paged_jax.page_state import NULL_PAGE
+
+
+def _padded(pages: list[int]) -> np.ndarray:
+    n = 1
+    while n < len(pages):
+        n *= 2
+    out = np.full(n, NULL_PAGE, np.int32)
+    out[: len(pages)] = pages
+    return out
+
+
+@jax.jit
+def _gather(kv: KVPool, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return kv.k[:, :, pages], kv.v[:, :, pages]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _scatter(kv: KVPool, pages: jax.Array, k: jax.Array, v: jax.Array) -> KVPool:
+    return KVPool(k=kv.k.at[:, :, pages].set(k.astype(kv.k.dtype)), v=kv.v.at[:, :, pages].set(v.astype(kv.v.dtype)))
+
+
+def gather_pages(kv: KVPool, pages: list[int], host=None) -> tuple[jax.Array, jax.Array]:
+    """Copies pages out of the pool, to ``host`` (a device; default the
+    first CPU device).
+
+    Args:
+      kv: the pool; K and V are ``[layers, K, P, L, H]``.
+      pages: page ids to copy, in the order they come back.
+
+    Returns:
+      ``(k, v)``, each ``[layers, K, n, L, H]`` for ``n >= len(pages)`` (a
+      power of two; entries past ``len(pages)`` copy the null page).
+    """
+    k, v = _gather(kv, jnp.asarray(_padded(pages)))
+    host = host or jax.devices("cpu")[0]
+    return jax.device_put(k, host), jax.device_put(v, host)
+
+
+def scatter_pages(kv: KVPool, pages: list[int], k: jax.Array, v: jax.Array, source: list[int] | None = None) -> KVPool:
+    """Writes copied contents (from :func:`gather_pages`) into ``pages`` of
+    the pool; the pool is donated and the new one returned.
+
+    Args:
+      kv: the pool.
+      pages: page ids to write.
+      k, v: copied contents ``[layers, K, n, L, H]``.
+      source: for each of ``pages``, which copied page goes there (default
+        ``0, 1, ...``).
+    """
+    source = list(range(len(pages))) if source is None else list(source)
+    if len(source) != len(pages) or (source and not 0 <= min(source) <= max(source) < k.shape[2]):
+        raise ValueError(f"source must give one of the {k.shape[2]} copied pages for each of {len(pages)} pages, "
+                         f"got {source}")
+    target = _padded(pages)
+    src = np.zeros(len(target), np.int32)
+    src[: len(source)] = source
+    if len(target) != k.shape[2] or source != list(range(len(pages))):
+        k, v = k[:, :, src], v[:, :, src]  # on the host, before the copy in
+    device = next(iter(kv.k.devices()))
+    return _scatter(kv, jnp.asarray(target), jax.device_put(k, device), jax.device_put(v, device))
+
+
+@dataclasses.dataclass
+class SwappedGroup:
+    """A preempted group's pages in host memory.
+
+    Attributes:
+      k, v: ``[layers, K, n, L, H]`` contents, ``n >= num_pages``.
+      num_pages: distinct pages copied.
+      tables: per sequence of the group (by its index in the group),
+        indices into the copied pages, in logical order.
+      num_tokens: per sequence, tokens whose K/V the pages hold.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    num_pages: int
+    tables: dict[int, list[int]]
+    num_tokens: dict[int, int]
+
+
+class SwapSpace:
+    """Host memory for swapped-out pages, ``capacity`` pages at most.
+
+    Args:
+      capacity: pages it can hold (>= 0).
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.used = 0
+        self._groups: dict[int, SwappedGroup] = {}
+
+    def __contains__(self, key) -> bool:
+        return key in self._groups
+
+    def get(self, key) -> SwappedGroup | None:
+        return self._groups.get(key)
+
+    def fits(self, num_pages: int) -> bool:
+        return self.used + num_pages <= self.capacity
+
+    def put(self, key, group: SwappedGroup) -> None:
+        if not self.fits(group.num_pages):
+            raise ValueError(f"swap space full: {self.used} + {group.num_pages} pages > capacity {self.capacity}")
+        self._groups[key] = group
+        self.used += group.num_pages
+
+    def pop(self, key) -> SwappedGroup:
+        group = self._groups.pop(key)
+        self.used -= group.num_pages
+        return group
