@@ -138,6 +138,8 @@ def serve(
     stop_ids=(),
     progress: bool = True,
     floor: "MatmulFloor | None" = None,
+    prefix_caching: bool = True,
+    preemption_mode: str = "recompute",
 ) -> tuple[ServeResult, list[RequestOutput]]:
     """Serves ``requests`` in one mode and measures it.
 
@@ -154,6 +156,8 @@ def serve(
         several calls to share compiled programs.
       floor: measures the weight-matmul floor of the calls made (default a
         new :class:`MatmulFloor`).
+      prefix_caching: automatic prefix caching (``EngineConfig``).
+      preemption_mode: "recompute" or "swap".
 
     Raises:
       ValueError: unknown mode or a budget below one maximum-length sequence.
@@ -180,6 +184,8 @@ def serve(
             max_seq_len=MAX_SEQ_LEN,
             max_num_batched_tokens=max(max_batched_tokens, max_seqs),
             reserve_max_len=mode == "contiguous",
+            enable_prefix_caching=prefix_caching,
+            preemption_mode=preemption_mode,
         ),
         stop_ids=stop_ids,
         vocab_size=model.config.vocab_size,
@@ -324,6 +330,9 @@ def parse_args(argv=None):
         help="tokens per model call, decode tokens and prefill chunks together (default 256; raised to --max-seqs)",
     )
     p.add_argument("--seed", type=int, default=0, help="ShareGPT shuffle seed (default 0)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
+                   help="how a preempted request gives back its pages (default recompute)")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="results folder (default results/)")
     add_compile_cache_args(p)
     args = p.parse_args(argv)
@@ -383,6 +392,7 @@ def main(argv=None) -> list[ServeResult]:
         result, outs = serve(
             model, requests, mode=mode, page_size=args.page_size, kv_budget_tokens=args.kv_budget_tokens,
             max_seqs=args.max_seqs, max_batched_tokens=args.max_batched_tokens, paged_model=paged_model,
+            prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode,
             floor=floor,
         )
         results.append(result)

@@ -13,10 +13,15 @@ and 4.5):
   distinct pages held / pages the sequences would hold each on their own,
   averaged over iterations); prefix caching is off here so only the forks
   share;
-* (c) preemption by recompute versus swap (Figure 19) at page sizes 8 to
-  128: the same requests on a pool small enough to preempt and on one large
-  enough not to, side by side; the time lost is the difference in wall time
-  (compilation excluded).
+* (c) the time one preemption costs, by recompute versus swap, at page
+  sizes 8 to 128 (Figure 19a): recompute redoes the prefill of a
+  ``--preempt-tokens``-token sequence (one model call, timed); swap copies
+  its pages out of the pool and back into fresh pages (timed to completion);
+  fastest of ``--repeats``;
+* (d) end to end: the requests on a pool small enough to preempt and on one
+  large enough not to, by recompute and by swap (Figure 19b): preemptions,
+  work redone, wall time, outputs. The wall-time difference mixes the cost
+  of preemption with the smaller pool's lower concurrency.
 
 Prints the tables, writes ``sharing.md``, ``sharing.csv`` (every row, with a
 ``part`` column) and ``sharing.png`` to ``--out``.
@@ -46,6 +51,22 @@ PAPER_SAVING = {
     "beam search": "37.6–55.2% (Alpaca), 44.3–66.3% (ShareGPT)",
 }
 PAGE_SIZES = (8, 16, 32, 64, 128)
+NOTES = {
+    "a": "Hits are whole pages, and a request's last prompt token is always computed, so a little of the system "
+         "prompt is computed again by each request; the hit rate counts prompt tokens served from the cache. "
+         "Same outputs: greedy tokens identical with caching off and on.",
+    "b": "Saving = 1 - distinct pages held / pages the sequences would hold each on its own, averaged over "
+         "iterations (the paper's measure). Here outputs are capped at 64 tokens while prompts run to a few hundred, "
+         "so the shared prompt is most of every sequence and sharing saves more than in the paper, whose ShareGPT "
+         "outputs run to the dataset's lengths; the trend (more samples or beams, more saved; beam search above "
+         "parallel sampling) is the paper's.",
+    "c": "On this CPU a swap is a copy within host memory (the pool already lives there); on a GPU it crosses "
+         "PCIe, which is where the paper finds swap slow at small pages. Recompute is one prefill call over the "
+         "sequence's tokens; the page size hardly changes either.",
+    "d": "At this size preemptions are few, and the wall-time difference is mostly the small pool's lower "
+         "concurrency (at page 128 nothing is preempted and the small pool is still slower). Both modes give the "
+         "outputs of the large pool.",
+}
 
 
 def serve(paged_model, model, requests, *, page_size: int, kv_tokens: int, max_seqs: int, max_seq_len: int,
@@ -134,26 +155,83 @@ def part_b(paged_model, model, requests, args) -> list[dict]:
     return rows
 
 
-def part_c(paged_model, model, requests, args) -> list[dict]:
+def part_c(paged_model, model, args) -> list[dict]:
+    from paged_jax.swap import gather_pages, scatter_pages
+
+    rows = []
+    n = args.preempt_tokens
+    prompt = list(np.random.default_rng(0).integers(0, model.config.vocab_size, size=n))
+    for page_size in args.page_sizes:
+        num_pages = -(-n // page_size)  # the pages holding its K/V
+        cap = -(-(n + 1) // page_size)  # ... and the one sampled token
+        recompute = []
+        for _ in range(args.repeats + 1):  # the first call compiles
+            engine = Engine(paged_model, model.config.make_kv_pool(num_pages + cap + 1, page_size),
+                            EngineConfig(max_seqs=1, max_seq_len=cap * page_size, max_num_batched_tokens=n,
+                                         enable_prefix_caching=False), vocab_size=model.config.vocab_size)
+            engine.run([Request(request_id=0, prompt_ids=prompt, max_new_tokens=1)])
+            recompute.append(engine.stats.calls[0].seconds)
+            kv = engine.kv
+        pages, fresh = list(range(1, num_pages + 1)), list(range(cap + 1, cap + num_pages + 1))
+        out_s, in_s = [], []
+        for _ in range(args.repeats + 1):
+            t = time.perf_counter()
+            k, v = gather_pages(kv, pages)
+            k.block_until_ready(), v.block_until_ready()
+            out_s.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            kv = scatter_pages(kv, fresh, k, v)
+            kv.k.block_until_ready()
+            in_s.append(time.perf_counter() - t)
+        r, o, i = min(recompute[1:]), min(out_s[1:]), min(in_s[1:])
+        rows.append({
+            "part": "c", "page_size": page_size, "tokens": n, "pages": num_pages,
+            "kv_mb": round(2 * kv.k[:, :, :num_pages].nbytes / 2**20, 1),
+            "recompute_ms": round(1e3 * r, 1), "swap_out_ms": round(1e3 * o, 1), "swap_in_ms": round(1e3 * i, 1),
+            "swap_over_recompute": round((o + i) / r, 2),
+        })
+    return rows
+
+
+def part_d(paged_model, model, requests, args) -> list[dict]:
     rows = []
     max_len = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
     for page_size in args.page_sizes:
         small = max(args.pressure_tokens, -(-max_len // page_size) * page_size)
         _, base_out, base = serve(paged_model, model, requests, page_size=page_size, kv_tokens=args.kv_tokens,
-                                  max_seqs=args.max_seqs, max_seq_len=max_len)
+                                  max_seqs=args.max_seqs, max_seq_len=max_len, enable_prefix_caching=False)
         for mode in ("recompute", "swap"):
             st, out, wall = serve(paged_model, model, requests, page_size=page_size, kv_tokens=small,
                                   max_seqs=args.max_seqs, max_seq_len=max_len, preemption_mode=mode,
                                   enable_prefix_caching=False)
             same = sum(out[i].output_ids == base_out[i].output_ids for i in out)
             rows.append({
-                "part": "c", "page_size": page_size, "mode": mode, "pool_tokens": small,
+                "part": "d", "page_size": page_size, "mode": mode, "pool_tokens": small,
                 "preemptions": st.preemptions, "recomputed_tokens": st.recomputed_tokens,
                 "swapped_pages": st.swapped_out_pages + st.swapped_in_pages, "wall_s": round(wall, 2),
-                "unpressured_s": round(base, 2), "lost_s": round(wall - base, 2),
+                "unpressured_s": round(base, 2), "difference_s": round(wall - base, 2),
                 "same_outputs": f"{same}/{len(out)}",
             })
     return rows
+
+
+def write(out: pathlib.Path, tables: dict[str, list[dict]], titles: dict[str, str], note: str) -> None:
+    """Writes ``sharing.md`` (the tables with their notes), ``sharing.csv``
+    (every row, with its ``part``) and, with part (b), ``sharing.png``."""
+    md = "# Sharing pages: prefix caching, parallel sampling, beam search, swap\n\n" + note + "\n"
+    for part, rows in tables.items():
+        md += "\n## " + titles[part] + "\n\n" + markdown(rows) + "\n\n" + NOTES[part] + "\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sharing.md").write_text(md)
+    fields = list(dict.fromkeys(k for rows in tables.values() for r in rows for k in r))
+    with open(out / "sharing.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for rows in tables.values():
+            w.writerows(rows)
+    if "b" in tables:
+        plot(out / "sharing.png", tables["b"])
+    print(f"wrote {out / 'sharing.md'}, sharing.csv" + (", sharing.png" if "b" in tables else ""))
 
 
 def markdown(rows: list[dict]) -> str:
@@ -186,20 +264,23 @@ def plot(path: pathlib.Path, rows_b: list[dict]) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m experiments.sharing", description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", default="abc", help="which parts to run, any of a, b, c (default abc)")
+    p.add_argument("--parts", default="abcd", help="which parts to run, any of a, b, c, d (default abcd)")
     p.add_argument("--num-requests", type=int, default=12, help="ShareGPT requests per run (default 12)")
-    p.add_argument("--max-output-len", type=int, default=32, help="cap on output tokens (default 32)")
+    p.add_argument("--max-output-len", type=int, default=64, help="cap on output tokens (default 64)")
     p.add_argument("--system-tokens", type=int, default=1000, help="(a) system prompt length (default 1000)")
     p.add_argument("--kv-tokens", type=int, default=16384, help="KV pool of the unpressured runs, tokens")
     p.add_argument("--pressure-tokens", type=int, default=2048, help="(c) KV pool that forces preemption, tokens")
-    p.add_argument("--page-sizes", type=int, nargs="+", default=list(PAGE_SIZES), help="(c) page sizes")
+    p.add_argument("--page-sizes", type=int, nargs="+", default=list(PAGE_SIZES), help="(c, d) page sizes")
+    p.add_argument("--preempt-tokens", type=int, default=1024, help="(c) tokens of the preempted sequence")
+    p.add_argument("--repeats", type=int, default=3, help="(c) timed repeats; the fastest counts (default 3)")
     p.add_argument("--max-seqs", type=int, default=64, help="most sequences running at once (default 64)")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="results folder")
     add_compile_cache_args(p)
     args = p.parse_args(argv)
-    if not args.parts or set(args.parts) - set("abc"):
-        p.error(f"--parts must be letters among a, b, c, got {args.parts!r}")
-    for name in ("num_requests", "max_output_len", "system_tokens", "kv_tokens", "pressure_tokens", "max_seqs"):
+    if not args.parts or set(args.parts) - set("abcd"):
+        p.error(f"--parts must be letters among a, b, c, d, got {args.parts!r}")
+    for name in ("num_requests", "max_output_len", "system_tokens", "kv_tokens", "pressure_tokens", "max_seqs",
+                 "preempt_tokens", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(s < 1 for s in args.page_sizes):
@@ -224,7 +305,9 @@ def main(argv=None) -> dict[str, list[dict]]:
     titles = {
         "a": f"(a) A shared system prompt before {len(requests)} requests: prefix caching off vs on",
         "b": "(b) KV memory saved by sharing: parallel sampling and beam search (paper Figs. 15, 17)",
-        "c": "(c) Preemption by recompute vs swap, by page size (paper Fig. 19)",
+        "c": f"(c) The cost of one preemption of a {args.preempt_tokens}-token sequence: recompute vs swap, by "
+             "page size (paper Fig. 19a)",
+        "d": "(d) End to end under a pool that preempts: recompute vs swap, by page size (paper Fig. 19b)",
     }
     for part in args.parts:
         print(f"part {part} ...", flush=True)
@@ -232,25 +315,14 @@ def main(argv=None) -> dict[str, list[dict]]:
             tables["a"] = part_a(paged_model, model, tokenizer, requests, prompts, args)
         elif part == "b":
             tables["b"] = part_b(paged_model, model, requests, args)
+        elif part == "c":
+            tables["c"] = part_c(paged_model, model, args)
         else:
-            tables["c"] = part_c(paged_model, model, requests, args)
+            tables["d"] = part_d(paged_model, model, requests, args)
         print("\n" + titles[part] + "\n\n" + markdown(tables[part]) + "\n", flush=True)
     note = (f"{len(requests)} ShareGPT requests (vLLM's sampling), outputs capped at {args.max_output_len} tokens, "
             f"EOS ignored; SmolLM2-135M-Instruct, f32; {machine()}.")
-    md = "# Sharing pages: prefix caching, parallel sampling, beam search, swap\n\n" + note + "\n"
-    for part, rows in tables.items():
-        md += "\n## " + titles[part] + "\n\n" + markdown(rows) + "\n"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sharing.md").write_text(md)
-    fields = list(dict.fromkeys(k for rows in tables.values() for r in rows for k in r))
-    with open(args.out / "sharing.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        for rows in tables.values():
-            w.writerows(rows)
-    if "b" in tables:
-        plot(args.out / "sharing.png", tables["b"])
-    print(f"wrote {args.out / 'sharing.md'}, sharing.csv" + (", sharing.png" if "b" in tables else ""))
+    write(args.out, tables, {p: titles[p] for p in tables}, note)
     return tables
 
 
