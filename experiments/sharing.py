@@ -54,6 +54,8 @@ PAGE_SIZES = (8, 16, 32, 64, 128)
 NOTES = {
     "a": "Hits are whole pages, and a request's last prompt token is always computed, so a little of the system "
          "prompt is computed again by each request; the hit rate counts prompt tokens served from the cache. "
+         "Requests admitted in the same call as the first miss with it (its pages are not cached yet); here the "
+         "first prompt takes whole calls of 256 tokens, so the others are admitted after it. "
          "Same outputs: greedy tokens identical with caching off and on.",
     "b": "Saving = 1 - distinct pages held / pages the sequences would hold each on its own, averaged over "
          "iterations (the paper's measure). Here outputs are capped at 64 tokens while prompts run to a few hundred, "
@@ -268,13 +270,16 @@ def parse_args(argv=None):
     p.add_argument("--num-requests", type=int, default=12, help="ShareGPT requests per run (default 12)")
     p.add_argument("--max-output-len", type=int, default=64, help="cap on output tokens (default 64)")
     p.add_argument("--system-tokens", type=int, default=1000, help="(a) system prompt length (default 1000)")
-    p.add_argument("--kv-tokens", type=int, default=16384, help="KV pool of the unpressured runs, tokens")
-    p.add_argument("--pressure-tokens", type=int, default=2048, help="(c) KV pool that forces preemption, tokens")
+    p.add_argument("--kv-tokens", type=int, default=16384,
+                   help="KV pool of (a), (b) and the unpressured runs of (d), tokens (default 16384)")
+    p.add_argument("--pressure-tokens", type=int, default=2048,
+                   help="(d) KV pool that forces preemption, tokens (default 2048)")
     p.add_argument("--page-sizes", type=int, nargs="+", default=list(PAGE_SIZES), help="(c, d) page sizes")
     p.add_argument("--preempt-tokens", type=int, default=1024, help="(c) tokens of the preempted sequence")
     p.add_argument("--repeats", type=int, default=3, help="(c) timed repeats; the fastest counts (default 3)")
     p.add_argument("--max-seqs", type=int, default=64, help="most sequences running at once (default 64)")
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="results folder")
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"),
+                   help="results folder (default results/, replacing the committed tables)")
     add_compile_cache_args(p)
     args = p.parse_args(argv)
     if not args.parts or set(args.parts) - set("abcd"):
