@@ -616,14 +616,15 @@ def share(state: PageState, num_hit, hit_pages) -> tuple[PageState, jax.Array]:
     Raises:
       ValueError: wrong shapes or dtypes; (eager calls) a slot with a hit
         that is not empty, ``num_hit`` outside ``[0, max_pages_per_seq]``,
-        or a taken page id that is the null page or outside the pool. The
-        state is then untouched.
+        a page listed twice for one slot, or a taken page id that is the
+        null page or outside the pool. The state is then untouched.
     """
     S, P = state.max_seqs, state.max_pages_per_seq
     for name, value, shape in (("num_hit", num_hit, (S,)), ("hit_pages", hit_pages, (S, P))):
         dtype = getattr(value, "dtype", None)
         if getattr(value, "shape", None) != shape or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
-            raise ValueError(f"{name} must be int{list(shape)}, got {getattr(value, 'dtype', None)}{list(getattr(value, 'shape', ()))}")
+            got = f"{dtype}{list(value.shape)}" if dtype is not None else f"a {type(value).__name__}"
+            raise ValueError(f"{name} must be an integer array of shape {shape}, got {got}")
     if not _is_traced(state, num_hit, hit_pages):
         n, pages = np.asarray(num_hit), np.asarray(hit_pages)
         bad = np.flatnonzero((n < 0) | (n > P))
@@ -632,6 +633,10 @@ def share(state: PageState, num_hit, hit_pages) -> tuple[PageState, jax.Array]:
         busy = np.flatnonzero((n > 0) & ((np.asarray(state.num_seq_pages) > 0) | (np.asarray(state.seq_lens) > 0)))
         if busy.size:
             raise ValueError(f"slots {busy.tolist()} already hold a sequence; a hit needs an empty slot")
+        for slot in np.flatnonzero(n > 0):
+            row = pages[slot, : n[slot]].tolist()
+            if len(set(row)) < len(row):
+                raise ValueError(f"hit_pages[{slot}] lists a page twice ({row}): each logical page needs its own page")
         taken = pages[np.arange(P)[None, :] < n[:, None]]
         bad_pages = taken[(taken <= NULL_PAGE) | (taken >= state.num_pages)]
         if bad_pages.size:

@@ -276,3 +276,28 @@ def test_extend_checks_min_pages_and_negative_growth_under_jit(state):
     state, ok, _, _ = ps.extend(state, jnp.asarray([5, 0, 0], jnp.int32))
     _, ok, _, _ = jax.jit(ps.extend)(state, jnp.asarray([-3, 0, 0], jnp.int32))
     assert not bool(ok)  # a shrink under jit is refused, not applied
+
+
+def test_share_refuses_bad_hits_and_leaves_the_state():
+    state = ps.init_page_state(num_pages=10, max_seqs=3, max_pages_per_seq=4, page_size=4)
+    state, _, _, _ = ps.extend(state, jnp.array([3, 0, 0], jnp.int32))
+    before = jax.tree.map(np.asarray, state)
+
+    def hits(slot, pages):
+        n, table = np.zeros(3, np.int32), np.zeros((3, 4), np.int32)
+        n[slot], table[slot, : len(pages)] = len(pages), pages
+        return n, table
+
+    for args, match in (
+        (hits(1, [5, 5]), "lists a page twice"),
+        (hits(0, [5]), "already hold a sequence"),
+        (hits(1, [0]), r"hit_pages must be in \[1, num_pages=10\)"),
+        (hits(1, [10]), r"hit_pages must be in \[1, num_pages=10\)"),
+        ((np.array([5, 0, 0], np.int32), np.zeros((3, 4), np.int32)), "num_hit must be in"),
+        (([1, 0, 0], np.ones((3, 4), np.int32)), "got a list"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            ps.share(state, *args)
+        assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state)))
+    new, ok = ps.share(state, *hits(1, [5, 6]))
+    assert ok and ps.pages_for_tokens(int(new.seq_lens[1]), 4) == 2 and int(new.ref_counts[5]) == 1
