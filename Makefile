@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-all tables clean
+.PHONY: setup demo test test-all tables check-tables clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,10 @@ demo: setup
 tables: setup
 	$(PY) -m experiments.reproduce
 	$(PY) -m experiments.sharing
+
+# Two small runs of the tables in fresh processes; every non-timing cell must agree.
+check-tables: setup
+	$(PY) -m experiments.check_reproducible
 
 test: setup
 	$(PY) -m pytest -q

@@ -19,7 +19,6 @@ writes ``hf_baseline.md`` and ``hf_baseline.csv``.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import pathlib
 import sys
@@ -89,9 +88,12 @@ def parse_args(argv=None):
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    from experiments import provenance
     from experiments.serve_sharegpt import build_requests, machine, serve, setup_compile_cache
     from models.llama import RaggedModel
     from models.smollm2 import load_smollm2
+
+    record = provenance.collect("experiments.hf_baseline", argv, seeds={"sharegpt_shuffle": args.seed})
 
     print(f"machine: {machine()}")
     print(setup_compile_cache(args))
@@ -124,12 +126,11 @@ def main(argv=None) -> list[dict]:
         f"near-tie, after which a continuation differs)."
     )
     print("\n" + table + "\n\n" + summary)
-    with open(args.out / "hf_baseline.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
-    (args.out / "hf_baseline.md").write_text(
-        "# transformers generate() vs the paged engine (the demo's requests)\n\n" + table + "\n\n" + summary + "\n"
+    provenance.write_csv(args.out / "hf_baseline.csv", rows, CSV_COLUMNS, record)
+    provenance.write_markdown(
+        args.out / "hf_baseline.md",
+        "# transformers generate() vs the paged engine (the demo's requests)\n\n" + table + "\n\n" + summary + "\n",
+        record,
     )
     print(f"\nwrote {args.out / 'hf_baseline.md'} and {args.out / 'hf_baseline.csv'}")
     return rows

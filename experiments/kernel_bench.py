@@ -26,7 +26,6 @@ once through a copy"). Writes ``results/kernel_bench.{md,csv}``.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import math
 import os
@@ -38,12 +37,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import provenance
 from paged_jax import attention
 
 # Axis alphabet: B batch, S key tokens, N query heads, K KV heads, G queries
 # per KV head, H head dim, P pages, L page size.
 
 RESULTS = pathlib.Path(__file__).resolve().parent.parent / "results"
+SEED = 0
+"""Seed of the benchmark's random K/V, queries, page order and ShareGPT-like lengths."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -216,11 +218,12 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 elsewhere")
     parser.add_argument("--out", default=str(RESULTS / "kernel_bench"), help="path stem for .md and .csv")
     args = parser.parse_args(argv)
+    record = provenance.collect("experiments.kernel_bench", argv, seeds={"data": SEED})
 
     cfg = BenchConfig(max_len=max(args.contexts + [2048]))
     dtype = jnp.dtype(args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
     impls = native_impls()
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(SEED)
     header = (f"# Paged vs dense decode attention\n\nMachine: {machine()}\n\n"
               f"Heads: {cfg.num_kv_heads} KV x {cfg.group} queries per KV head, head dim {cfg.head_dim}, "
               f"page size {cfg.page_size}; implementations: dense, {', '.join(impls)}. "
@@ -247,12 +250,10 @@ def main(argv=None) -> None:
     print("\n" + table)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(table)
-    with out.with_suffix(".csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({c: (f"{r[c]:.6g}" if isinstance(r[c], float) else r[c]) for c in COLUMNS})
+    provenance.write_markdown(out.with_suffix(".md"), table, record)
+    provenance.write_csv(out.with_suffix(".csv"),
+                         [{c: (f"{r[c]:.6g}" if isinstance(r[c], float) else r[c]) for c in COLUMNS} for r in rows],
+                         COLUMNS, record)
     print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.csv')}")
 
 

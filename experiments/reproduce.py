@@ -5,7 +5,9 @@
 Writes to ``--out``: ``kv_sizes``, ``capacity``, ``final_length_waste``,
 ``waste_breakdown``, ``block_size`` and ``serving`` as ``.md`` and ``.csv``;
 ``layout.png``, ``declared_max_sweep.png``, ``waste_breakdown.png`` and
-``block_size.png``; and ``README.md`` gathering them. Each table gives the
+``block_size.png``; and ``README.md`` gathering them. Every ``.md`` and
+``.csv`` carries the run's provenance block (``experiments.provenance``:
+command, commit, versions, device, seeds, date). Each table gives the
 paper's figure (Kwon et al., "Efficient Memory Management for Large Language
 Model Serving with PagedAttention", SOSP 2023) beside ours where there is one.
 """
@@ -13,7 +15,6 @@ Model Serving with PagedAttention", SOSP 2023) beside ours where there is one.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import pathlib
 import time
@@ -22,11 +23,16 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from experiments import figures
+from experiments import figures, provenance
 from experiments.waste_sim import PAPER_TOKEN_SHARE, SCHEMES, SimConfig, simulate
 from paged_jax.memory import GB, KiB, PRESETS, get_preset, paged_slots, plan_capacity
 
 PAPER = "Kwon et al., SOSP 2023"
+SHAREGPT_SEED = 0
+"""Shuffle seed of the ShareGPT sample (simulation and serving)."""
+ARRIVAL_SEED = 0
+"""Seed of the simulation's Poisson arrivals."""
+SEEDS = {"sharegpt_shuffle": SHAREGPT_SEED, "arrivals": ARRIVAL_SEED}
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
 SERVE_BUDGETS = (2048, 4096, 8192)
 """KV budgets (tokens) of the serving table: 1, 2 and 4 reservations of 2,048."""
@@ -46,7 +52,8 @@ CAPACITY_CASES = (
 
 @dataclasses.dataclass
 class Table:
-    """A table as rows of dicts, written as Markdown and CSV."""
+    """A table as rows of dicts, written as Markdown and CSV, each with the
+    run's provenance block."""
 
     name: str
     title: str
@@ -61,12 +68,10 @@ class Table:
         body = "\n".join(lines)
         return f"## {self.title}\n\n{body}\n" + (f"\n{self.note}\n" if self.note else "")
 
-    def write(self, out: pathlib.Path) -> None:
-        (out / f"{self.name}.md").write_text(self.markdown())
-        with open(out / f"{self.name}.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(self.rows[0]))
-            w.writeheader()
-            w.writerows(self.rows)
+    def write(self, out: pathlib.Path, record: provenance.Provenance) -> None:
+        """Writes ``<out>/<name>.md`` and ``<out>/<name>.csv``."""
+        provenance.write_markdown(out / f"{self.name}.md", self.markdown(), record)
+        provenance.write_csv(out / f"{self.name}.csv", self.rows, list(self.rows[0]), record)
 
 
 def _fmt(v) -> str:
@@ -101,7 +106,7 @@ def load_workload(num_requests: int) -> Workload:
     from models.tokenizer import load_tokenizer
 
     conversations, report = load_conversations()
-    reqs = sample_requests(conversations, load_tokenizer().encode_batch, num_requests)
+    reqs = sample_requests(conversations, load_tokenizer().encode_batch, num_requests, seed=SHAREGPT_SEED)
     return Workload(
         prompt=np.array([r.prompt_len for r in reqs], np.int64),
         output=np.array([r.output_len for r in reqs], np.int64),
@@ -191,7 +196,8 @@ def waste_breakdown(work: Workload, pool_tokens: int, rate: float, progress: Cal
     rows, plot_rows = [], []
     for scheme in SCHEMES:
         r = simulate(work.prompt, work.output,
-                     SimConfig(scheme=scheme, pool_tokens=pool_tokens, page_size=16, arrival_rate=rate))
+                     SimConfig(scheme=scheme, pool_tokens=pool_tokens, page_size=16, arrival_rate=rate,
+                               seed=ARRIVAL_SEED))
         progress()
         rows.append(
             {
@@ -237,7 +243,8 @@ def block_size_sim(work: Workload, pool_tokens: int, rate: float, progress: Call
     rows = []
     for ps in BLOCK_SIZES:
         r = simulate(work.prompt, work.output,
-                     SimConfig(scheme="paged", pool_tokens=pool_tokens, page_size=ps, arrival_rate=rate))
+                     SimConfig(scheme="paged", pool_tokens=pool_tokens, page_size=ps, arrival_rate=rate,
+                               seed=ARRIVAL_SEED))
         progress()
         rows.append(
             {
@@ -263,7 +270,7 @@ def serving_rows(
     from models.smollm2 import load_smollm2
 
     model, tokenizer = load_smollm2()
-    requests, _, _ = build_requests(tokenizer, num_requests, max_output_len)
+    requests, _, _ = build_requests(tokenizer, num_requests, max_output_len, seed=SHAREGPT_SEED)
     paged_model = RaggedModel(model)
     block_rows = []
     for ps in BLOCK_SIZES:
@@ -323,7 +330,8 @@ def serving_table(rows: list, note: str) -> Table:
     return Table("serving", "Throughput and concurrency on SmolLM2, paged vs contiguous", out, note)
 
 
-def write_readme(out: pathlib.Path, tables: Sequence[Table], header: str) -> None:
+def write_readme(out: pathlib.Path, tables: Sequence[Table], header: str, record: provenance.Provenance) -> None:
+    """Writes ``<out>/README.md``: every table, the figures, one provenance block."""
     parts = [
         "# Memory study: tables and figures\n",
         header,
@@ -335,7 +343,7 @@ def write_readme(out: pathlib.Path, tables: Sequence[Table], header: str) -> Non
         parts.append(t.markdown())
         if t.name in ("waste_breakdown", "block_size"):
             parts.append(f"![{t.title}]({t.name}.png)\n")
-    (out / "README.md").write_text("\n".join(parts))
+    provenance.write_markdown(out / "README.md", "\n".join(parts), record)
 
 
 def parse_args(argv=None):
@@ -361,6 +369,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> list[Table]:
     args = parse_args(argv)
+    record = provenance.collect("experiments.reproduce", argv, seeds=SEEDS)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -425,14 +434,14 @@ def main(argv=None) -> list[Table]:
             )
         )
     for t in tables:
-        t.write(out)
+        t.write(out, record)
     header = (
         f"ShareGPT: {work.records:,} complete conversations recovered from the shipped file"
         + (" (truncated mid-record)" if work.truncated else "")
         + f"; {len(work.prompt):,} requests sampled with vLLM's rules (SmolLM2 tokenizer): mean prompt "
         f"{work.prompt[:1000].mean():.1f}, mean output {work.output[:1000].mean():.1f} tokens for the first 1,000.\n"
     )
-    write_readme(out, tables, header)
+    write_readme(out, tables, header, record)
     for t in tables:
         print("\n" + t.markdown())
     print(f"\nwrote {len(tables)} tables and 4 figures to {out}/ in {time.perf_counter() - t_start:.0f} s")

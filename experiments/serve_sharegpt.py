@@ -16,13 +16,16 @@ policy differs. Prints a Markdown table and writes ``serve_sharegpt.md`` and
 reported separately), so that the mode that runs second is not favoured by
 programs the first one compiled.
 
-Usage: ``python -m experiments.serve_sharegpt [--num-requests N] ...``
+The model is SmolLM2-135M-Instruct from its GGUF (``--model smollm2``, the
+default) or a local Hugging Face checkpoint folder (``--model PATH``: Llama,
+Mistral or Qwen2 safetensors, :mod:`models.hf_loader`), in f32.
+
+Usage: ``python -m experiments.serve_sharegpt [--model PATH] [--num-requests N] ...``
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import pathlib
 import platform
@@ -31,8 +34,10 @@ import time
 
 import jax
 
+from experiments import provenance
 from experiments.sharegpt import load_conversations, sample_requests
 from paged_jax.engine import Engine, EngineConfig, EngineStats, Request, RequestOutput, num_traces
+from paged_jax.data_parallel import merged_stats
 from paged_jax.jit_stats import CompileMonitor, enable_persistent_cache
 
 CSV_COLUMNS = (
@@ -140,6 +145,7 @@ def serve(
     floor: "MatmulFloor | None" = None,
     prefix_caching: bool = True,
     preemption_mode: str = "recompute",
+    mesh=None,
 ) -> tuple[ServeResult, list[RequestOutput]]:
     """Serves ``requests`` in one mode and measures it.
 
@@ -158,6 +164,10 @@ def serve(
         new :class:`MatmulFloor`).
       prefix_caching: automatic prefix caching (``EngineConfig``).
       preemption_mode: "recompute" or "swap".
+      mesh: a ``(data, model)`` device mesh (``paged_jax.sharding.make_mesh``):
+        one engine per data shard, tensor parallel over its model devices,
+        each with a pool of ``kv_budget_tokens`` (the budget is per data
+        shard); None for one device.
 
     Raises:
       ValueError: unknown mode or a budget below one maximum-length sequence.
@@ -173,28 +183,30 @@ def serve(
             f"kv_budget_tokens rounded down to whole pages must hold one maximum-length request "
             f"({MAX_SEQ_LEN} tokens), got {kv_budget_tokens=} {page_size=}"
         )
-    paged_model = paged_model or RaggedModel(model)
     num_pages = kv_budget_tokens // page_size + 1  # + the null page
-    pool = model.config.make_kv_pool(num_pages, page_size)
-    engine = Engine(
-        paged_model,
-        pool,
-        EngineConfig(
-            max_seqs=max_seqs,
-            max_seq_len=MAX_SEQ_LEN,
-            max_num_batched_tokens=max(max_batched_tokens, max_seqs),
-            reserve_max_len=mode == "contiguous",
-            enable_prefix_caching=prefix_caching,
-            preemption_mode=preemption_mode,
-        ),
-        stop_ids=stop_ids,
-        vocab_size=model.config.vocab_size,
+    config = EngineConfig(
+        max_seqs=max_seqs,
+        max_seq_len=MAX_SEQ_LEN,
+        max_num_batched_tokens=max(max_batched_tokens, max_seqs),
+        reserve_max_len=mode == "contiguous",
+        enable_prefix_caching=prefix_caching,
+        preemption_mode=preemption_mode,
     )
+    if mesh is None:
+        pool = model.config.make_kv_pool(num_pages, page_size)
+        engine = Engine(paged_model or RaggedModel(model), pool, config, stop_ids=stop_ids,
+                        vocab_size=model.config.vocab_size)
+    else:
+        from models.sharded import make_data_parallel_engine
+
+        pool = None
+        engine = make_data_parallel_engine(model, mesh, config, pages_per_shard=num_pages, page_size=page_size,
+                                           stop_ids=stop_ids, vocab_size=model.config.vocab_size)
     with CompileMonitor() as compiles:
         t0 = time.perf_counter()
         outputs = engine.run(requests, progress=progress)
         wall = time.perf_counter() - t0 - compiles.counts.seconds
-    st = engine.stats
+    st = merged_stats(engine)
     floor = floor or MatmulFloor(model)
     floor_s = floor.seconds(st)
     generated = sum(len(o.output_ids) for o in outputs)
@@ -329,6 +341,13 @@ def parse_args(argv=None):
         "--max-batched-tokens", type=int, default=256,
         help="tokens per model call, decode tokens and prefill chunks together (default 256; raised to --max-seqs)",
     )
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' (SmolLM2-135M-Instruct from its GGUF, the default) or the path of a Hugging Face "
+                        "checkpoint folder (config.json, *.safetensors, tokenizer.json; llama, mistral or qwen2)")
+    p.add_argument("--mesh", default=None,
+                   help="serve over a device mesh, e.g. 'data=2,model=4': one engine per data shard, each tensor "
+                        "parallel over its model devices and with its own --kv-budget-tokens pool (default: one "
+                        "device). Multi-host: set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID")
     p.add_argument("--seed", type=int, default=0, help="ShareGPT shuffle seed (default 0)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
@@ -344,9 +363,39 @@ def parse_args(argv=None):
             f"--kv-budget-tokens rounded down to whole pages of --page-size {args.page_size} must hold one "
             f"maximum-length request ({MAX_SEQ_LEN} tokens), got {args.kv_budget_tokens}"
         )
+    if args.model != "smollm2":  # fail now, not after loading: reads config.json only
+        from models.hf_loader import read_hf_config
+
+        try:
+            read_hf_config(args.model)
+        except (OSError, ValueError) as e:
+            p.error(f"--model {args.model!r} is not a supported checkpoint: {e}")
+    if args.mesh is not None:
+        from paged_jax.sharding import parse_mesh
+
+        try:
+            args.mesh_sizes = parse_mesh(args.mesh)
+        except ValueError as e:
+            p.error(f"--mesh: {e}")
     check_out_dir(p, args.out)
     check_compile_cache(p, args)
     return args
+
+
+def load_model(spec: str):
+    """``(model, tokenizer, name)`` for ``--model``: ``"smollm2"`` (the GGUF)
+    or a Hugging Face checkpoint folder, weights in f32.
+
+    Raises:
+      FileNotFoundError, ValueError: from the loaders, naming the file.
+    """
+    if spec == "smollm2":
+        from models.smollm2 import load_smollm2
+
+        return (*load_smollm2(), "SmolLM2-135M-Instruct")
+    from models.hf_loader import load_hf
+
+    return (*load_hf(spec), pathlib.Path(spec).resolve().name)
 
 
 def check_out_dir(p: argparse.ArgumentParser, out: pathlib.Path, flag: str = "--out") -> None:
@@ -368,14 +417,28 @@ def check_compile_cache(p: argparse.ArgumentParser, args) -> None:
 
 def main(argv=None) -> list[ServeResult]:
     args = parse_args(argv)
+    mesh = None
+    if args.mesh is not None:
+        from paged_jax.sharding import init_distributed
+
+        init_distributed()  # before anything touches the devices
+    record = provenance.collect("experiments.serve_sharegpt", argv, seeds={"sharegpt_shuffle": args.seed})
     from models.llama import RaggedModel
-    from models.smollm2 import load_smollm2
 
     print(f"machine: {machine()}")
     print(setup_compile_cache(args))
     t0 = time.perf_counter()
-    model, tokenizer = load_smollm2()
-    print(f"loaded SmolLM2-135M-Instruct in {time.perf_counter() - t0:.1f} s")
+    model, tokenizer, model_name = load_model(args.model)
+    print(f"loaded {model_name} in {time.perf_counter() - t0:.1f} s")
+    if args.mesh is not None:
+        from paged_jax.sharding import make_mesh
+
+        try:
+            mesh = make_mesh(**args.mesh_sizes, num_kv_heads=model.config.num_kv_heads)
+        except ValueError as e:
+            raise SystemExit(f"--mesh {args.mesh!r}: {e}") from e
+        print(f"mesh: data={mesh.shape['data']} x model={mesh.shape['model']} over {mesh.devices.size} "
+              f"{jax.devices()[0].platform} devices")
     requests, prompts, report = build_requests(tokenizer, args.num_requests, args.max_output_len, seed=args.seed)
     print(
         f"ShareGPT: {report.records} complete conversations recovered"
@@ -393,7 +456,7 @@ def main(argv=None) -> list[ServeResult]:
             model, requests, mode=mode, page_size=args.page_size, kv_budget_tokens=args.kv_budget_tokens,
             max_seqs=args.max_seqs, max_batched_tokens=args.max_batched_tokens, paged_model=paged_model,
             prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode,
-            floor=floor,
+            floor=floor, mesh=mesh,
         )
         results.append(result)
         outputs[mode] = outs
@@ -409,19 +472,18 @@ def main(argv=None) -> list[ServeResult]:
         f"KV budget {results[0].kv_budget_tokens} tokens, page size {args.page_size}, max {args.max_seqs} "
         f"running, {max(args.max_batched_tokens, args.max_seqs)} tokens per model call; {machine()}, f32.\n"
         f"Greedy outputs identical in both modes for {same}/{len(requests)} requests. "
-        f"{num_traces(paged_model)} step programs traced over both modes; XLA compiled "
+        f"{num_traces(paged_model) if mesh is None else sum(r.programs for r in results)} step programs traced "
+        f"over both modes; XLA compiled "
         f"{sum(r.compiled for r in results)} programs of any kind (step, page-state frees, ...) that the "
         f"persistent cache did not have."
     )
     print("\n" + table + "\n\n" + ratios + "\n\n" + summary)
     args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "serve_sharegpt.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        w.writeheader()
-        for r in results:
-            w.writerow(r.csv_row())
-    (args.out / "serve_sharegpt.md").write_text(
-        "# Serving ShareGPT with SmolLM2: paged vs contiguous\n\n" + table + "\n\n" + ratios + "\n\n" + summary + "\n"
+    provenance.write_csv(args.out / "serve_sharegpt.csv", [r.csv_row() for r in results], CSV_COLUMNS, record)
+    provenance.write_markdown(
+        args.out / "serve_sharegpt.md",
+        f"# Serving ShareGPT with {model_name}: paged vs contiguous\n\n" + table + "\n\n" + ratios + "\n\n" + summary + "\n",
+        record,
     )
     print(f"\nwrote {args.out / 'serve_sharegpt.md'} and {args.out / 'serve_sharegpt.csv'}")
     return results

@@ -32,12 +32,12 @@ Usage: ``python -m experiments.sharing [--parts abc] [--num-requests N] ...``
 from __future__ import annotations
 
 import argparse
-import csv
 import pathlib
 import time
 
 import numpy as np
 
+from experiments import provenance
 from experiments.serve_sharegpt import add_compile_cache_args, check_compile_cache, check_out_dir, machine
 from experiments.serve_sharegpt import setup_compile_cache
 from paged_jax.engine import Engine, EngineConfig, Request
@@ -51,6 +51,8 @@ PAPER_SAVING = {
     "beam search": "37.6–55.2% (Alpaca), 44.3–66.3% (ShareGPT)",
 }
 PAGE_SIZES = (8, 16, 32, 64, 128)
+SEEDS = {"sharegpt_shuffle": 0, "parallel_sampling": 0, "preempted_prompt": 0}
+"""The ShareGPT sample, (b)'s parallel sampling, and (c)'s random prompt."""
 NOTES = {
     "a": "Hits are whole pages, and a request's last prompt token is always computed, so a little of the system "
          "prompt is computed again by each request; the hit rate counts prompt tokens served from the cache. "
@@ -141,8 +143,8 @@ def part_b(paged_model, model, requests, args) -> list[dict]:
     rows = []
     for kind in ("parallel sampling", "beam search"):
         for k in (2, 4, 6):
-            sampling = (SamplingParams(temperature=1.0, seed=0, n=k) if kind == "parallel sampling"
-                        else SamplingParams(beam_width=k))
+            sampling = (SamplingParams(temperature=1.0, seed=SEEDS["parallel_sampling"], n=k)
+                        if kind == "parallel sampling" else SamplingParams(beam_width=k))
             reqs = [Request(request_id=r.request_id, prompt_ids=r.prompt_ids, max_new_tokens=r.max_new_tokens,
                             ignore_eos=True, sampling=sampling) for r in requests]
             st, _, wall = serve(paged_model, model, reqs, page_size=16, kv_tokens=args.kv_tokens,
@@ -162,7 +164,7 @@ def part_c(paged_model, model, args) -> list[dict]:
 
     rows = []
     n = args.preempt_tokens
-    prompt = list(np.random.default_rng(0).integers(0, model.config.vocab_size, size=n))
+    prompt = list(np.random.default_rng(SEEDS["preempted_prompt"]).integers(0, model.config.vocab_size, size=n))
     for page_size in args.page_sizes:
         num_pages = -(-n // page_size)  # the pages holding its K/V
         cap = -(-(n + 1) // page_size)  # ... and the one sampled token
@@ -217,20 +219,18 @@ def part_d(paged_model, model, requests, args) -> list[dict]:
     return rows
 
 
-def write(out: pathlib.Path, tables: dict[str, list[dict]], titles: dict[str, str], note: str) -> None:
+def write(out: pathlib.Path, tables: dict[str, list[dict]], titles: dict[str, str], note: str,
+          record: provenance.Provenance) -> None:
     """Writes ``sharing.md`` (the tables with their notes), ``sharing.csv``
-    (every row, with its ``part``) and, with part (b), ``sharing.png``."""
+    (every row, with its ``part``), both with ``record``'s provenance
+    block, and, with part (b), ``sharing.png``."""
     md = "# Sharing pages: prefix caching, parallel sampling, beam search, swap\n\n" + note + "\n"
     for part, rows in tables.items():
         md += "\n## " + titles[part] + "\n\n" + markdown(rows) + "\n\n" + NOTES[part] + "\n"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sharing.md").write_text(md)
+    provenance.write_markdown(out / "sharing.md", md, record)
     fields = list(dict.fromkeys(k for rows in tables.values() for r in rows for k in r))
-    with open(out / "sharing.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        for rows in tables.values():
-            w.writerows(rows)
+    provenance.write_csv(out / "sharing.csv", [r for rows in tables.values() for r in rows], fields, record)
     if "b" in tables:
         plot(out / "sharing.png", tables["b"])
     print(f"wrote {out / 'sharing.md'}, sharing.csv" + (", sharing.png" if "b" in tables else ""))
@@ -297,6 +297,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict[str, list[dict]]:
     args = parse_args(argv)
+    record = provenance.collect("experiments.sharing", argv, seeds=SEEDS)
     from experiments.serve_sharegpt import build_requests
     from models.llama import RaggedModel
     from models.smollm2 import load_smollm2
@@ -304,7 +305,8 @@ def main(argv=None) -> dict[str, list[dict]]:
     print(f"machine: {machine()}")
     print(setup_compile_cache(args))
     model, tokenizer = load_smollm2()
-    requests, prompts, _ = build_requests(tokenizer, args.num_requests, args.max_output_len)
+    requests, prompts, _ = build_requests(tokenizer, args.num_requests, args.max_output_len,
+                                          seed=SEEDS["sharegpt_shuffle"])
     paged_model = RaggedModel(model)
     tables = {}
     titles = {
@@ -327,7 +329,7 @@ def main(argv=None) -> dict[str, list[dict]]:
         print("\n" + titles[part] + "\n\n" + markdown(tables[part]) + "\n", flush=True)
     note = (f"{len(requests)} ShareGPT requests (vLLM's sampling), outputs capped at {args.max_output_len} tokens, "
             f"EOS ignored; SmolLM2-135M-Instruct, f32; {machine()}.")
-    write(args.out, tables, {p: titles[p] for p in tables}, note)
+    write(args.out, tables, {p: titles[p] for p in tables}, note, record)
     return tables
 
 

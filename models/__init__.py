@@ -3,7 +3,10 @@
 Modules: ``gguf_loader`` (GGUF -> config + f32 numpy weights), ``tokenizer``
 (the GGUF's byte-level BPE and chat template), ``llama`` (a Flax NNX
 Llama-family decoder over a paged KV pool), ``smollm2`` (SmolLM2-135M-Instruct
-from its GGUF, and a greedy generation helper for tests).
+from its GGUF, and a greedy generation helper for tests), ``train`` (the
+dense forward's loss and an optax train step), ``checkpoint`` (weights and
+config in one safetensors file), ``hf_loader`` (Hugging Face Llama / Mistral /
+Qwen2 folders: safetensors weights, ``tokenizer.json``, chat template).
 
 Axis alphabet, used in every einsum and shape comment under ``models/``:
 

@@ -51,11 +51,20 @@ class LlamaConfig:
       tie_embeddings: output projection is the input embedding transposed.
       max_seq_len: the longest context the checkpoint was trained for
         (informational; positions beyond it still compute).
+      qkv_bias: the q/k/v projections add a bias (Qwen2); the output
+        projection never does.
+      sliding_window: if set, a query at position ``p`` attends only to keys
+        in ``(p - sliding_window, p]`` (Mistral), in every layer and every
+        attention path. Only the attention mask changes: the serving engine
+        keeps a sequence's pages outside the window allocated (they are
+        read by no one, and freed with the sequence).
 
     Raises:
       ValueError: a size that is not a positive int, an odd ``head_dim``
         (RoPE pairs dims), ``num_q_heads`` not a multiple of
-        ``num_kv_heads``, or a non-positive ``rope_theta`` / ``rms_norm_eps``.
+        ``num_kv_heads``, a non-positive ``rope_theta`` / ``rms_norm_eps``,
+        a non-bool ``qkv_bias``, or a ``sliding_window`` that is neither
+        None nor a positive int.
     """
 
     vocab_size: int
@@ -69,6 +78,8 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = True
     max_seq_len: int = 2048
+    qkv_bias: bool = False
+    sliding_window: int | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "model_dim", "mlp_dim", "num_layers", "num_q_heads",
@@ -85,6 +96,12 @@ class LlamaConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {name}={value!r}")
+        if not isinstance(self.qkv_bias, bool):
+            raise ValueError(f"qkv_bias must be a bool, got qkv_bias={self.qkv_bias!r}")
+        if self.sliding_window is not None and (
+                isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int)
+                or self.sliding_window < 1):  # a Python int: the attention options are static
+            raise ValueError(f"sliding_window must be None or an int >= 1, got sliding_window={self.sliding_window!r}")
 
     @property
     def group_size(self) -> int:
@@ -96,6 +113,8 @@ class LlamaConfig:
         """Parameters, the embedding counted once when tied."""
         d, f, h = self.model_dim, self.mlp_dim, self.head_dim
         per_layer = 2 * d + d * h * (2 * self.num_q_heads + 2 * self.num_kv_heads) + 3 * d * f
+        if self.qkv_bias:
+            per_layer += h * (self.num_q_heads + 2 * self.num_kv_heads)
         embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.num_layers * per_layer + embed + d
 
@@ -204,23 +223,28 @@ class Attention(nnx.Module):
         self.wk = nnx.Param(_normal(rngs, stack + (d, k, h), d**-0.5, param_dtype))  # [*, D, K, H]
         self.wv = nnx.Param(_normal(rngs, stack + (d, k, h), d**-0.5, param_dtype))  # [*, D, K, H]
         self.wo = nnx.Param(_normal(rngs, stack + (n, h, d), (n * h) ** -0.5, param_dtype))  # [*, N, H, D]
+        # q/k/v biases (Qwen2), zero until a checkpoint fills them; absent otherwise.
+        self.bq = nnx.Param(jnp.zeros(stack + (n, h), param_dtype)) if config.qkv_bias else None  # [*, N, H]
+        self.bk = nnx.Param(jnp.zeros(stack + (k, h), param_dtype)) if config.qkv_bias else None  # [*, K, H]
+        self.bv = nnx.Param(jnp.zeros(stack + (k, h), param_dtype)) if config.qkv_bias else None  # [*, K, H]
 
-    def __call__(self, x, cos, sin, k_pool, v_pool, layer, slots, attend):
-        """One layer's attention; returns ``(out [B, T, D], k_pool, v_pool)``
-        with this token batch's K/V written into ``k_pool[layer]`` /
-        ``v_pool[layer]`` before attending. ``attend(q [B, T, N, H], k_pool,
-        v_pool, layer) -> [B, T, N, H]`` is the batch layout's attention
-        (padded rows or a flat ragged batch)."""
-        batch, num_q_tokens, _ = x.shape
+    def __call__(self, x, cos, sin, cache, layer, attend):
+        """One layer's attention: ``(out [B, T, D], cache)``.
+
+        ``attend(q [B, T, N, H], k [B, T, K, H], v [B, T, K, H], cache,
+        layer) -> (out [B, T, N, H], cache)`` is the batch layout's attention:
+        the paged paths write ``k``/``v`` into the pool's pages and attend
+        over them (``cache`` is the pool); the dense training path attends
+        over ``k``/``v`` themselves (``cache`` is None).
+        """
         q = jnp.einsum("BTD,DNH->BTNH", x, self.wq[...])
         k = jnp.einsum("BTD,DKH->BTKH", x, self.wk[...])
         v = jnp.einsum("BTD,DKH->BTKH", x, self.wv[...])
+        if self.bq is not None:  # before RoPE, as Qwen2
+            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # [B, T, K, H] -> [B * T, K, H], one row per token slot
-        k_pool = write_layer_pages(k_pool, layer, k.reshape(batch * num_q_tokens, *k.shape[2:]), slots)
-        v_pool = write_layer_pages(v_pool, layer, v.reshape(batch * num_q_tokens, *v.shape[2:]), slots)
-        out = attend(q, k_pool, v_pool, layer)  # [B, T, N, H]
-        return jnp.einsum("BTNH,NHD->BTD", out, self.wo[...]), k_pool, v_pool
+        out, cache = attend(q, k, v, cache, layer)  # [B, T, N, H]
+        return jnp.einsum("BTNH,NHD->BTD", out, self.wo[...]), cache
 
 
 class MLP(nnx.Module):
@@ -251,11 +275,16 @@ class Block(nnx.Module):
                                 param_dtype=param_dtype)
         self.mlp = MLP(config, rngs=rngs, stack=stack, param_dtype=param_dtype)
 
-    def __call__(self, x, cos, sin, k_pool, v_pool, layer, slots, attend):
-        h, k_pool, v_pool = self.attn(self.attn_norm(x), cos, sin, k_pool, v_pool, layer, slots, attend)
-        x = x + h
-        x = x + self.mlp(self.mlp_norm(x))
-        return x, k_pool, v_pool
+    def __call__(self, x, cos, sin, cache, layer, attend, reduce=None):
+        """``reduce`` (default none) sums the attention and MLP outputs over
+        the devices that each computed part of them (tensor parallelism:
+        ``psum`` over the model axis, :mod:`models.sharded`) before each
+        residual add."""
+        reduce = reduce or (lambda y: y)
+        h, cache = self.attn(self.attn_norm(x), cos, sin, cache, layer, attend)
+        x = x + reduce(h)
+        x = x + reduce(self.mlp(self.mlp_norm(x)))
+        return x, cache
 
 
 class Llama(nnx.Module):
@@ -269,15 +298,18 @@ class Llama(nnx.Module):
       final_norm: RMSNorm over D.
       lm_head: Param [V, D], or None when ``config.tie_embeddings``.
 
-    Random initialization (for tests): embeddings N(0, 1), projections
-    N(0, 1/fan_in), norm scales 1. Real checkpoints come from
+    Random initialization: embeddings N(0, ``embed_std``^2), projections
+    N(0, 1/fan_in), norm scales 1. The default ``embed_std = 1`` gives
+    tests varied logits; training from scratch wants ``D ** -0.5`` (a tied
+    output projection then starts at unit-variance logits, the loss near
+    ``ln V``). Real checkpoints come from
     :func:`models.smollm2.load_llama_gguf`.
     """
 
-    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32, embed_std: float = 1.0):
         self.config = config
         v, d = config.vocab_size, config.model_dim
-        self.embed = nnx.Param(_normal(rngs, (v, d), 1.0, param_dtype))  # [V, D]
+        self.embed = nnx.Param(_normal(rngs, (v, d), embed_std, param_dtype))  # [V, D]
         self.blocks = Block(config, rngs=rngs, stack=(config.num_layers,), param_dtype=param_dtype)
         self.final_norm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
         self.lm_head = (
@@ -305,22 +337,38 @@ def _validate(config: LlamaConfig, tokens, kv: KVPool, block_tables, kv_lens, q_
     _check_pool(config, kv)
 
 
-def _run_layers(model: Llama, x, cos, sin, kv: KVPool, slots, attend) -> tuple[jax.Array, KVPool]:
-    """The decoder blocks under ``lax.scan`` (one compiled layer body), the
-    pool in the carry: x [B, T, D] -> [B, T, D], each layer writing its K/V
-    at ``slots`` (i32[B * T]) and attending with ``attend``."""
+def _run_layers(model: Llama, x, cos, sin, cache, attend, reduce=None):
+    """The decoder blocks under ``lax.scan`` (one compiled layer body):
+    x [B, T, D] -> [B, T, D]. ``cache`` (a :class:`KVPool`, or None for the
+    dense path) rides in the carry; ``attend`` is as in
+    :meth:`Attention.__call__`; ``reduce`` as in :meth:`Block.__call__`.
+    Returns ``(x, cache)``."""
     graphdef, block_state = nnx.split(model.blocks)  # leaves: [layers, ...]
 
     def layer_body(carry, xs):
-        x, k_pool, v_pool = carry
+        x, cache = carry
         layer, state = xs
-        block = nnx.merge(graphdef, state)
-        x, k_pool, v_pool = block(x, cos, sin, k_pool, v_pool, layer, slots, attend)
-        return (x, k_pool, v_pool), None
+        x, cache = nnx.merge(graphdef, state)(x, cos, sin, cache, layer, attend, reduce)
+        return (x, cache), None
 
     layers = jnp.arange(model.config.num_layers, dtype=jnp.int32)
-    (x, k_pool, v_pool), _ = jax.lax.scan(layer_body, (x, kv.k, kv.v), (layers, block_state))
-    return x, KVPool(k=k_pool, v=v_pool)
+    (x, cache), _ = jax.lax.scan(layer_body, (x, cache), (layers, block_state))
+    return x, cache
+
+
+def _paged(slots: jax.Array, attend_pages):
+    """An ``attend`` for :func:`_run_layers` over a paged pool: writes the
+    layer's new K/V (``[B, T, K, H]``, flattened to one row per token slot)
+    at ``slots`` (i32[B * T]), then ``attend_pages(q, k_pool, v_pool,
+    layer)``."""
+
+    def attend(q, k, v, kv: KVPool, layer):
+        rows = k.shape[0] * k.shape[1]
+        k_pool = write_layer_pages(kv.k, layer, k.reshape(rows, *k.shape[2:]), slots)
+        v_pool = write_layer_pages(kv.v, layer, v.reshape(rows, *v.shape[2:]), slots)
+        return attend_pages(q, k_pool, v_pool, layer), KVPool(k=k_pool, v=v_pool)
+
+    return attend
 
 
 def _logits(model: Llama, x: jax.Array) -> jax.Array:
@@ -346,6 +394,7 @@ def forward(
     *,
     impl: str = "auto",
     all_logits: bool = False,
+    reduce=None,
 ) -> tuple[jax.Array, KVPool]:
     """Runs the decoder over a padded ragged batch, writing its K/V into the pool.
 
@@ -364,6 +413,10 @@ def forward(
         :data:`paged_jax.attention.IMPLS`).
       all_logits: return logits for every query row instead of the last
         real one.
+      reduce: for a model holding one device's share of the heads and MLP
+        columns (tensor parallelism, :mod:`models.sharded`), the sum over
+        the devices (``psum`` over the model axis) of each attention and MLP
+        output; None on one device.
 
     Returns:
       ``(logits, kv)``. ``logits``: f32[B, V] at row ``q_lens[b] - 1`` (zeros
@@ -390,10 +443,11 @@ def forward(
 
     x = model.embed[...][tokens]  # [B, T, D]
 
-    def attend(q, k_pool, v_pool, layer):
-        return paged_attn.paged_attention(q, k_pool[layer], v_pool[layer], block_tables, kv_lens, q_lens, impl=impl)
+    def attend_pages(q, k_pool, v_pool, layer):
+        return paged_attn.paged_attention(q, k_pool[layer], v_pool[layer], block_tables, kv_lens, q_lens, impl=impl,
+                                          sliding_window=config.sliding_window)
 
-    x, kv = _run_layers(model, x, cos, sin, kv, slots, attend)
+    x, kv = _run_layers(model, x, cos, sin, kv, _paged(slots, attend_pages), reduce)
 
     if not all_logits:
         last = jnp.clip(q_lens - 1, 0, num_q_tokens - 1)  # [B]
@@ -404,7 +458,8 @@ def forward(
     return jnp.where(q_lens[:, None] > 0, logits[:, 0], 0.0), kv  # [B, V]
 
 
-def forward_ragged(model: Llama, batch: RaggedBatch, kv: KVPool, *, impl: str = "auto") -> tuple[jax.Array, KVPool]:
+def forward_ragged(model: Llama, batch: RaggedBatch, kv: KVPool, *, impl: str = "auto",
+                   reduce=None) -> tuple[jax.Array, KVPool]:
     """Runs the decoder over a flat ragged batch (mixed prefill chunks and
     decode tokens, :mod:`paged_jax.batch`), writing its K/V into the pool.
 
@@ -421,6 +476,7 @@ def forward_ragged(model: Llama, batch: RaggedBatch, kv: KVPool, *, impl: str = 
       impl: attention implementation (:func:`paged_jax.ragged_attention.attend`):
         ``"auto"`` is the XLA work-list attention on CPU and the backend's
         Pallas kernels on GPU and TPU.
+      reduce: as in :func:`forward` (tensor parallelism).
 
     Returns:
       ``(logits f32[R, V] at batch.logits_rows, kv)``.
@@ -434,11 +490,59 @@ def forward_ragged(model: Llama, batch: RaggedBatch, kv: KVPool, *, impl: str = 
     cos, sin = rope_angles(positions, config.head_dim, config.rope_theta)  # [1, T, H/2]
     x = model.embed[...][batch.tokens][None]  # [1, T, D]
 
-    def attend(q, k_pool, v_pool, layer):
-        return ragged_attention.attend(q[0], k_pool, v_pool, layer, batch, impl=impl)[None]
+    def attend_pages(q, k_pool, v_pool, layer):
+        return ragged_attention.attend(q[0], k_pool, v_pool, layer, batch, impl=impl,
+                                       sliding_window=config.sliding_window)[None]
 
-    x, kv = _run_layers(model, x, cos, sin, kv, batch.slots, attend)
+    x, kv = _run_layers(model, x, cos, sin, kv, _paged(batch.slots, attend_pages), reduce)
     return _logits(model, x[0, batch.logits_rows]), kv  # [R, V]
+
+
+def forward_dense(
+    model: Llama,
+    tokens: jax.Array,  # i32[B, T]
+    segment_ids: jax.Array | None = None,  # i32[B, T]
+) -> jax.Array:
+    """The training forward: causal attention over the batch's own K/V, no
+    pages and no cache, logits at every position.
+
+    The same module, weights, RoPE and layer scan as :func:`forward`; only
+    the attention differs (:func:`paged_jax.attention.causal_attention` on
+    contiguous K/V, against the pool's pages there), so a model trained here
+    decodes identically through the paged cache (tests/test_train.py).
+
+    Args:
+      model: the decoder.
+      tokens: i32[B, T] token ids.
+      segment_ids: i32[B, T] packed-sequence ids (contiguous runs; a token
+        attends only within its run, and RoPE positions restart at 0 in each
+        run); padding is a run of its own. Default: one sequence per row.
+
+    Returns:
+      f32[B, T, V] logits; row ``t`` predicts token ``t + 1``.
+
+    Raises:
+      ValueError: ``tokens`` not a 2-D integer array, or ``segment_ids`` of
+        another shape or a non-integer dtype.
+    """
+    config = model.config
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be an integer array [batch, tokens], got {tokens.dtype}{list(tokens.shape)}")
+    if segment_ids is None:
+        segment_ids = jnp.zeros(tokens.shape, jnp.int32)
+    if segment_ids.shape != tokens.shape or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(f"segment_ids must be an integer array shaped like tokens {list(tokens.shape)}, "
+                         f"got {segment_ids.dtype}{list(segment_ids.shape)}")
+    segment_ids = segment_ids.astype(jnp.int32)
+    positions = paged_attn.segment_positions(segment_ids)  # [B, T]
+    cos, sin = rope_angles(positions, config.head_dim, config.rope_theta)  # [B, T, H/2]
+    x = model.embed[...][tokens]  # [B, T, D]
+
+    def attend(q, k, v, cache, layer):
+        return paged_attn.causal_attention(q, k, v, segment_ids, sliding_window=config.sliding_window), cache
+
+    x, _ = _run_layers(model, x, cos, sin, None, attend)
+    return _logits(model, x)  # [B, T, V]
 
 
 class RaggedModel:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.checkpoint import assign_params
 from models.gguf_loader import load_gguf
 from models.llama import Llama, LlamaConfig, StepFn, make_step_fn
 from models.tokenizer import Tokenizer, load_tokenizer
@@ -96,28 +97,6 @@ def load_llama_gguf(gguf_path: str | os.PathLike | None = None, *, param_dtype=j
     model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), param_dtype=param_dtype))
     assign_params(model, params, ckpt.path)
     return model
-
-
-def assign_params(module: nnx.Module, params: dict, path: str = "<weights>", prefix: str = "") -> None:
-    """Sets ``module``'s Params (real or abstract) from a nested dict of arrays,
-    cast to each Param's dtype.
-
-    Raises:
-      ValueError: an array whose shape differs from the Param's; names the
-        weight and ``path``.
-    """
-    for name, value in params.items():
-        target = getattr(module, name)
-        where = f"{prefix}{name}"
-        if isinstance(value, dict):
-            assign_params(target, value, path, where + ".")
-            continue
-        want = target.get_value()
-        if tuple(value.shape) != tuple(want.shape):
-            raise ValueError(
-                f"GGUF {path!r}: weight {where} has shape {value.shape}, the config expects {want.shape}"
-            )
-        target.set_value(jnp.asarray(value, dtype=want.dtype))
 
 
 def load_smollm2(gguf_path: str | os.PathLike | None = None) -> tuple[Llama, Tokenizer]:

@@ -37,10 +37,15 @@ IM_END = "<|im_end|>"
 class Tokenizer:
     """Byte-level BPE tokenizer with ChatML chat prompts.
 
+    Built from a GGUF by :func:`load_tokenizer`, or from a Hugging Face
+    folder's ``tokenizer.json`` by :func:`models.hf_loader.load_hf_tokenizer`.
+
     Attributes:
-      eos_id, bos_id, pad_id: ids from the GGUF metadata (SmolLM2: 2, 1, 2).
-      stop_ids: tuple of ids that end generation: ``eos_id`` and the id of
-        ``<|im_end|>`` (SmolLM2: both 2, so ``(2,)``).
+      eos_id, bos_id, pad_id: ids from the GGUF metadata (SmolLM2: 2, 1, 2);
+        ``bos_id`` may be None (a checkpoint without one, such as Qwen2).
+      stop_ids: tuple of ids that end generation: ``eos_id``, the id of
+        ``<|im_end|>`` (SmolLM2: both 2, so ``(2,)``) and any
+        ``extra_stop_ids``.
       vocab_size: tokens in the vocabulary.
       chat_template: the Jinja ChatML template from the GGUF.
     """
@@ -49,10 +54,11 @@ class Tokenizer:
         self,
         tokenizer: tokenizers.Tokenizer,
         *,
-        bos_id: int,
+        bos_id: int | None,
         eos_id: int,
         pad_id: int,
         chat_template: str | None,
+        extra_stop_ids: Sequence[int] = (),
     ):
         self.hf_tokenizer = tokenizer
         self.bos_id = bos_id
@@ -62,7 +68,7 @@ class Tokenizer:
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         im_end = tokenizer.token_to_id(IM_END)
         self.stop_ids: tuple[int, ...] = tuple(
-            sorted({eos_id} | ({im_end} if im_end is not None else set()))
+            sorted({eos_id} | ({im_end} if im_end is not None else set()) | {int(i) for i in extra_stop_ids})
         )
         self._template = None
 
@@ -102,11 +108,12 @@ class Tokenizer:
             model answers.
 
         Raises:
-          ValueError: the GGUF has no chat template, or a message lacks
+          ValueError: no chat template, or a message lacks
             ``role`` / ``content``.
         """
         if self.chat_template is None:
-            raise ValueError("this tokenizer's GGUF has no tokenizer.chat_template")
+            raise ValueError("this tokenizer has no chat template (GGUF tokenizer.chat_template, or a Hugging Face "
+                             "folder's tokenizer_config.json chat_template / chat_template.jinja)")
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         for i, m in enumerate(messages):
@@ -117,7 +124,7 @@ class Tokenizer:
         return self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
-            bos_token=self.id_to_token(self.bos_id),
+            bos_token=None if self.bos_id is None else self.id_to_token(self.bos_id),
             eos_token=self.id_to_token(self.eos_id),
             pad_token=self.id_to_token(self.pad_id),
         )

@@ -163,7 +163,9 @@ def _ref_paged_attention(
     out = jnp.einsum(
         "KBMS,KBSH->KBMH", probs.reshape(num_kv_heads, batch, group * num_q_tokens, num_keys), v
     ).reshape(num_kv_heads, batch, group, num_q_tokens, head_dim)
-    out = jnp.where(denom > 0, out / jnp.where(denom > 0, denom, 1.0), 0.0)
+    # Rows that see no key give zeros; a NaN in a key the row does see stays
+    # NaN (a corrupt cache must show, not turn into a silent zero).
+    out = jnp.where(denom == 0, 0.0, out / jnp.where(denom == 0, 1.0, denom))
     out = out.transpose(1, 3, 0, 2, 4)  # [B, T, K, G, H]
     return out.reshape(batch, num_q_tokens, num_q_heads, head_dim).astype(q.dtype)
 
@@ -276,3 +278,76 @@ def paged_attention(
     return ragged_paged_attention.ragged_paged_attention(
         q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales, block_sizes=sizes, **options
     )
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """Each token's position within its segment (packed sequences restart at 0).
+
+    Args:
+      segment_ids: i32[B, T] segment of each token; tokens of one segment are
+        contiguous (a new segment starts wherever the id changes).
+
+    Returns:
+      i32[B, T]: ``t - start(t)``, where ``start(t)`` is the first index of
+      the run of equal ids that ``t`` belongs to.
+    """
+    num_tokens = segment_ids.shape[1]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]  # [1, T]
+    starts = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    start = jax.lax.cummax(jnp.where(starts, t, 0), axis=1)  # [B, T]
+    return t - start
+
+
+def causal_attention(
+    q: jax.Array,  # [B, T, N, H]
+    k: jax.Array,  # [B, T, K, H]
+    v: jax.Array,  # [B, T, K, H]
+    segment_ids: jax.Array,  # i32[B, T]
+    *,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Dense causal GQA attention over contiguous K/V, with packed segments.
+
+    The training path's attention (no pages, no cache): token ``t`` sees
+    tokens ``s <= t`` of its own segment (and with ``sliding_window``, only
+    ``t - s < sliding_window``). Padding is a segment of its own (for
+    example id 0): its rows attend among themselves and their outputs are
+    finite and meaningless; the loss masks them. Same scale, soft cap and
+    masking semantics as :func:`ref_paged_attention`, so a model trained
+    through it decodes identically through the paged cache.
+
+    Args:
+      q: [B, T, N, H] queries (RoPE applied).
+      k, v: [B, T, K, H] keys and values of the same tokens.
+      segment_ids: i32[B, T] segment of each token (contiguous runs).
+      scale: logit scale, default ``1 / sqrt(H)``.
+      soft_cap: if set, ``soft_cap * tanh(logits / soft_cap)``.
+      sliding_window: if set, keys within this many tokens (itself included).
+
+    Returns:
+      [B, T, N, H] in ``q.dtype``, computed in f32. Cost O(T^2) per row:
+      meant for training lengths, not long-context serving.
+    """
+    batch, num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_q_heads // num_kv_heads
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    mask = (t[None, :, None] >= t[None, None, :]) & (
+        segment_ids[:, :, None] == segment_ids[:, None, :])  # [B, T, S]
+    if sliding_window is not None:
+        mask &= t[None, :, None] - t[None, None, :] < sliding_window
+    qg = q.astype(jnp.float32).reshape(batch, num_tokens, num_kv_heads, group, head_dim) * scale
+    logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(jnp.float32))
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    # A large finite negative rather than -inf: every row sees its own key,
+    # and the gradient through the masked entries stays exactly zero.
+    logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1)  # [B, K, G, T, S]
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v.astype(jnp.float32))
+    return out.reshape(batch, num_tokens, num_q_heads, head_dim).astype(q.dtype)

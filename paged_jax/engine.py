@@ -539,6 +539,29 @@ def num_traces(model) -> int:
     return _TRACES[id(model)]
 
 
+def drain(engine, total: int, progress: bool, postfix=None) -> list[RequestOutput]:
+    """Steps ``engine`` (an :class:`Engine` or anything with ``step()`` and
+    ``has_unfinished()``) until it has no work; returns the outputs in the
+    order they finished. ``progress`` shows a bar of ``total`` requests
+    (none when stderr is not a terminal), with ``postfix()``'s fields."""
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, unit="req", leave=False, disable=None)
+    outputs: list[RequestOutput] = []
+    while engine.has_unfinished():
+        done = engine.step()
+        outputs.extend(done)
+        if bar is not None:
+            bar.update(len(done))
+            if postfix is not None:
+                bar.set_postfix(**postfix())
+    if bar is not None:
+        bar.close()
+    return outputs
+
+
 class Engine:
     """Continuous batching with paged KV, chunked prefill in mixed batches,
     and preemption by recompute.
@@ -795,22 +818,8 @@ class Engine:
             taken.add(r.request_id)
         for r in requests:
             self.add_request(r)
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            # disable=None: no bar when stderr is not a terminal (logs stay small).
-            bar = tqdm(total=len(self.waiting) + len(self.running), unit="req", leave=False, disable=None)
-        outputs: list[RequestOutput] = []
-        while self.has_unfinished():
-            done = self.step()
-            outputs.extend(done)
-            if bar is not None:
-                bar.update(len(done))
-                bar.set_postfix(running=len(self.running), free_pages=self.num_free_pages)
-        if bar is not None:
-            bar.close()
-        return outputs
+        return drain(self, len(self.waiting) + len(self.running), progress,
+                     lambda: dict(running=len(self.running), free_pages=self.num_free_pages))
 
     @property
     def num_free_pages(self) -> int:

@@ -1,0 +1,158 @@
+"""Serving over 1, 2, 4 and 8 devices: memory per device, capacity, speed.
+
+    python -m experiments.scaling [--devices 1,2,4,8] [--num-requests 16] [--kv-budget-mib 32]
+
+For every mesh ``data x model`` with ``data * model`` in ``--devices``, the
+same ShareGPT requests are served by one engine per data shard, each tensor
+parallel over its ``model`` devices (:mod:`paged_jax.data_parallel`,
+:mod:`models.sharded`), every device holding a KV pool of the same byte
+budget. Per mesh:
+
+* the KV heads and query-head slots each device holds (SmolLM2's 3 KV heads
+  and 9 query heads split evenly over no model axis but 1 and 3, so they are
+  replicated and padded: :func:`paged_jax.sharding.head_layout`);
+* pages per device under ``--kv-budget-mib`` and the most sequences of
+  ``--capacity-len`` tokens the mesh holds at once (data shards x sequences
+  per shard's pool);
+* measured: the wall time of serving the requests (compilation excluded),
+  iterations of the busiest shard, time per iteration, generated tokens/s,
+  and whether the greedy outputs equal those of one device.
+
+On a CPU machine the devices are faked (``XLA_FLAGS=--xla_force_host_platform_device_count=8``,
+set here when absent), so they share the host's cores: the memory and
+capacity columns hold on any hardware; the speed columns show overheads, not
+speed-ups. On a GPU node or a TPU slice the same command uses the real
+devices (``--devices`` up to ``jax.device_count()``); across hosts, start
+one process per host with ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``
+and ``JAX_PROCESS_ID`` set (:func:`paged_jax.sharding.init_distributed`).
+
+Writes ``scaling.md`` and ``scaling.csv`` to ``--out`` (default ``results/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+from experiments import provenance  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).resolve().parent.parent / "results"
+COLUMNS = ["devices", "mesh", "kv_heads_per_device", "q_slots_per_device", "pages_per_device",
+           "max_concurrent_seqs", "wall_s", "iterations", "ms_per_iteration", "tokens_per_s", "same_outputs"]
+
+
+def meshes(device_counts) -> list[tuple[int, int]]:
+    """Every (data, model) with data * model in ``device_counts``, data-parallel first."""
+    return [(n // m, m) for n in device_counts for m in range(1, n + 1) if n % m == 0]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--devices", default="1,2,4,8", help="device counts, comma-separated")
+    parser.add_argument("--num-requests", type=int, default=16, help="ShareGPT requests served per mesh")
+    parser.add_argument("--max-output-len", type=int, default=16, help="output cap per request (tokens)")
+    parser.add_argument("--max-prompt-len", type=int, default=256, help="requests with longer prompts are skipped")
+    parser.add_argument("--kv-budget-mib", type=float, default=32.0, help="KV pool bytes per device (MiB)")
+    parser.add_argument("--capacity-len", type=int, default=512, help="sequence length of the capacity column")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    parser.add_argument("--max-seqs", type=int, default=8, help="running sequences per data shard")
+    parser.add_argument("--seed", type=int, default=0, help="ShareGPT sampling seed")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for scaling.md and .csv")
+    args = parser.parse_args(argv)
+    try:
+        counts = [int(x) for x in args.devices.split(",")]
+    except ValueError:
+        parser.error(f"--devices must be comma-separated integers, got {args.devices!r}")
+    for name, value in (("--num-requests", args.num_requests), ("--max-output-len", args.max_output_len),
+                        ("--page-size", args.page_size), ("--max-seqs", args.max_seqs),
+                        ("--capacity-len", args.capacity_len), ("--max-prompt-len", args.max_prompt_len)):
+        if value < 1:
+            parser.error(f"{name} must be >= 1, got {value}")
+    if not args.kv_budget_mib > 0:
+        parser.error(f"--kv-budget-mib must be > 0, got {args.kv_budget_mib}")
+    record = provenance.collect("experiments.scaling", argv, seeds={"sharegpt_shuffle": args.seed})
+
+    import jax
+
+    from experiments.serve_sharegpt import build_requests, machine
+    from models.sharded import make_data_parallel_engine
+    from models.smollm2 import load_smollm2
+    from paged_jax.data_parallel import gather_outputs
+    from paged_jax.engine import EngineConfig
+    from paged_jax.jit_stats import CompileMonitor
+    from paged_jax.sharding import head_layout, init_distributed, make_mesh
+
+    init_distributed()
+    available = jax.device_count()
+    if max(counts) > available or min(counts) < 1:
+        parser.error(f"--devices must be between 1 and the {available} devices here, got {args.devices!r}")
+    model, tokenizer = load_smollm2()
+    cfg = model.config
+    requests, _, _ = build_requests(tokenizer, args.num_requests * 4, args.max_output_len, seed=args.seed)
+    requests = [r for r in requests if len(r.prompt_ids) <= args.max_prompt_len][: args.num_requests]
+    max_seq_len = args.max_prompt_len + args.max_output_len
+    print(f"machine: {machine()}, {available} devices; {len(requests)} requests, "
+          f"{sum(len(r.prompt_ids) for r in requests)} prompt tokens")
+
+    rows, reference = [], None
+    for data, m in meshes(counts):
+        layout = head_layout(cfg.num_q_heads, cfg.num_kv_heads, m)
+        page_bytes = 2 * cfg.num_layers * layout.kv_heads_per_device * args.page_size * cfg.head_dim * 4
+        pages = int(args.kv_budget_mib * 2**20 // page_bytes)
+        per_seq = -(-args.capacity_len // args.page_size)
+        if (pages - 1) * args.page_size < max_seq_len:
+            print(f"mesh {data}x{m}: {pages} pages per device cannot hold one {max_seq_len}-token sequence; skipped")
+            continue
+        mesh = make_mesh(data, m, devices=jax.devices()[: data * m])
+        if any(len({dev.process_index for dev in row}) > 1 for row in mesh.devices):
+            print(f"mesh {data}x{m}: a data shard would span hosts (engines serve whole shards); skipped")
+            continue
+        if not any(dev.process_index == jax.process_index() for dev in mesh.devices.flat):
+            print(f"mesh {data}x{m}: none of this host's devices; skipped")
+            continue
+        engine = make_data_parallel_engine(
+            model, mesh, EngineConfig(max_seqs=args.max_seqs, max_seq_len=max_seq_len,
+                                      max_num_batched_tokens=256),
+            pages_per_shard=pages, page_size=args.page_size, stop_ids=tokenizer.stop_ids)
+        with CompileMonitor() as compiles:
+            t0 = time.perf_counter()
+            local = engine.run(requests)
+            wall = time.perf_counter() - t0 - compiles.counts.seconds
+        # every host's outputs on every host (one process: just this one's)
+        outputs = gather_outputs(local, [r.request_id for r in requests], args.max_output_len)
+        reference = reference or outputs
+        iterations = max(e.stats.iterations for e in engine.local_engines)
+        generated = sum(len(o) for o in outputs.values())
+        rows.append({
+            "devices": data * m, "mesh": f"{data}x{m}", "kv_heads_per_device": layout.kv_heads_per_device,
+            "q_slots_per_device": layout.q_heads_per_device, "pages_per_device": pages,
+            "max_concurrent_seqs": data * ((pages - 1) // per_seq), "wall_s": round(wall, 2),
+            "iterations": iterations, "ms_per_iteration": round(1000 * wall / iterations, 1),
+            "tokens_per_s": round(generated / wall, 1),
+            "same_outputs": f"{sum(outputs[k] == reference[k] for k in reference)}/{len(reference)}",
+        })
+        print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+        del engine
+
+    header = "| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n"
+    table = header + "\n".join("| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows)
+    note = (f"SmolLM2-135M (f32) serving {len(requests)} ShareGPT requests (prompts <= {args.max_prompt_len} "
+            f"tokens, outputs <= {args.max_output_len}); {args.kv_budget_mib:g} MiB of KV per device, page size "
+            f"{args.page_size}, capacity at {args.capacity_len} tokens per sequence; {machine()}, "
+            f"{available} devices. Outputs compared with the first mesh (1 device).")
+    print("\n" + table + "\n\n" + note)
+    if jax.process_index() != 0:
+        return  # process 0 writes the files
+    args.out.mkdir(parents=True, exist_ok=True)
+    provenance.write_markdown(args.out / "scaling.md",
+                              "# Serving over 1-8 devices (data x model meshes)\n\n" + table + "\n\n" + note, record)
+    provenance.write_csv(args.out / "scaling.csv", rows, COLUMNS, record)
+    print(f"\nwrote {args.out / 'scaling.md'} and {args.out / 'scaling.csv'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Saving and loading a :class:`models.llama.Llama`'s weights (safetensors).
+
+A checkpoint is one ``.safetensors`` file: every parameter under its dotted
+module path (``blocks.attn.wq``, stacked by layer as in the module, f32 or
+the model's dtype) and, in the file's string metadata, the
+:class:`models.llama.LlamaConfig` as JSON (``paged_jax.config``) plus a
+format tag and whatever the caller adds (the training step, the data).
+
+Why safetensors and not Orbax: the weights of the models trained here are a
+few to a few hundred MB on one host, written once at the end of a run.
+safetensors stores them as one flat, memory-mapped file with no pickled
+code, which NumPy, PyTorch and transformers all read, and which the Hugging
+Face loader reads too. Orbax earns its weight for what this does not do:
+asynchronous, sharded, multi-host saves of a whole training state during a
+run. Only weights are saved: a checkpoint is for serving and evaluation, not
+for resuming the optimizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import safetensors
+import safetensors.numpy
+from flax import nnx
+
+from models.llama import Llama, LlamaConfig
+
+FORMAT = "paged-jax-llama/1"
+"""The ``format`` metadata value this module writes and accepts."""
+
+
+def assign_params(module: nnx.Module, params: dict, path: str = "<weights>", prefix: str = "") -> None:
+    """Sets ``module``'s Params (real or abstract) from a nested dict of arrays,
+    cast to each Param's dtype.
+
+    Raises:
+      ValueError: an array whose shape differs from the Param's; names the
+        weight and ``path``.
+    """
+    for name, value in params.items():
+        target = getattr(module, name)
+        where = f"{prefix}{name}"
+        if isinstance(value, dict):
+            assign_params(target, value, path, where + ".")
+            continue
+        want = target.get_value()
+        if tuple(value.shape) != tuple(want.shape):
+            raise ValueError(
+                f"checkpoint {path!r}: weight {where} has shape {value.shape}, the config expects {want.shape}"
+            )
+        target.set_value(jnp.asarray(value, dtype=want.dtype))
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, np.ndarray]:
+    out = {}
+    for name, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{name}."))
+        else:
+            out[f"{prefix}{name}"] = np.asarray(value)
+    return out
+
+
+def save_checkpoint(model: Llama, path: str | os.PathLike, *, metadata: dict[str, str] | None = None) -> pathlib.Path:
+    """Writes ``model``'s weights and config to one safetensors file.
+
+    Args:
+      model: the decoder (its weights are read back to the host).
+      path: the file to write (parent folders are created); conventionally
+        ``*.safetensors``.
+      metadata: extra string key/values to store (for example the step).
+
+    Returns:
+      The path written.
+
+    Raises:
+      ValueError: ``model`` is not a :class:`Llama`, or ``metadata`` has a
+        non-string key or value or uses a reserved key (``format``,
+        ``paged_jax.config``).
+    """
+    if not isinstance(model, Llama):
+        raise ValueError(f"model must be a models.llama.Llama, got a {type(model).__name__}")
+    metadata = dict(metadata or {})
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise ValueError(f"metadata must map str to str, got {key!r}: {value!r}")
+        if key in ("format", "paged_jax.config"):
+            raise ValueError(f"metadata key {key!r} is reserved")
+    weights = _flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    weights = {name: np.ascontiguousarray(jax.device_get(w)) for name, w in weights.items()}
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    metadata.update({"format": FORMAT, "paged_jax.config": json.dumps(dataclasses.asdict(model.config))})
+    safetensors.numpy.save_file(weights, str(path), metadata=metadata)
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike, *, param_dtype=None) -> tuple[Llama, dict[str, str]]:
+    """Reads a checkpoint written by :func:`save_checkpoint`.
+
+    Args:
+      path: the ``.safetensors`` file.
+      param_dtype: cast the weights to this dtype; default the stored one.
+
+    Returns:
+      ``(model, metadata)``: a :class:`Llama` with the stored weights (built
+      abstractly, so no random initialization runs) and the file's metadata.
+
+    Raises:
+      FileNotFoundError: no file at ``path``.
+      ValueError: not a safetensors file, not this format, a config field
+        that :class:`LlamaConfig` rejects, or a missing, extra or misshapen
+        weight; the message names the path and the field or weight.
+    """
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist or is not a file")
+    try:
+        with safetensors.safe_open(str(path), framework="numpy") as f:
+            meta = dict(f.metadata() or {})
+            weights = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for bad headers
+        raise ValueError(f"checkpoint {str(path)!r} is not a readable safetensors file: {e}") from e
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"checkpoint {str(path)!r}: metadata 'format' is {meta.get('format')!r}, expected {FORMAT!r}")
+    try:
+        fields = json.loads(meta["paged_jax.config"])
+        config = LlamaConfig(**fields)
+    except KeyError as e:
+        raise ValueError(f"checkpoint {str(path)!r}: metadata lacks 'paged_jax.config'") from e
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"checkpoint {str(path)!r}: metadata 'paged_jax.config' does not fit LlamaConfig: {e}") from e
+    dtype = param_dtype or next(iter(weights.values())).dtype
+    model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), param_dtype=dtype))
+    want = set(_flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+    if want != set(weights):
+        raise ValueError(f"checkpoint {str(path)!r}: missing weights {sorted(want - set(weights))}, "
+                         f"unexpected weights {sorted(set(weights) - want)}")
+    nested: dict = {}
+    for name, value in weights.items():
+        node = nested
+        *parents, leaf = name.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    assign_params(model, nested, str(path))
+    return model, meta

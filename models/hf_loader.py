@@ -1,0 +1,504 @@
+"""Hugging Face Llama-family checkpoints: a folder of ``config.json``,
+``*.safetensors`` and ``tokenizer.json`` -> :class:`models.llama.Llama` and
+:class:`models.tokenizer.Tokenizer`.
+
+Supported ``model_type`` values of ``config.json``:
+
+  llama    Llama 2, Llama 3 (without rope scaling), SmolLM2, TinyLlama, ...
+  mistral  Mistral: ``sliding_window`` becomes ``LlamaConfig.sliding_window``
+  qwen2    Qwen2 / Qwen2.5: biases on q/k/v (always); a sliding window only
+           when every layer uses it
+
+What the decoder cannot compute exactly is refused, never approximated: rope
+scaling of any kind (Llama 3.1's ``llama3``, ``linear``, ``dynamic``, YaRN),
+an activation other than SiLU, MLP biases, Llama's ``attention_bias`` (it adds
+an ``o_proj`` bias too), quantized weights (``quantization_config``), a Qwen2
+window on some layers only, tensors of a dtype other than BF16 / F16 / F32.
+Each such error is a ``ValueError`` that names the file, the field or tensor,
+and the value found; a missing file is a ``FileNotFoundError`` naming it.
+
+Weights are read with ``safetensors`` from ``model.safetensors``, or from the
+shards that ``model.safetensors.index.json`` lists. Hugging Face stores each
+projection as ``[out, in]`` and its RoPE rotates halves (``rotate_half``), as
+:mod:`models.llama` does, so the weights need only transposing and stacking
+by layer, no permutation (unlike a GGUF, :mod:`models.gguf_loader`):
+
+  model.embed_tokens.weight                    [V, D]      embed
+  model.layers.{i}.input_layernorm.weight      [D]         blocks.attn_norm.scale[i]
+  model.layers.{i}.self_attn.q_proj.weight     [N*H, D]    blocks.attn.wq[i]      [D, N, H]
+  model.layers.{i}.self_attn.k_proj.weight     [K*H, D]    blocks.attn.wk[i]      [D, K, H]
+  model.layers.{i}.self_attn.v_proj.weight     [K*H, D]    blocks.attn.wv[i]      [D, K, H]
+  model.layers.{i}.self_attn.{q,k,v}_proj.bias [N*H|K*H]   blocks.attn.b{q,k,v}[i] (Qwen2)
+  model.layers.{i}.self_attn.o_proj.weight     [D, N*H]    blocks.attn.wo[i]      [N, H, D]
+  model.layers.{i}.post_attention_layernorm.weight [D]     blocks.mlp_norm.scale[i]
+  model.layers.{i}.mlp.gate_proj.weight        [F, D]      blocks.mlp.w_gate[i]   [D, F]
+  model.layers.{i}.mlp.up_proj.weight          [F, D]      blocks.mlp.w_up[i]     [D, F]
+  model.layers.{i}.mlp.down_proj.weight        [D, F]      blocks.mlp.w_down[i]   [F, D]
+  model.norm.weight                            [D]         final_norm.scale
+  lm_head.weight                               [V, D]      lm_head (absent when tied)
+
+The weights are cast to ``param_dtype`` (default f32) as they are read, one
+tensor at a time into the stacked arrays, so the host holds about one copy of
+the model in that dtype plus one tensor.
+
+Tokenizer: ``tokenizer.json`` (the fast tokenizer) with the special tokens and
+chat template of ``tokenizer_config.json`` (or ``chat_template.jinja``, where
+newer transformers put it). Prompts are encoded without adding BOS, as
+transformers' ``apply_chat_template`` does; templates that want a BOS write
+``{{ bos_token }}`` themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import safetensors
+import tokenizers
+from flax import nnx
+
+from models.checkpoint import assign_params
+from models.llama import Llama, LlamaConfig
+from models.tokenizer import Tokenizer
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+WEIGHT_DTYPES = ("BF16", "F16", "F32")
+"""safetensors dtypes the loader reads (anything else is refused)."""
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+TOKENIZER = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+GENERATION_CONFIG = "generation_config.json"
+CHAT_TEMPLATE = "chat_template.jinja"
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers older exports saved; recomputed from the config
+_MISSING = object()
+
+
+def _read_json(path: pathlib.Path) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"{str(path)!r} does not exist; a Hugging Face checkpoint folder needs it")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{str(path)!r} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{str(path)!r} must hold a JSON object, got a {type(data).__name__}")
+    return data
+
+
+def _folder(path: str | os.PathLike) -> pathlib.Path:
+    folder = pathlib.Path(path).expanduser()
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{str(folder)!r} is not a folder; a Hugging Face checkpoint is a folder "
+                                f"holding {CONFIG}, *.safetensors and {TOKENIZER}")
+    return folder
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def config_from_hf(cfg: dict[str, Any], path: str = CONFIG) -> LlamaConfig:
+    """The :class:`LlamaConfig` of a Hugging Face ``config.json`` (parsed).
+
+    Args:
+      cfg: the JSON object.
+      path: the file, for error messages.
+
+    Raises:
+      ValueError: an unsupported ``model_type``, a missing or mistyped
+        field, or a feature the decoder cannot compute exactly (see the
+        module docstring); names ``path``, the field and its value.
+    """
+
+    def bad(name, value, why):
+        return ValueError(f"{path}: field {name!r} is {value!r}; {why}")
+
+    def get(name, default=_MISSING):
+        if name not in cfg:
+            if default is _MISSING:
+                raise ValueError(f"{path}: field {name!r} is missing")
+            return default
+        return cfg[name]
+
+    def integer(name, default=_MISSING):
+        value = get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise bad(name, value, "expected an int >= 1")
+        return value
+
+    def number(name, value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise bad(name, value, "expected a number > 0")
+        return float(value)
+
+    def flag(name, default):
+        value = get(name, default)
+        if not isinstance(value, bool):
+            raise bad(name, value, "expected true or false")
+        return value
+
+    model_type = get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise bad("model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if get("quantization_config", None) is not None:
+        raise bad("quantization_config", cfg["quantization_config"],
+                  "quantized checkpoints are not supported (BF16 / F16 / F32 weights only)")
+    act = get("hidden_act", "silu")
+    if act != "silu":
+        raise bad("hidden_act", act, "the decoder's MLP is SwiGLU: only 'silu' is supported")
+    if flag("mlp_bias", False):
+        raise bad("mlp_bias", True, "the decoder's MLP has no biases")
+
+    heads = integer("num_attention_heads")
+    kv_heads = integer("num_key_value_heads", heads) if cfg.get("num_key_value_heads") is not None else heads
+    model_dim = integer("hidden_size")
+    if cfg.get("head_dim") is not None:
+        head_dim = integer("head_dim")
+    elif model_dim % heads:
+        raise bad("hidden_size", model_dim, f"without head_dim it must be a multiple of num_attention_heads={heads}")
+    else:
+        head_dim = model_dim // heads
+
+    # RoPE: transformers < 5 writes rope_theta and rope_scaling at the top
+    # level; 5.x writes rope_parameters {rope_type, rope_theta, ...}.
+    theta = get("rope_theta", None)
+    for name in ("rope_scaling", "rope_parameters"):
+        rope = get(name, None)
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            raise bad(name, rope, "expected an object or null")
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            raise bad(name, rope, f"rope type {kind!r} is not supported (plain RoPE only: 'default')")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise bad(name, rope, "partial rotary embeddings are not supported")
+        theta = rope.get("rope_theta", theta)
+    rope_theta = number("rope_theta", 10000.0 if theta is None else theta)
+
+    qkv_bias, window = False, None
+    if model_type == "llama":
+        if flag("attention_bias", False):
+            raise bad("attention_bias", True, "Llama's attention_bias adds an o_proj bias, which the decoder lacks")
+    elif model_type == "mistral":
+        if get("sliding_window", None) is not None:
+            window = integer("sliding_window")
+    else:  # qwen2: q/k/v always carry biases; the window applies to the layers layer_types marks
+        qkv_bias = True
+        layers = integer("num_hidden_layers")
+        if flag("use_sliding_window", False) and get("sliding_window", None) is not None:
+            window = integer("sliding_window")
+        types = get("layer_types", None)
+        if types is None:
+            first = get("max_window_layers", 28) if window is not None else layers
+            if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+                raise bad("max_window_layers", first, "expected an int >= 0")
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+        if not isinstance(types, list) or len(types) != layers:
+            raise bad("layer_types", types, f"expected a list of {layers} layer types")
+        sliding = [t == "sliding_attention" for t in types]
+        if window is None and any(sliding):
+            raise bad("layer_types", types, "marks sliding layers, but use_sliding_window / sliding_window "
+                      "give no window")
+        if window is not None and not all(sliding):
+            if any(sliding):
+                raise bad("layer_types" if "layer_types" in cfg else "max_window_layers",
+                          cfg.get("layer_types", cfg.get("max_window_layers")),
+                          "a sliding window on some layers only is not supported (one window for all layers)")
+            window = None  # sliding_window set, but no layer uses it
+
+    fields = dict(
+        vocab_size=integer("vocab_size"),
+        model_dim=model_dim,
+        mlp_dim=integer("intermediate_size"),
+        num_layers=integer("num_hidden_layers"),
+        num_q_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rope_theta=rope_theta,
+        rms_norm_eps=number("rms_norm_eps", get("rms_norm_eps", 1e-6)),
+        tie_embeddings=flag("tie_word_embeddings", False),
+        max_seq_len=integer("max_position_embeddings", 2048),
+        qkv_bias=qkv_bias,
+        sliding_window=window,
+    )
+    try:
+        return LlamaConfig(**fields)
+    except ValueError as e:  # e.g. heads not a multiple of KV heads
+        raise ValueError(f"{path}: the fields do not make a valid decoder: {e}") from e
+
+
+def read_hf_config(folder: str | os.PathLike) -> LlamaConfig:
+    """The decoder config of a checkpoint folder (reads ``config.json`` only:
+    cheap, for checking a folder before loading it).
+
+    Raises:
+      FileNotFoundError: no such folder, or no ``config.json`` in it.
+      ValueError: as :func:`config_from_hf`.
+    """
+    path = _folder(folder) / CONFIG
+    return config_from_hf(_read_json(path), str(path))
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+class _Tensors:
+    """The tensors of a checkpoint folder: which file holds each, and reading
+    them (``model.safetensors``, or the shards of its index)."""
+
+    def __init__(self, folder: pathlib.Path):
+        index, single = folder / INDEX, folder / SINGLE
+        if index.is_file():
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ValueError(f"{str(index)!r}: field 'weight_map' must map tensor names to shard files, "
+                                 f"got {type(weight_map).__name__}")
+            self.where = {name: folder / shard for name, shard in weight_map.items()}
+            for shard in sorted(set(self.where.values())):
+                if not shard.is_file():
+                    raise FileNotFoundError(f"{str(index)!r} lists shard {shard.name!r}, which does not exist")
+            self.listing = index  # the file a missing tensor is blamed on
+        elif single.is_file():
+            with self._open(single) as f:
+                self.where = {name: single for name in f.keys()}
+            self.listing = single
+        else:
+            found = sorted(p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
+            raise FileNotFoundError(f"{str(folder)!r} has neither {SINGLE} nor {INDEX} (weight files there: "
+                                    f"{found or 'none'}; only safetensors checkpoints are supported)")
+
+    @staticmethod
+    def _open(path: pathlib.Path):
+        try:
+            return safetensors.safe_open(str(path), framework="flax")
+        except Exception as e:  # safetensors raises its own error types for bad headers
+            raise ValueError(f"{str(path)!r} is not a readable safetensors file: {e}") from e
+
+    def read(self, wanted: dict[str, tuple[int, ...]], use: Callable[[str, np.ndarray], None]) -> None:
+        """Reads each tensor in ``wanted`` (name -> expected shape), one file
+        at a time, and passes it to ``use(name, array)`` as NumPy in its
+        stored dtype.
+
+        Raises:
+          ValueError: a tensor missing, of another shape, or of a dtype other
+            than BF16 / F16 / F32 (names the file and the tensor).
+        """
+        for name in wanted:
+            if name not in self.where:
+                raise ValueError(f"{str(self.listing)!r} lacks tensor {name!r}")
+        by_file: dict[pathlib.Path, list[str]] = {}
+        for name in wanted:
+            by_file.setdefault(self.where[name], []).append(name)
+        # safetensors' flax reader handles bf16 (NumPy's does not); keep the
+        # arrays on the host, whatever the default device.
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            for path, names in by_file.items():
+                with self._open(path) as f:
+                    for name in names:
+                        if name not in f.keys():
+                            raise ValueError(f"{str(path)!r} lacks tensor {name!r} (the index places it there)")
+                        view = f.get_slice(name)
+                        dtype, shape = view.get_dtype(), tuple(view.get_shape())
+                        if dtype not in WEIGHT_DTYPES:
+                            raise ValueError(f"{str(path)!r}: tensor {name!r} has dtype {dtype}; supported: "
+                                             f"{', '.join(WEIGHT_DTYPES)}")
+                        if shape != wanted[name]:
+                            raise ValueError(f"{str(path)!r}: tensor {name!r} has shape {list(shape)}, "
+                                             f"{CONFIG} implies {list(wanted[name])}")
+                        use(name, np.asarray(f.get_tensor(name)))
+
+
+def _layout(config: LlamaConfig) -> dict[str, tuple[tuple[str, ...], int | None, tuple[int, ...], Callable]]:
+    """Hugging Face tensor name -> (our parameter path, layer or None, its
+    stored shape, stored array -> our per-layer array)."""
+    v, d, f = config.vocab_size, config.model_dim, config.mlp_dim
+    n, k, h = config.num_q_heads, config.num_kv_heads, config.head_dim
+    same = lambda w: w  # noqa: E731
+    transposed = lambda w: w.T  # noqa: E731  [out, in] -> [in, out]
+    layer_tensors = [
+        ("input_layernorm.weight", ("attn_norm", "scale"), (d,), same),
+        ("post_attention_layernorm.weight", ("mlp_norm", "scale"), (d,), same),
+        ("self_attn.q_proj.weight", ("attn", "wq"), (n * h, d), lambda w: w.T.reshape(d, n, h)),
+        ("self_attn.k_proj.weight", ("attn", "wk"), (k * h, d), lambda w: w.T.reshape(d, k, h)),
+        ("self_attn.v_proj.weight", ("attn", "wv"), (k * h, d), lambda w: w.T.reshape(d, k, h)),
+        ("self_attn.o_proj.weight", ("attn", "wo"), (d, n * h), lambda w: w.T.reshape(n, h, d)),
+        ("mlp.gate_proj.weight", ("mlp", "w_gate"), (f, d), transposed),
+        ("mlp.up_proj.weight", ("mlp", "w_up"), (f, d), transposed),
+        ("mlp.down_proj.weight", ("mlp", "w_down"), (d, f), transposed),
+    ]
+    if config.qkv_bias:
+        layer_tensors += [
+            ("self_attn.q_proj.bias", ("attn", "bq"), (n * h,), lambda b: b.reshape(n, h)),
+            ("self_attn.k_proj.bias", ("attn", "bk"), (k * h,), lambda b: b.reshape(k, h)),
+            ("self_attn.v_proj.bias", ("attn", "bv"), (k * h,), lambda b: b.reshape(k, h)),
+        ]
+    layout = {
+        "model.embed_tokens.weight": (("embed",), None, (v, d), same),
+        "model.norm.weight": (("final_norm", "scale"), None, (d,), same),
+    }
+    if not config.tie_embeddings:
+        layout["lm_head.weight"] = (("lm_head",), None, (v, d), same)
+    for i in range(config.num_layers):
+        for suffix, path, shape, fn in layer_tensors:
+            layout[f"model.layers.{i}.{suffix}"] = (("blocks",) + path, i, shape, fn)
+    return layout
+
+
+def load_hf_model(folder: str | os.PathLike, *, param_dtype=jnp.float32) -> Llama:
+    """A :class:`Llama` with a Hugging Face checkpoint's weights.
+
+    Args:
+      folder: the checkpoint folder (``config.json`` and ``model.safetensors``
+        or ``model.safetensors.index.json`` with its shards).
+      param_dtype: dtype of the module's weights; the stored BF16 / F16 /
+        F32 tensors are cast to it (default f32: the decoder then computes
+        in f32).
+
+    Raises:
+      FileNotFoundError: the folder, ``config.json``, the weights or a shard
+        the index lists does not exist.
+      ValueError: an unsupported config (:func:`config_from_hf`); a tensor
+        missing, misshapen or of another dtype; a tensor the decoder has no
+        place for (a bias the config does not announce, say). Each names
+        the file and the field or tensor.
+    """
+    folder = _folder(folder)
+    config = read_hf_config(folder)
+    tensors = _Tensors(folder)
+    layout = _layout(config)
+    ignored = [name for name in tensors.where if name.endswith(_IGNORED_SUFFIXES)
+               or (config.tie_embeddings and name == "lm_head.weight")]  # tied: transformers ignores it too
+    unexpected = sorted(set(tensors.where) - set(layout) - set(ignored))
+    if unexpected:
+        raise ValueError(f"{str(tensors.listing)!r} holds tensors the decoder has no place for: "
+                         f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)} in all); "
+                         f"does {CONFIG} describe this checkpoint?")
+
+    # Build the module abstractly (no random init), allocate its weights on
+    # the host, fill them tensor by tensor, then hand them to the module.
+    model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), param_dtype=param_dtype))
+    params = jax.tree.map(lambda s: np.empty(s.shape, s.dtype), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+    def use(name: str, array: np.ndarray) -> None:
+        path, layer, _, fn = layout[name]
+        node = params
+        for part in path[:-1]:
+            node = node[part]
+        value = fn(array)
+        if layer is None:
+            node[path[-1]] = value.astype(node[path[-1]].dtype)
+        else:
+            node[path[-1]][layer] = value
+
+    tensors.read({name: spec[2] for name, spec in layout.items()}, use)
+    assign_params(model, params, str(folder))
+    return model
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def _token_text(value, path: pathlib.Path, name: str) -> str | None:
+    """A special-token field of tokenizer_config.json: a string, an
+    AddedToken object ``{"content": ...}``, or null."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise ValueError(f"{str(path)}: field {name!r} is {value!r}; expected a token string, "
+                     f"an object with 'content', or null")
+
+
+def _id_list(value) -> list[int]:
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    return [int(v) for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def load_hf_tokenizer(folder: str | os.PathLike) -> Tokenizer:
+    """The :class:`models.tokenizer.Tokenizer` of a checkpoint folder.
+
+    ``tokenizer.json`` is the tokenizer; ``tokenizer_config.json`` (optional)
+    names the BOS, EOS and pad tokens and holds the chat template (a string,
+    or a list of named templates of which ``default`` is taken), else
+    ``chat_template.jinja``. Generation stops at EOS, at ``<|im_end|>`` if
+    the vocabulary has it, and at every ``eos_token_id`` of
+    ``generation_config.json`` and ``config.json`` (Llama 3 lists several).
+
+    Raises:
+      FileNotFoundError: the folder or ``tokenizer.json`` does not exist.
+      ValueError: an unreadable ``tokenizer.json``; a special token that is
+        not in the vocabulary; no EOS token at all. Each names the file and
+        the field.
+    """
+    folder = _folder(folder)
+    tok_path = folder / TOKENIZER
+    if not tok_path.is_file():
+        extra = " (only tokenizer.model is there: a slow SentencePiece tokenizer; save the fast one)" if (
+            folder / "tokenizer.model").is_file() else ""
+        raise FileNotFoundError(f"{str(tok_path)!r} does not exist{extra}")
+    try:
+        tok = tokenizers.Tokenizer.from_file(str(tok_path))
+    except Exception as e:  # tokenizers raises a bare Exception on bad files
+        raise ValueError(f"{str(tok_path)!r} is not a readable tokenizers file: {e}") from e
+
+    cfg_path = folder / TOKENIZER_CONFIG
+    cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
+    model_cfg = _read_json(folder / CONFIG) if (folder / CONFIG).is_file() else {}
+    gen_cfg = _read_json(folder / GENERATION_CONFIG) if (folder / GENERATION_CONFIG).is_file() else {}
+
+    def token_id(name: str) -> int | None:
+        text = _token_text(cfg.get(name), cfg_path, name)
+        if text is None:
+            return None
+        token = tok.token_to_id(text)
+        if token is None:
+            raise ValueError(f"{str(cfg_path)}: field {name!r} is {text!r}, which {TOKENIZER} does not have")
+        return token
+
+    config_eos = _id_list(model_cfg.get("eos_token_id"))
+    eos_id = token_id("eos_token")
+    if eos_id is None:
+        if not config_eos:
+            raise ValueError(f"{str(cfg_path)}: field 'eos_token' is missing and {CONFIG} has no "
+                             f"eos_token_id: generation would never stop")
+        eos_id = config_eos[0]
+    bos_id = token_id("bos_token")
+    if bos_id is None and isinstance(model_cfg.get("bos_token_id"), int):
+        bos_id = model_cfg["bos_token_id"]
+    pad_id = token_id("pad_token")
+
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{str(cfg_path)}: field 'chat_template' is {type(template).__name__}; expected a "
+                         f"string or a list of {{name, template}} objects")
+    if template is None and (folder / CHAT_TEMPLATE).is_file():
+        template = (folder / CHAT_TEMPLATE).read_text()
+
+    return Tokenizer(
+        tok,
+        bos_id=bos_id,
+        eos_id=eos_id,
+        pad_id=eos_id if pad_id is None else pad_id,
+        chat_template=template,
+        extra_stop_ids=config_eos + _id_list(gen_cfg.get("eos_token_id")),
+    )
+
+
+def load_hf(folder: str | os.PathLike, *, param_dtype=jnp.float32) -> tuple[Llama, Tokenizer]:
+    """``(model, tokenizer)`` of a Hugging Face checkpoint folder: see
+    :func:`load_hf_model` and :func:`load_hf_tokenizer`."""
+    return load_hf_model(folder, param_dtype=param_dtype), load_hf_tokenizer(folder)

@@ -1,0 +1,89 @@
+"""Shared by tests/test_sharding.py and tests/distributed_worker.py: a tiny
+GQA model with SmolLM2's awkward head counts, ragged prompts, and greedy
+prefill-then-decode through the unsharded and the sharded paths."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.llama import LlamaConfig, forward
+from models.sharded import ShardedLlama
+from paged_jax.sharding import DATA
+
+TINY_GQA = LlamaConfig(vocab_size=64, model_dim=32, mlp_dim=64, num_layers=2, num_q_heads=9, num_kv_heads=3,
+                       head_dim=8)
+"""9 query heads and 3 KV heads, as SmolLM2: they split evenly over none of 2, 4 or 8 devices."""
+PAGE_SIZE = 4
+
+
+def make_prompts(n: int, vocab: int, seed: int, lo: int = 1, hi: int = 14) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [list(map(int, rng.integers(0, vocab, int(rng.integers(lo, hi))))) for _ in range(n)]
+
+
+def block_tables(rows: int, shards: int, pages_per_seq: int) -> np.ndarray:
+    """i32[rows, pages_per_seq]: rows split evenly into ``shards`` shards;
+    within a shard, local row ``i`` owns local pages ``1 + i * pages_per_seq
+    ...`` listed in reverse (page 0 is each shard's null page)."""
+    per = rows // shards
+    local = np.arange(per)[:, None] * pages_per_seq + 1 + np.arange(pages_per_seq)[::-1][None, :]
+    return np.tile(local, (shards, 1)).astype(np.int32)
+
+
+def _decode(step, prompts, steps, gather):
+    """Greedy: prefill every prompt in one call, then ``steps`` decode calls.
+    ``step(tokens, block_tables... )`` closes over the pool. Returns tokens
+    i32[B, steps + 1] and their logits f32[B, steps + 1, V] (host)."""
+    lens = np.array([len(p) for p in prompts], np.int32)
+    width = int(lens.max())
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = p
+    out_tokens, out_logits = [], []
+    logits = gather(step(tokens, lens, lens))
+    kv_lens = lens.copy()
+    for i in range(steps + 1):
+        next_ids = logits.argmax(-1).astype(np.int32)
+        out_tokens.append(next_ids)
+        out_logits.append(logits)
+        if i == steps:
+            break
+        kv_lens = kv_lens + 1
+        logits = gather(step(next_ids[:, None], kv_lens, np.ones_like(kv_lens)))
+    return np.stack(out_tokens, 1), np.stack(out_logits, 1)
+
+
+def decode_unsharded(model, prompts, steps, *, device=None, page_size=PAGE_SIZE):
+    """The truth: one device, one pool, global page ids."""
+    pages = -(-(max(map(len, prompts)) + steps) // page_size)
+    device = device or jax.local_devices()[0]
+    kv = [jax.device_put(model.config.make_kv_pool(len(prompts) * pages + 1, page_size), device)]
+    tables = jax.device_put(block_tables(len(prompts), 1, pages), device)
+    fn = jax.jit(lambda t, kv, k, q: forward(model, t, kv, tables, k, q))
+
+    def step(t, k, q):
+        logits, kv[0] = fn(jnp.asarray(t), kv[0], jnp.asarray(k), jnp.asarray(q))
+        return logits
+
+    return _decode(step, prompts, steps, np.asarray)
+
+
+def decode_sharded(model, mesh, prompts, steps, *, gather=np.asarray, page_size=PAGE_SIZE, poison=None):
+    """The same through :class:`ShardedLlama` on ``mesh``: rows split over the
+    data axis, each shard's block tables in its own local page ids.
+    ``poison(kv, sharded) -> kv`` may rewrite the pool after the prefill."""
+    data = mesh.shape[DATA]
+    pages = -(-(max(map(len, prompts)) + steps) // page_size)
+    sharded = ShardedLlama(model, mesh)
+    kv = [sharded.make_kv_pool(len(prompts) // data * pages + 1, page_size)]
+    tables = block_tables(len(prompts), data, pages)
+    calls = [0]
+
+    def step(t, k, q):
+        if calls[0] == 1 and poison is not None:
+            kv[0] = poison(kv[0], sharded)
+        calls[0] += 1
+        logits, kv[0] = sharded.forward(t, kv[0], tables, k, q)
+        return logits
+
+    return _decode(step, prompts, steps, gather)
