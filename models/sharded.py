@@ -47,6 +47,7 @@ from paged_jax import attention as paged_attn
 from paged_jax.batch import RaggedBatch
 from paged_jax.kv_cache import KVPool, init_kv_pool
 from paged_jax.sharding import DATA, MODEL, HeadLayout, head_layout, split_evenly
+from pallas_kernels import common
 
 KV_SPEC = P(None, MODEL, DATA, None, None)
 """The pool ``[layers, K', P, L, H]``: KV heads over model, pages over data."""
@@ -202,11 +203,22 @@ class ShardedLlama:
           the data axis, replicated over the model axis.
 
         Raises:
-          ValueError: ``B`` not a multiple of the data-axis size.
+          ValueError: ``B`` not a multiple of the data-axis size; a page id
+            outside a shard's ``[0, P_d)``, or lengths past a row's block
+            table (checked on the host, so a bad table fails loudly instead
+            of being clamped inside the program).
         """
         data = self.mesh.shape[DATA]
-        if tokens.shape[0] % data:
-            raise ValueError(f"the batch ({tokens.shape[0]} rows) must split evenly over data={data} shards")
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 2 or tokens.shape[0] % data:
+            raise ValueError(f"tokens must be [batch, tokens] with the batch split evenly over data={data} shards, "
+                             f"got shape {tokens.shape}")
+        pages_per_shard = kv.k.shape[2] // data
+        try:
+            common.checked_lengths(np.asarray(block_tables), pages_per_shard, kv.page_size, np.asarray(kv_lens),
+                                   np.asarray(q_lens), tokens.shape[1])
+        except ValueError as e:
+            raise ValueError(f"{e} (page ids are local to each data shard: [0, {pages_per_shard}))") from None
         fn = self._forwards.get(all_logits)
         if fn is None:
             local_graphdef, impl = self._local_graphdef, self.impl

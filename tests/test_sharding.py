@@ -160,6 +160,22 @@ def test_a_shard_never_reads_another_shards_pages(tiny):
     assert np.all(np.isnan(logits[4:, 1:]))
 
 
+def test_page_ids_and_lengths_are_checked_per_shard():
+    """A block table naming a page past its shard's range, or lengths past a
+    row's table, fail on the host before anything runs (inside the program
+    they would be clamped, within the shard, to a wrong answer)."""
+    sharded = ShardedLlama(Llama(TINY_GQA, rngs=nnx.Rngs(0)), make_mesh(2, 4))
+    kv = sharded.make_kv_pool(5, 4)  # 5 pages per shard: local ids 0..4
+    tokens, lens = np.zeros((2, 3), np.int32), np.array([3, 3], np.int32)
+    with pytest.raises(ValueError, match=r"block_tables\[1, 0\] = 5.*local to each data shard: \[0, 5\)"):
+        sharded.forward(tokens, kv, np.array([[1, 2], [5, 1]], np.int32), lens, lens)
+    with pytest.raises(ValueError, match="kv_lens must be in"):
+        sharded.forward(tokens, kv, np.array([[1, 2], [3, 1]], np.int32), np.array([3, 9], np.int32), lens)
+    with pytest.raises(ValueError, match="split evenly over data=2"):
+        sharded.forward(np.zeros((3, 3), np.int32), kv, np.ones((3, 2), np.int32), np.ones(3, np.int32),
+                        np.ones(3, np.int32))
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     from models.smollm2 import load_smollm2
