@@ -72,8 +72,11 @@ def main(argv=None) -> None:
                         ("--capacity-len", args.capacity_len), ("--max-prompt-len", args.max_prompt_len)):
         if value < 1:
             parser.error(f"{name} must be >= 1, got {value}")
-    if not args.kv_budget_mib > 0:
-        parser.error(f"--kv-budget-mib must be > 0, got {args.kv_budget_mib}")
+    if not (args.kv_budget_mib > 0 and args.kv_budget_mib < float("inf")):
+        parser.error(f"--kv-budget-mib must be a finite number > 0, got {args.kv_budget_mib}")
+    from experiments.serve_sharegpt import check_out_dir
+
+    check_out_dir(parser, args.out)
     record = provenance.collect("experiments.scaling", argv, seeds={"sharegpt_shuffle": args.seed})
 
     import jax
@@ -94,6 +97,8 @@ def main(argv=None) -> None:
     cfg = model.config
     requests, _, _ = build_requests(tokenizer, args.num_requests * 4, args.max_output_len, seed=args.seed)
     requests = [r for r in requests if len(r.prompt_ids) <= args.max_prompt_len][: args.num_requests]
+    if not requests:
+        raise SystemExit(f"no sampled request has a prompt of at most --max-prompt-len {args.max_prompt_len} tokens")
     max_seq_len = args.max_prompt_len + args.max_output_len
     print(f"machine: {machine()}, {available} devices; {len(requests)} requests, "
           f"{sum(len(r.prompt_ids) for r in requests)} prompt tokens")
@@ -116,7 +121,7 @@ def main(argv=None) -> None:
             continue
         engine = make_data_parallel_engine(
             model, mesh, EngineConfig(max_seqs=args.max_seqs, max_seq_len=max_seq_len,
-                                      max_num_batched_tokens=256),
+                                      max_num_batched_tokens=max(256, args.max_seqs)),
             pages_per_shard=pages, page_size=args.page_size, stop_ids=tokenizer.stop_ids)
         with CompileMonitor() as compiles:
             t0 = time.perf_counter()

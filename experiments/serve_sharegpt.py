@@ -371,10 +371,12 @@ def parse_args(argv=None):
         except (OSError, ValueError) as e:
             p.error(f"--model {args.model!r} is not a supported checkpoint: {e}")
     if args.mesh is not None:
-        from paged_jax.sharding import parse_mesh
+        from paged_jax.sharding import init_distributed, make_mesh, parse_mesh
 
         try:
             args.mesh_sizes = parse_mesh(args.mesh)
+            init_distributed()  # before anything touches the devices
+            make_mesh(**args.mesh_sizes, num_kv_heads=None)  # the sizes against the devices, before loading
         except ValueError as e:
             p.error(f"--mesh: {e}")
     check_out_dir(p, args.out)
@@ -418,10 +420,6 @@ def check_compile_cache(p: argparse.ArgumentParser, args) -> None:
 def main(argv=None) -> list[ServeResult]:
     args = parse_args(argv)
     mesh = None
-    if args.mesh is not None:
-        from paged_jax.sharding import init_distributed
-
-        init_distributed()  # before anything touches the devices
     record = provenance.collect("experiments.serve_sharegpt", argv, seeds={"sharegpt_shuffle": args.seed})
     from models.llama import RaggedModel
 

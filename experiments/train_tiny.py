@@ -136,7 +136,7 @@ def main(argv=None) -> None:
     steps = args.steps if args.steps is not None else (10 if fine_tune else 150)
     batch_rows = args.batch if args.batch is not None else (2 if fine_tune else 8)
     lr = args.lr if args.lr is not None else (2e-5 if fine_tune else 1e-2)
-    warmup = args.warmup if args.warmup is not None else max(1, steps // 10)
+    warmup = args.warmup if args.warmup is not None else min(max(1, steps // 10), steps - 1)
     for name, value, low in (("--steps", steps, 1), ("--batch", batch_rows, 1), ("--seq-len", args.seq_len, 2),
                              ("--conversations", args.conversations, 2), ("--eval-every", args.eval_every, 1),
                              ("--eval-rows", args.eval_rows, 1), ("--prompts", args.prompts, 0),
@@ -148,6 +148,17 @@ def main(argv=None) -> None:
     stem = "train_tiny_smollm2" if fine_tune else "train_tiny"
     record = provenance.collect("experiments.train_tiny", argv, seeds={"init": args.seed, "data_order": args.seed})
     checkpoint = args.checkpoint or CHECKPOINTS / f"{stem}.safetensors"
+    # Fail now, not after minutes of training: the optimizer settings and
+    # both output places.
+    from experiments.serve_sharegpt import check_out_dir
+    from models.train import TrainConfig
+
+    try:
+        config = TrainConfig(learning_rate=lr, warmup_steps=warmup, total_steps=steps)
+    except ValueError as e:
+        parser.error(f"--lr / --warmup / --steps: {e}")
+    check_out_dir(parser, args.out)
+    check_out_dir(parser, checkpoint.parent, "--checkpoint")
 
     import jax
     import jax.numpy as jnp
@@ -157,7 +168,7 @@ def main(argv=None) -> None:
     from models.checkpoint import load_checkpoint, save_checkpoint
     from models.llama import RaggedModel, forward_dense
     from models.tokenizer import load_tokenizer
-    from models.train import TrainConfig, Trainer, make_batch, pack_documents
+    from models.train import Trainer, make_batch, pack_documents
     from paged_jax.engine import Engine, EngineConfig, Request
     from paged_jax.sampling import SamplingParams
 
@@ -181,7 +192,6 @@ def main(argv=None) -> None:
         print(f"note: {steps} steps of {batch_rows} rows go {epochs:.1f} times over the training rows")
 
     model = make_model(args.init, tokenizer, args.seed)
-    config = TrainConfig(learning_rate=lr, warmup_steps=min(warmup, steps), total_steps=steps)
     trainer = Trainer(model, config)
     state = trainer.init(model)
     del model
@@ -215,18 +225,21 @@ def main(argv=None) -> None:
     save_checkpoint(trained, checkpoint, metadata={"steps": str(steps), "init": args.init})
     loaded, _ = load_checkpoint(checkpoint)
     probe = eval_batch.tokens[:2]
-    same = bool(jnp.array_equal(forward_dense(trained, probe), forward_dense(loaded, probe)))
+    same = bool(jnp.array_equal(forward_dense(trained, probe), forward_dense(loaded, probe), equal_nan=True))
     print(f"checkpoint: {checkpoint} ({checkpoint.stat().st_size / 1e6:.1f} MB); reloaded logits identical: {same}")
     if not same:
         raise SystemExit("the reloaded checkpoint's logits differ from the trained model's")
 
     # Serve held-out prompts from the reloaded checkpoint through the paged engine.
     prompts = [p for p in (first_user_prompt(r, tokenizer) for r in held_convs) if p is not None]
-    prompts = [p for p in prompts if len(tokenizer.encode(p)) <= 192][: args.prompts]
+    max_prompt = 192
+    prompts = [p for p in prompts if len(tokenizer.encode(p)) <= max_prompt][: args.prompts]
     samples = []
     if prompts:
-        engine = Engine(RaggedModel(loaded), loaded.config.make_kv_pool(2 * len(prompts) * 16 + 1, 16),
-                        EngineConfig(max_seqs=2 * len(prompts), max_seq_len=256, max_num_batched_tokens=256),
+        max_seq_len = max_prompt + args.max_new_tokens
+        engine = Engine(RaggedModel(loaded), loaded.config.make_kv_pool(2 * len(prompts) * -(-max_seq_len // 16) + 1, 16),
+                        EngineConfig(max_seqs=2 * len(prompts), max_seq_len=max_seq_len,
+                                     max_num_batched_tokens=max(256, 2 * len(prompts))),
                         stop_ids=tokenizer.stop_ids, vocab_size=loaded.config.vocab_size)
         # Each prompt twice: greedy, and sampled (temperature 0.8, top-p 0.95),
         # which shows more of what a small model has learned than its argmax.

@@ -137,7 +137,16 @@ def load_checkpoint(path: str | os.PathLike, *, param_dtype=None) -> tuple[Llama
         raise ValueError(f"checkpoint {str(path)!r}: metadata lacks 'paged_jax.config'") from e
     except (TypeError, ValueError) as e:
         raise ValueError(f"checkpoint {str(path)!r}: metadata 'paged_jax.config' does not fit LlamaConfig: {e}") from e
-    dtype = param_dtype or next(iter(weights.values())).dtype
+    dtypes = {str(w.dtype) for w in weights.values()}
+    if not weights or not all(np.issubdtype(w.dtype, np.floating) for w in weights.values()) or len(dtypes) > 1:
+        raise ValueError(f"checkpoint {str(path)!r}: weights must be floating point of one dtype, got "
+                         f"{sorted(dtypes) or 'no tensors'}")
+    try:
+        dtype = jnp.dtype(param_dtype or next(iter(weights.values())).dtype)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"param_dtype must be a floating-point dtype, got {param_dtype!r}")
     model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), param_dtype=dtype))
     want = set(_flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
     if want != set(weights):

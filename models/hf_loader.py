@@ -500,5 +500,24 @@ def load_hf_tokenizer(folder: str | os.PathLike) -> Tokenizer:
 
 def load_hf(folder: str | os.PathLike, *, param_dtype=jnp.float32) -> tuple[Llama, Tokenizer]:
     """``(model, tokenizer)`` of a Hugging Face checkpoint folder: see
-    :func:`load_hf_model` and :func:`load_hf_tokenizer`."""
-    return load_hf_model(folder, param_dtype=param_dtype), load_hf_tokenizer(folder)
+    :func:`load_hf_model` and :func:`load_hf_tokenizer`.
+
+    Raises:
+      ValueError: also when the tokenizer can produce ids the model's
+        vocabulary does not hold, or names a special id outside it (a
+        prompt would fail at its first request, or a stop id never match).
+    """
+    model, tokenizer = load_hf_model(folder, param_dtype=param_dtype), load_hf_tokenizer(folder)
+    vocab = model.config.vocab_size
+    if tokenizer.vocab_size > vocab:
+        raise ValueError(f"{folder}: tokenizer.json has {tokenizer.vocab_size} tokens, more than config.json's "
+                         f"vocab_size={vocab}")
+    special = {"eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id, "pad_id": tokenizer.pad_id,
+               "stop_ids": max(tokenizer.stop_ids, default=None)}
+    for name, value in special.items():
+        if value is not None and not 0 <= value < vocab:
+            raise ValueError(f"{folder}: the tokenizer's {name} {value} is outside the model's vocabulary "
+                             f"[0, {vocab}) (config.json / generation_config.json / tokenizer_config.json)")
+    if any(t < 0 for t in tokenizer.stop_ids):
+        raise ValueError(f"{folder}: stop ids must be >= 0, got {sorted(tokenizer.stop_ids)}")
+    return model, tokenizer

@@ -94,8 +94,10 @@ class LlamaConfig:
             raise ValueError(f"head_dim must be even (RoPE rotates pairs), got head_dim={self.head_dim}")
         for name in ("rope_theta", "rms_norm_eps"):
             value = getattr(self, name)
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0, got {name}={value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a finite number > 0, got {name}={value!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"tie_embeddings must be a bool, got tie_embeddings={self.tie_embeddings!r}")
         if not isinstance(self.qkv_bias, bool):
             raise ValueError(f"qkv_bias must be a bool, got qkv_bias={self.qkv_bias!r}")
         if self.sliding_window is not None and (

@@ -22,6 +22,7 @@ once (``Trainer.num_compilations``).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Sequence
 
 import flax.struct
@@ -57,8 +58,10 @@ class TrainConfig:
       clip_norm: gradients are rescaled to this global L2 norm when above it.
 
     Raises:
-      ValueError: a step count that is not a positive int, ``warmup_steps >
-        total_steps``, or a rate, ratio, decay, beta or norm out of range.
+      ValueError: a step count that is not a positive int, ``warmup_steps
+        >= total_steps`` (with warmup, the cosine needs at least one step),
+        or a rate, ratio, decay, beta or norm that is not a finite number in
+        range.
     """
 
     learning_rate: float = 3e-3
@@ -74,29 +77,42 @@ class TrainConfig:
     def __post_init__(self):
         check_int("warmup_steps", self.warmup_steps, 0)
         check_int("total_steps", self.total_steps)
-        if self.warmup_steps > self.total_steps:
-            raise ValueError(f"warmup_steps must be <= total_steps, got warmup_steps={self.warmup_steps} "
+        if self.warmup_steps and self.warmup_steps >= self.total_steps:
+            raise ValueError(f"warmup_steps must be < total_steps (or 0), got warmup_steps={self.warmup_steps} "
                              f"total_steps={self.total_steps}")
+
+        def number(value) -> bool:
+            return (isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+                    and math.isfinite(value))
+
         for name, lo, hi in (("learning_rate", 0.0, None), ("clip_norm", 0.0, None), ("eps", 0.0, None),
                              ("b1", 0.0, 1.0), ("b2", 0.0, 1.0)):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and value > lo and (hi is None or value < hi)):
-                raise ValueError(f"{name} must be in ({lo}, {hi if hi is not None else 'inf'}), got {name}={value!r}")
+            if not (number(value) and value > lo and (hi is None or value < hi)):
+                raise ValueError(f"{name} must be a finite number in ({lo}, {hi if hi is not None else 'inf'}), "
+                                 f"got {name}={value!r}")
         for name in ("final_lr_ratio", "weight_decay"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
-                raise ValueError(f"{name} must be in [0, 1], got {name}={value!r}")
+            if not (number(value) and 0.0 <= value <= 1.0):
+                raise ValueError(f"{name} must be a number in [0, 1], got {name}={value!r}")
 
     def schedule(self) -> optax.Schedule:
         """Learning rate at step ``s`` (0-based): linear warmup, then cosine
         decay (``optax.warmup_cosine_decay_schedule``, shifted by one step so
-        the first update is not made at rate 0)."""
+        the first update is not made at rate 0); without warmup, a cosine
+        from ``learning_rate`` at step 0 to the final rate at the last step."""
+        end = self.learning_rate * self.final_lr_ratio
+        if self.warmup_steps == 0:
+            if self.total_steps == 1:
+                return lambda step: jnp.asarray(self.learning_rate, jnp.float32)
+            return optax.cosine_decay_schedule(self.learning_rate, decay_steps=self.total_steps - 1,
+                                               alpha=self.final_lr_ratio)
         base = optax.warmup_cosine_decay_schedule(
             init_value=0.0,
             peak_value=self.learning_rate,
             warmup_steps=self.warmup_steps,
             decay_steps=self.total_steps,
-            end_value=self.learning_rate * self.final_lr_ratio,
+            end_value=end,
         )
         return lambda step: base(step + 1)
 
@@ -153,8 +169,10 @@ def make_batch(tokens, segment_ids=None, loss_mask=None) -> TrainBatch:
 
     Raises:
       ValueError: a non-2-D or non-integer ``tokens``, ``T < 2`` (nothing to
-        predict), or a ``segment_ids`` / ``loss_mask`` of another shape or
-        dtype kind.
+        predict), a ``segment_ids`` / ``loss_mask`` of another shape or
+        dtype kind, a negative id or one past int32, or a segment id that
+        appears in two separate runs of a row. (Token ids past the
+        vocabulary are refused by :meth:`Trainer.step`, which knows it.)
     """
     tokens = np.asarray(tokens)
     if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
@@ -168,6 +186,19 @@ def make_batch(tokens, segment_ids=None, loss_mask=None) -> TrainBatch:
         if x.shape != tokens.shape or not ok:
             raise ValueError(f"{name} must be a {'bool' if name == 'loss_mask' else 'integer'} array shaped like "
                              f"tokens {list(tokens.shape)}, got {x.dtype}{list(x.shape)}")
+    limit = np.iinfo(np.int32).max
+    for name, x in (("tokens", tokens), ("segment_ids", segment_ids)):
+        bad = np.argwhere((x < 0) | (x > limit))
+        if bad.size:
+            raise ValueError(f"{name} must be in [0, 2**31), got {name}[{bad[0][0]}, {bad[0][1]}] = "
+                             f"{x[tuple(bad[0])]}")
+    # Segments must be contiguous runs: an id that comes back after another
+    # would restart its positions yet still see its first run.
+    for b, row in enumerate(segment_ids):
+        starts = row[np.r_[True, row[1:] != row[:-1]]]
+        if len(set(starts.tolist())) != len(starts):
+            raise ValueError(f"segment_ids rows must be contiguous runs of each id, got row {b}: "
+                             f"{starts.tolist()} (run order)")
     return TrainBatch(tokens=jnp.asarray(tokens, jnp.int32), segment_ids=jnp.asarray(segment_ids, jnp.int32),
                       loss_mask=jnp.asarray(loss_mask, bool))
 
@@ -194,6 +225,10 @@ def pack_documents(documents: Iterable[Sequence[int]], seq_len: int) -> tuple[np
     check_int("seq_len", seq_len, 2)
     tokens, segments = [], []
     for i, doc in enumerate(documents):
+        doc = list(doc)
+        bad = [t for t in doc if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < 2**31]
+        if bad:
+            raise ValueError(f"documents[{i}] must hold int token ids in [0, 2**31), got {bad[0]!r}")
         tokens.extend(int(t) for t in doc)
         segments.extend([i + 1] * len(doc))
     if not tokens:
@@ -247,6 +282,11 @@ class TrainState:
     opt_state: optax.OptState
 
 
+def _describe(x) -> str:
+    """``"float32[2, 64, 4, 16]"``: a weight's dtype and shape, as one leaf."""
+    return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
+
+
 class Trainer:
     """A jitted train step for one model structure and :class:`TrainConfig`.
 
@@ -269,7 +309,9 @@ class Trainer:
         self.optimizer = config.optimizer()
         self.schedule = config.schedule()
         self.num_compilations = 0
-        self._graphdef, _ = nnx.split(model)
+        self.vocab_size = model.config.vocab_size
+        self._graphdef, params = nnx.split(model)
+        self._shapes = jax.tree.map(_describe, params)
         graphdef = self._graphdef
 
         def loss_of(params, batch):
@@ -287,18 +329,67 @@ class Trainer:
         self._step = jax.jit(step, donate_argnums=(0,))
         self._evaluate = jax.jit(lambda state, batch: loss_of(state.params, batch)[0])
 
+    def _check_params(self, params, what: str) -> None:
+        shapes = jax.tree.map(_describe, params)
+        if jax.tree.structure(shapes) != jax.tree.structure(self._shapes) or shapes != self._shapes:
+            mine = dict(jax.tree_util.tree_flatten_with_path(self._shapes)[0])
+            for path, got in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+                if mine.get(path) != got:
+                    raise ValueError(f"{what} does not fit this trainer's model: weight "
+                                     f"{jax.tree_util.keystr(path)} is {got}, expected {mine.get(path)}")
+            raise ValueError(f"{what} does not fit this trainer's model (different weights)")
+
+    def _check_batch(self, batch: TrainBatch) -> None:
+        """Host-side checks the jitted step cannot make: ids inside the
+        vocabulary (the embedding lookup would clamp them, a silent wrong
+        answer) and at least one target."""
+        if not isinstance(batch, TrainBatch):
+            raise ValueError(f"batch must be a TrainBatch (models.train.make_batch), got a {type(batch).__name__}")
+        tokens = np.asarray(batch.tokens)
+        bad = np.argwhere((tokens < 0) | (tokens >= self.vocab_size))
+        if bad.size:
+            raise ValueError(f"batch.tokens must be in [0, vocab_size={self.vocab_size}), got "
+                             f"tokens[{bad[0][0]}, {bad[0][1]}] = {tokens[tuple(bad[0])]}")
+        seg, mask = np.asarray(batch.segment_ids), np.asarray(batch.loss_mask)
+        if seg.shape != tokens.shape or mask.shape != tokens.shape or mask.dtype != bool:
+            raise ValueError(f"batch.segment_ids and batch.loss_mask (bool) must be shaped like tokens "
+                             f"{tokens.shape}, got {seg.shape} and {mask.dtype}{list(mask.shape)}")
+        if not np.any((seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != PAD_SEGMENT) & mask[:, 1:]):
+            raise ValueError("batch has no prediction targets (all padding, single-token segments or masked): "
+                             "an update would only apply weight decay")
+
     def init(self, model: Llama) -> TrainState:
-        """Step 0: ``model``'s weights (copied) and fresh optimizer moments."""
+        """Step 0: ``model``'s weights (copied) and fresh optimizer moments.
+
+        Raises:
+          ValueError: ``model``'s weights differ in name, shape or dtype from
+            the model the trainer was built for.
+        """
         _, params = nnx.split(model)
+        self._check_params(params, "model")
         params = jax.tree.map(jnp.array, params)  # the step donates the state; keep the model's own arrays
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.optimizer.init(params))
 
     def step(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict]:
-        """One update; see the class docstring."""
+        """One update; see the class docstring.
+
+        Raises:
+          ValueError: a state of another model, a token id outside the
+            vocabulary, or a batch with no prediction target (the state is
+            then left as it was).
+        """
+        self._check_params(state.params, "state")
+        self._check_batch(batch)
         return self._step(state, batch)
 
     def evaluate(self, state: TrainState, batch: TrainBatch) -> jax.Array:
-        """f32[] mean next-token loss of ``batch`` under ``state``'s weights."""
+        """f32[] mean next-token loss of ``batch`` under ``state``'s weights.
+
+        Raises:
+          ValueError: as :meth:`step`.
+        """
+        self._check_params(state.params, "state")
+        self._check_batch(batch)
         return self._evaluate(state, batch)
 
     def model(self, state: TrainState) -> Llama:

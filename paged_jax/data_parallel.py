@@ -83,7 +83,11 @@ class DataParallelEngine:
             request is then placed nowhere).
         """
         rid = getattr(request, "request_id", None)
-        if rid in self.placement:
+        try:
+            placed = rid in self.placement
+        except TypeError:
+            raise ValueError(f"request_id must be hashable, got {rid!r}") from None
+        if placed:
             raise ValueError(f"request_id {rid!r} was already added")
         if all(e is not None for e in self.engines):
             shard = max(range(len(self.engines)), key=lambda d: (self.load(d), -d))
@@ -119,9 +123,15 @@ class DataParallelEngine:
         """
         requests = list(requests)
         ids = [getattr(r, "request_id", None) for r in requests]
-        dup = next((i for i in ids if ids.count(i) > 1 or i in self.placement), None)
-        if dup is not None:
-            raise ValueError(f"request_id {dup!r} appears twice")
+        for i in ids:
+            try:
+                hash(i)
+            except TypeError:
+                raise ValueError(f"request_id must be hashable, got {i!r}") from None
+            if i in self.placement:
+                raise ValueError(f"request_id {i!r} was already added")
+            if ids.count(i) > 1:
+                raise ValueError(f"request_id {i!r} appears twice")
         for r in requests:  # each engine checks its own requests the same way
             self.local_engines[0]._check(r, set())
         for r in requests:
@@ -134,7 +144,10 @@ class DataParallelEngine:
         Raises:
           ValueError: an unknown ``request_id``, or one another process serves.
         """
-        shard = self.placement.get(request_id)
+        try:
+            shard = self.placement.get(request_id)
+        except TypeError:
+            raise ValueError(f"request_id must be hashable, got {request_id!r}") from None
         if shard is None or self.engines[shard] is None:
             why = "was never added" if shard is None else f"is served by shard {shard} on another process"
             raise ValueError(f"request_id {request_id!r} {why}")
@@ -194,11 +207,18 @@ def gather_outputs(outputs: Sequence[RequestOutput], request_ids: Sequence, max_
       request id -> list of output token ids.
 
     Raises:
-      ValueError: an output whose request id is not in ``request_ids``.
+      ValueError: an output whose request id is not in ``request_ids``, a
+        repeated id, or an output longer than ``max_new_tokens``.
     """
     import numpy as np
 
     index = {rid: i for i, rid in enumerate(request_ids)}
+    if len(index) != len(request_ids):
+        raise ValueError("request_ids must be distinct")
+    longest = max((len(o.output_ids) for o in outputs), default=0)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < longest:
+        raise ValueError(f"max_new_tokens must be an int >= the longest output ({longest} tokens), "
+                         f"got {max_new_tokens!r}")
     table = np.full((len(request_ids), max_new_tokens + 1), -1, np.int32)  # column 0: the output's length
     for out in outputs:
         if out.request_id not in index:

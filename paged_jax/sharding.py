@@ -66,7 +66,7 @@ def parse_mesh(spec: str) -> dict[str, int]:
         name, sep, value = part.strip().partition("=")
         if not sep or name not in (DATA, MODEL) or name in sizes:
             raise ValueError(f"mesh spec {spec!r}: part {part!r} must be data=N or model=N, each at most once")
-        if not value.isdigit() or int(value) < 1:
+        if not (value.isascii() and value.isdigit()) or int(value) < 1:
             raise ValueError(f"mesh spec {spec!r}: {name} must be a positive integer, got {value!r}")
         sizes[name] = int(value)
     return sizes
@@ -105,7 +105,9 @@ def make_mesh(data: int | None = None, model: int | None = None, *, devices=None
     """
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
-    for name, value in (("data", data), ("model", model)):
+    if not n or len(set(devices)) != n:
+        raise ValueError(f"devices must be distinct and at least one, got {n} devices ({len(set(devices))} distinct)")
+    for name, value in (("data", data), ("model", model), ("num_kv_heads", num_kv_heads)):
         if value is not None:
             check_int(name, value)
     if data is None and model is None:
@@ -203,9 +205,11 @@ def split_evenly(name: str, size: int, model_size: int) -> int:
     """``size / model_size``.
 
     Raises:
-      ValueError: ``size`` does not split evenly over the model axis; names
-        both numbers.
+      ValueError: ``size`` does not split evenly over the model axis (names
+        both numbers), or either is not a positive int.
     """
+    check_int(name, size)
+    check_int("model_size", model_size)
     if size % model_size:
         raise ValueError(f"{name}={size} does not split evenly over model={model_size} devices")
     return size // model_size
@@ -227,7 +231,8 @@ def init_distributed() -> tuple[int, int]:
 
     Raises:
       ValueError: ``JAX_NUM_PROCESSES`` or ``JAX_PROCESS_ID`` set without the
-        other, or not a non-negative integer (process id below the count).
+        other, or not a non-negative integer (process id below the count);
+        ``JAX_COORDINATOR_ADDRESS`` not ``host:port``.
     """
     import os
 
@@ -236,8 +241,13 @@ def init_distributed() -> tuple[int, int]:
     if (count is None) != (index is None):
         raise ValueError(f"set both JAX_NUM_PROCESSES and JAX_PROCESS_ID or neither, got "
                          f"JAX_NUM_PROCESSES={count!r} JAX_PROCESS_ID={index!r}")
+    if address is not None:
+        host, _, port = address.rpartition(":")
+        if not host or not (port.isascii() and port.isdigit()):
+            raise ValueError(f"JAX_COORDINATOR_ADDRESS must be host:port of process 0, got {address!r}")
     if count is not None:
-        if not (count.isdigit() and index.isdigit() and int(index) < int(count)):
+        if not (count.isascii() and count.isdigit() and index.isascii() and index.isdigit()
+                and int(index) < int(count)):
             raise ValueError(f"JAX_NUM_PROCESSES and JAX_PROCESS_ID must be integers with 0 <= id < count, got "
                              f"JAX_NUM_PROCESSES={count!r} JAX_PROCESS_ID={index!r}")
         if address is None:

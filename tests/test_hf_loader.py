@@ -326,3 +326,21 @@ def test_serve_sharegpt_model_flag(tmp_path, mistral_folder):
     for folder in (bad, tmp_path / "nowhere"):
         with pytest.raises(SystemExit):
             parse_args(out + ["--model", str(folder)])
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused(tmp_path, mistral_folder):
+    """A tokenizer whose ids the model's vocabulary does not hold (here
+    SmolLM2's 49,152 tokens beside a 384-token model) would fail at the first
+    request; load_hf refuses it, naming both sizes."""
+    from models.tokenizer import load_tokenizer
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(mistral_folder, folder)
+    load_tokenizer().hf_tokenizer.save(str(folder / "tokenizer.json"))
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        if key in tok_config:
+            tok_config[key] = "<|im_end|>"
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    with pytest.raises(ValueError, match=r"tokenizer.json has 49152 tokens, more than config.json's vocab_size=384"):
+        load_hf(folder)

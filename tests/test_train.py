@@ -8,6 +8,8 @@ SmolLM2's dense loss against transformers' is in
 tests/test_smollm2_vs_transformers.py, beside the transformers model it loads.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,15 +142,54 @@ def test_make_batch_rejects_bad_input(kwargs, match):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(warmup_steps=10, total_steps=5), "warmup_steps must be <= total_steps"),
+    (dict(warmup_steps=10, total_steps=5), "warmup_steps must be < total_steps"),
+    (dict(warmup_steps=5, total_steps=5), "warmup_steps must be < total_steps"),
     (dict(total_steps=0), "total_steps must be an int >= 1"),
-    (dict(learning_rate=0.0), "learning_rate must be in"),
-    (dict(b2=1.0), "b2 must be in"),
-    (dict(weight_decay=-0.1), "weight_decay must be in"),
+    (dict(learning_rate=0.0), "learning_rate must be a finite number in"),
+    (dict(learning_rate=float("inf")), "learning_rate must be a finite number in"),
+    (dict(learning_rate=True), "learning_rate must be a finite number in"),
+    (dict(b2=1.0), "b2 must be a finite number in"),
+    (dict(weight_decay=-0.1), "weight_decay must be a number in"),
 ])
 def test_train_config_rejects_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(**kwargs)
+
+
+def test_schedule_without_warmup_starts_at_the_peak():
+    lrs = [float(TrainConfig(learning_rate=3e-3, warmup_steps=0, total_steps=3).schedule()(s)) for s in range(3)]
+    np.testing.assert_allclose(lrs, [3e-3, 1.65e-3, 3e-4], rtol=1e-5)  # cosine from lr to lr / 10
+    assert float(TrainConfig(learning_rate=3e-3, warmup_steps=0, total_steps=1).schedule()(0)) == pytest.approx(3e-3)
+
+
+def test_batches_with_ids_out_of_range_or_broken_segments_are_refused():
+    with pytest.raises(ValueError, match=r"tokens must be in \[0, 2\*\*31\), got tokens\[0, 1\] = -1"):
+        make_batch([[3, -1]])
+    with pytest.raises(ValueError, match="segment_ids must be in"):
+        make_batch([[3, 1]], [[1, 2**33]])
+    with pytest.raises(ValueError, match=r"contiguous runs .* row 0: \[1, 2, 1\]"):
+        make_batch([[1, 2, 3, 4, 5]], [[1, 1, 2, 1, 1]])
+
+
+def test_trainer_refuses_foreign_ids_states_and_empty_batches():
+    """Token ids past the vocabulary (the embedding would clamp them), a state
+    of another model, and a batch with no target are errors, and leave the
+    state usable."""
+    model = Llama(BYTE_CONFIG, rngs=nnx.Rngs(0))
+    trainer = Trainer(model, TrainConfig(warmup_steps=1, total_steps=4))
+    state = trainer.init(model)
+    with pytest.raises(ValueError, match=r"tokens must be in \[0, vocab_size=256\), got tokens\[1, 0\] = 300"):
+        trainer.step(state, make_batch([[1, 2], [300, 4]]))
+    with pytest.raises(ValueError, match="no prediction targets"):
+        trainer.step(state, make_batch([[1, 2], [3, 4]], [[0, 0], [1, 2]]))
+    other = Llama(dataclasses.replace(BYTE_CONFIG, model_dim=32, mlp_dim=64), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"model does not fit this trainer's model: weight .* is float32\[2, 32"):
+        trainer.init(other)
+    with pytest.raises(ValueError, match="state does not fit this trainer's model"):
+        trainer.step(Trainer(other, TrainConfig(warmup_steps=1, total_steps=4)).init(other),
+                     make_batch([[1, 2]]))
+    state, metrics = trainer.step(state, make_batch([[1, 2, 3], [4, 5, 6]]))  # the state still works
+    assert int(state.step) == 1 and np.isfinite(float(metrics["loss"]))
 
 
 def test_pack_documents_rejects_bad_input():
@@ -156,6 +197,8 @@ def test_pack_documents_rejects_bad_input():
         pack_documents([[1, 2]], 1)
     with pytest.raises(ValueError, match="no tokens"):
         pack_documents([[], []], 8)
+    with pytest.raises(ValueError, match=r"documents\[1\] must hold int token ids .* got 1.7"):
+        pack_documents([[1], [1.7, 2]], 8)
 
 
 def test_weight_decay_skips_norm_scales_and_biases():
