@@ -44,6 +44,8 @@ TIMING_COLUMNS = frozenset({
     "sim s", "wall s", "tokens/s", "SmolLM2 tokens/s",
     # experiments.serve_sharegpt, experiments.hf_baseline
     "wall_s", "tokens_per_s", "ms_per_iteration", "model_s", "floor_s", "model_over_floor", "host_s", "compile_s",
+    # ... and means weighted by wall time (the iterations' durations vary from run to run)
+    "mean_concurrency", "kv_token_fraction",
     # ... and XLA compilations the persistent cache did not serve: its state, not the code, decides them
     "compiled",
     # experiments.sharing (parts a, b and d: wall time; c: fastest of --repeats)

@@ -75,7 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--max-output-len", type=int, default=48, help="cap on output tokens (default 48, as the demo)")
     p.add_argument("--batch-size", type=int, default=8, help="static batch of transformers generate() (default 8)")
     p.add_argument("--seed", type=int, default=0, help="ShareGPT shuffle seed (default 0)")
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="results folder (default results/)")
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).resolve().parent.parent / "results",
+                   help="results folder (default: the repository's results/)")
     add_compile_cache_args(p)
     args = p.parse_args(argv)
     for name in ("num_requests", "max_output_len", "batch_size"):

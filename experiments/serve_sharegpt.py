@@ -352,7 +352,8 @@ def parse_args(argv=None):
     p.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
                    help="how a preempted request gives back its pages (default recompute)")
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="results folder (default results/)")
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).resolve().parent.parent / "results",
+                   help="results folder (default: the repository's results/)")
     add_compile_cache_args(p)
     args = p.parse_args(argv)
     for name in ("num_requests", "max_output_len", "page_size", "max_seqs", "max_batched_tokens"):

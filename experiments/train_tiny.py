@@ -17,18 +17,19 @@ those loaded never trains) and packed into rows of ``--seq-len`` tokens
 global-norm clipping), with a progress bar; the held-out loss is measured on
 a fixed set of rows every ``--eval-every`` steps.
 
-Writes:
+Writes (``train_tiny_smollm2.*`` with ``--init smollm2``):
   ``<out>/train_tiny.csv``  per step: loss, gradient norm, learning rate,
                             held-out loss (where measured), seconds.
   ``<out>/train_tiny.md``   the run's summary and the served samples.
   ``<out>/train_tiny.png``  the loss curves.
   ``--checkpoint``          the trained weights (safetensors,
-                            :mod:`models.checkpoint`); by default under
-                            ``checkpoints/`` (git-ignored: weights are not
-                            results).
+                            :mod:`models.checkpoint`); by default
+                            ``checkpoints/train_tiny[_smollm2].safetensors``
+                            (git-ignored: weights are not results; 21 MB,
+                            or 538 MB for SmolLM2).
 Then it reloads the checkpoint, checks that its logits equal the trained
-model's bit for bit, and serves ``--prompts`` held-out prompts greedily
-through the paged engine, greedy and sampled, printing them.
+model's bit for bit, and serves ``--prompts`` held-out prompts through the
+paged engine, each greedy and sampled, printing them.
 """
 
 from __future__ import annotations

@@ -160,14 +160,17 @@ class DataParallelEngine:
 
 
 def merged_stats(engine: "DataParallelEngine | Engine"):
-    """One :class:`paged_jax.engine.EngineStats` for all shards (an
+    """One :class:`paged_jax.engine.EngineStats` for all local shards (an
     :class:`Engine`'s own stats as they are).
 
-    Counts, token and page sums, integrals over time and model seconds are
-    summed over shards; ``busy_s`` is the longest shard's (they run side by
-    side); ``peak_*`` are summed, an upper bound of the mesh's peak (the
-    shards' peaks need not coincide); programs are united and call records
-    concatenated.
+    The shards are stepped one after another by one host thread, so their
+    busy, model and compile seconds add up to the loop's (``busy_s`` is the
+    sum, and ``host_s`` stays the host's share). Counts, token and page sums
+    and peaks are summed (a summed peak is an upper bound of the mesh's: the
+    shards' peaks need not coincide). Time-weighted means are per shard, so
+    they are combined as such: ``mean_concurrency`` is the sum of the
+    shards' (sequences running on the mesh), ``kv_token_fraction`` their
+    mean. Programs are united and call records concatenated.
     """
     import dataclasses
 
@@ -179,15 +182,17 @@ def merged_stats(engine: "DataParallelEngine | Engine"):
     merged = EngineStats()
     for field in dataclasses.fields(EngineStats):
         values = [getattr(p, field.name) for p in parts]
-        if field.name == "busy_s":
-            value = max(values)
-        elif field.name == "programs":
+        if field.name == "programs":
             value = set().union(*values)
         elif field.name == "calls":
             value = [c for v in values for c in v]
         else:
             value = sum(values)
         setattr(merged, field.name, value)
+    # Rescale the two integrals so that dividing by the summed busy time
+    # gives the combined means described above.
+    merged.concurrency_s = sum(p.mean_concurrency for p in parts) * merged.busy_s
+    merged.token_fraction_s = sum(p.kv_token_fraction for p in parts) / len(parts) * merged.busy_s
     return merged
 
 

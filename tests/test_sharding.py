@@ -26,7 +26,7 @@ from flax import nnx
 
 from models.llama import Llama, LlamaConfig, RaggedModel
 from models.sharded import KV_SPEC, ShardedLlama, ShardedRaggedModel, make_data_parallel_engine
-from paged_jax.data_parallel import DataParallelEngine
+from paged_jax.data_parallel import DataParallelEngine, merged_stats
 from paged_jax.engine import Engine, EngineConfig, Request
 from paged_jax.sharding import (DATA, MODEL, default_model_size, head_layout, init_distributed, make_mesh,
                                 parse_mesh)
@@ -209,36 +209,43 @@ def sharegpt_requests():
     tok = load_tokenizer()
     conversations, _ = load_conversations()
     sampled = sample_requests(conversations[:400], tok.encode_batch, 24, seed=0)
-    # Prompts cut to their first 48 tokens (the test is about placement and
-    # pages, not long prompts); outputs of 1 to 8 tokens.
-    return [Request(request_id=i, prompt_ids=tok.encode(r.prompt)[:48], max_new_tokens=1 + i % 8)
+    # Prompts cut to their first 24 tokens (the test is about placement and
+    # pages, not long prompts); outputs of 1 to 24 tokens, so sequences grow
+    # past what admission planned and the small pools preempt.
+    return [Request(request_id=i, prompt_ids=tok.encode(r.prompt)[:24], max_new_tokens=1 + (i * 7) % 24)
             for i, r in enumerate(sampled)]
 
 
 def test_engine_on_a_2x4_mesh_serves_sharegpt_like_one_device(sharegpt_requests):
     """24 ShareGPT requests through one engine per data shard (each tensor
-    parallel over 4 devices, its own 24-page pool, so both shards preempt)
-    give the greedy outputs of one engine on one device; each shard's page
-    state holds only its own page ids, and every page ends free."""
+    parallel over 4 devices, its own pool of 16 usable pages: one 64-token
+    sequence, so the shards preempt) give the greedy outputs of one engine
+    on one device; each shard's page state holds only its own page ids, and
+    every page ends free."""
     config = LlamaConfig(vocab_size=49152, model_dim=32, mlp_dim=64, num_layers=2, num_q_heads=9,
                          num_kv_heads=3, head_dim=8)
     model = Llama(config, rngs=nnx.Rngs(1))
     engine_config = EngineConfig(max_seqs=4, max_seq_len=64, max_num_batched_tokens=32,
                                  enable_prefix_caching=False)
-    one = Engine(RaggedModel(model), config.make_kv_pool(25, 4), engine_config, check_page_state=True)
+    one = Engine(RaggedModel(model), config.make_kv_pool(17, 4), engine_config, check_page_state=True)
     want = {o.request_id: o.output_ids for o in one.run(sharegpt_requests)}
 
-    dp = make_data_parallel_engine(model, make_mesh(2, 4), engine_config, pages_per_shard=25, page_size=4,
+    dp = make_data_parallel_engine(model, make_mesh(2, 4), engine_config, pages_per_shard=17, page_size=4,
                                    check_page_state=True)
     got = {o.request_id: o.output_ids for o in dp.run(sharegpt_requests)}
     assert got == want
     shards = [list(dp.placement.values()).count(d) for d in range(2)]
     assert min(shards) >= 8, shards  # placement spreads the load
-    assert sum(e.stats.preemptions for e in dp.engines) > 0  # the small pools did preempt
+    assert all(e.stats.preemptions > 0 for e in dp.engines)  # each shard preempted among its own
     for engine in dp.engines:
-        assert engine.kv.k.shape[2] == 25  # its own 25 pages, no other shard's
-        assert int(jnp.max(engine.state.block_tables)) < 25
-        assert engine.accounting() == {"free": 24, "cached": 0, "used": 0, "total": 24}
+        assert engine.kv.k.shape[2] == 17  # its own 17 pages, no other shard's
+        assert int(jnp.max(engine.state.block_tables)) < 17
+        assert engine.accounting() == {"free": 16, "cached": 0, "used": 0, "total": 16}
+    merged = merged_stats(dp)  # one set of statistics for the mesh
+    assert merged.generated_tokens == sum(len(o) for o in got.values())
+    assert merged.preemptions == sum(e.stats.preemptions for e in dp.engines)
+    assert merged.host_s >= 0 and 0 <= merged.kv_token_fraction <= 1
+    assert merged.mean_concurrency == pytest.approx(sum(e.stats.mean_concurrency for e in dp.engines))
 
 
 def test_data_parallel_engine_rejects_bad_input():
