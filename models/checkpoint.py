@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import safetensors
 import safetensors.numpy
-from flax import nnx
+from flax import nnx, traverse_util
 
 from models.llama import Llama, LlamaConfig
 
@@ -58,14 +58,9 @@ def assign_params(module: nnx.Module, params: dict, path: str = "<weights>", pre
         target.set_value(jnp.asarray(value, dtype=want.dtype))
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, np.ndarray]:
-    out = {}
-    for name, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{name}."))
-        else:
-            out[f"{prefix}{name}"] = np.asarray(value)
-    return out
+def _flat_params(model: Llama) -> dict[str, np.ndarray]:
+    """The model's Params by dotted module path (``blocks.attn.wq``)."""
+    return traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)), sep=".")
 
 
 def save_checkpoint(model: Llama, path: str | os.PathLike, *, metadata: dict[str, str] | None = None) -> pathlib.Path:
@@ -93,7 +88,7 @@ def save_checkpoint(model: Llama, path: str | os.PathLike, *, metadata: dict[str
             raise ValueError(f"metadata must map str to str, got {key!r}: {value!r}")
         if key in ("format", "paged_jax.config"):
             raise ValueError(f"metadata key {key!r} is reserved")
-    weights = _flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    weights = _flat_params(model)
     weights = {name: np.ascontiguousarray(jax.device_get(w)) for name, w in weights.items()}
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -148,16 +143,9 @@ def load_checkpoint(path: str | os.PathLike, *, param_dtype=None) -> tuple[Llama
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"param_dtype must be a floating-point dtype, got {param_dtype!r}")
     model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0), param_dtype=dtype))
-    want = set(_flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+    want = set(_flat_params(model))
     if want != set(weights):
         raise ValueError(f"checkpoint {str(path)!r}: missing weights {sorted(want - set(weights))}, "
                          f"unexpected weights {sorted(set(weights) - want)}")
-    nested: dict = {}
-    for name, value in weights.items():
-        node = nested
-        *parents, leaf = name.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    assign_params(model, nested, str(path))
+    assign_params(model, traverse_util.unflatten_dict(weights, sep="."), str(path))
     return model, meta
