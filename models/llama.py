@@ -446,7 +446,7 @@ def forward(
     x = model.embed[...][tokens]  # [B, T, D]
 
     def attend_pages(q, k_pool, v_pool, layer):
-        return paged_attn.paged_attention(q, k_pool[layer], v_pool[layer], block_tables, kv_lens, q_lens, impl=impl,
+        return paged_attn.paged_attention(q, k_pool, v_pool, block_tables, kv_lens, q_lens, impl=impl, layer=layer,
                                           sliding_window=config.sliding_window)
 
     x, kv = _run_layers(model, x, cos, sin, kv, _paged(slots, attend_pages), reduce)

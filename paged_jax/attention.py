@@ -35,7 +35,8 @@ from pallas_kernels import common
 # K KV heads, G queries per KV head, H head dim, P pages, L page size.
 
 
-def validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales=None, v_scales=None) -> None:
+def validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales=None, v_scales=None,
+                    layer=None) -> None:
     """Checks shapes and dtypes of a paged-attention call (static facts
     only, so it runs under ``jit``): ``pallas_kernels.common.validate_inputs``,
     the one validator the reference and every kernel share.
@@ -46,7 +47,7 @@ def validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales
     """
     if getattr(q, "ndim", None) != 4:
         raise ValueError(f"q must be [batch, q_tokens, num_q_heads, head_dim], got shape {getattr(q, 'shape', q)}")
-    common.validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales)
+    common.validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales, layer)
 
 
 def query_positions(kv_lens: jax.Array, q_lens: jax.Array, num_q_tokens: int) -> jax.Array:
@@ -54,11 +55,17 @@ def query_positions(kv_lens: jax.Array, q_lens: jax.Array, num_q_tokens: int) ->
     return (kv_lens - q_lens)[:, None] + jnp.arange(num_q_tokens, dtype=jnp.int32)[None, :]
 
 
-def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
-    """[K, P, L, H] pages, i32[B, pages_per_seq] -> [K, B, pages_per_seq * L, H]."""
-    num_kv_heads, _, page_size, head_dim = pages.shape
+def gather_pages(pages: jax.Array, block_tables: jax.Array, layer: jax.Array | None = None) -> jax.Array:
+    """[K, P, L, H] pages (or the stacked [layers, K, P, L, H] pool and an
+    i32[] ``layer``), i32[B, pages_per_seq] -> [K, B, pages_per_seq * L, H].
+    The stacked pool is read with one gather, never a copy of the layer."""
+    num_kv_heads, _, page_size, head_dim = pages.shape[-4:]
     batch, pages_per_seq = block_tables.shape
-    return pages[:, block_tables].reshape(num_kv_heads, batch, pages_per_seq * page_size, head_dim)
+    if layer is None:
+        picked = pages[:, block_tables]
+    else:
+        picked = pages[layer, jnp.arange(num_kv_heads)[:, None, None], block_tables[None]]
+    return picked.reshape(num_kv_heads, batch, pages_per_seq * page_size, head_dim)
 
 
 def ref_paged_attention(
@@ -72,19 +79,24 @@ def ref_paged_attention(
     scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    layer: int | jax.Array | None = None,
 ) -> jax.Array:
     """Causal GQA attention of ``q`` over each sequence's paged K/V; see
-    :func:`_ref_paged_attention` for the arguments and result.
+    :func:`_ref_paged_attention` for the arguments and result. With
+    ``layer``, the pages are the stacked pool ``[layers, K, P, L, H]`` and
+    layer ``layer`` is read in place.
 
     Raises:
       ValueError: inputs failing :func:`validate_inputs`, or options that
-        are not positive (``pallas_kernels.common.validate_options``).
+        are not positive (``pallas_kernels.common.validate_options``);
+        (eager) lengths past a row's table or a layer outside the pool.
     """
-    validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens)
+    validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens, layer=layer)
     common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    kv_lens, q_lens = common.checked_lengths(block_tables, k_pages.shape[1], k_pages.shape[2], kv_lens, q_lens, q.shape[1])
+    kv_lens, q_lens = common.checked_lengths(block_tables, k_pages.shape[-3], k_pages.shape[-2], kv_lens, q_lens, q.shape[1])
+    layer = None if layer is None else common.checked_layer(layer, k_pages.shape[0])[0]
     return _ref_paged_attention(
-        q, k_pages, v_pages, block_tables, kv_lens, q_lens,
+        q, k_pages, v_pages, block_tables, kv_lens, q_lens, layer,
         scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
     )
 
@@ -97,6 +109,7 @@ def _ref_paged_attention(
     block_tables: jax.Array,  # i32[B, pages_per_seq]
     kv_lens: jax.Array,  # i32[B]
     q_lens: jax.Array,  # i32[B]
+    layer: jax.Array | None = None,  # i32[]
     *,
     scale: float | None = None,
     soft_cap: float | None = None,
@@ -106,12 +119,14 @@ def _ref_paged_attention(
 
     Args:
       q: [B, T, N, H] queries, ``q_lens[b]`` real rows per sequence.
-      k_pages, v_pages: [K, P, L, H] one layer's pages.
+      k_pages, v_pages: [K, P, L, H] one layer's pages, or the stacked
+        [layers, K, P, L, H] pool with ``layer``.
       block_tables: i32[B, pages_per_seq] page ids; entries past a
         sequence's length may point anywhere in the pool (usually the null
         page).
       kv_lens: i32[B] tokens in the cache per sequence, query tokens included.
       q_lens: i32[B] real query tokens per sequence, ``<= min(T, kv_lens)``.
+      layer: i32[] the stacked pool's layer (in range), or None.
       scale: logit scale, default ``1 / sqrt(H)``.
       soft_cap: if set, logits become ``soft_cap * tanh(logits / soft_cap)``
         (Gemma 2) before masking.
@@ -123,13 +138,13 @@ def _ref_paged_attention(
       Computed in f32.
     """
     batch, num_q_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_pages.shape[0]
+    num_kv_heads = k_pages.shape[-4]
     group = num_q_heads // num_kv_heads
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
 
-    k = gather_pages(k_pages, block_tables).astype(jnp.float32)  # [K, B, S, H]
-    v = gather_pages(v_pages, block_tables).astype(jnp.float32)  # [K, B, S, H]
+    k = gather_pages(k_pages, block_tables, layer).astype(jnp.float32)  # [K, B, S, H]
+    v = gather_pages(v_pages, block_tables, layer).astype(jnp.float32)  # [K, B, S, H]
     num_keys = k.shape[2]
 
     q_pos = query_positions(kv_lens, q_lens, num_q_tokens)  # [B, T]
@@ -223,35 +238,47 @@ def paged_attention(
     sliding_window: int | None = None,
     k_scales: jax.Array | None = None,  # f32[K, P, L] with int8 pages
     v_scales: jax.Array | None = None,  # f32[K, P, L] with int8 pages
+    layer: int | jax.Array | None = None,  # i32[] with the stacked pool
 ) -> jax.Array:
     """Paged attention with a choice of implementation (see :data:`IMPLS`).
 
     Same arguments and result as :func:`ref_paged_attention`, plus ``impl``
     and per-token scales for int8 pages (``pallas_kernels.common``; the XLA
-    path dequantizes the whole pool first, the kernels never do). Queries are
+    path dequantizes the pages first, the kernels never do). Queries are
     unscaled: every implementation applies ``scale`` (default
     ``1 / sqrt(H)``) exactly once. Jittable (``impl`` and the options static).
+
+    With ``layer`` the pages are the stacked pool ``[layers, K, P, L, H]``
+    (scales ``[layers, K, P, L]``) and every implementation reads layer
+    ``layer``'s pages where they sit: no layer slice is copied per call.
 
     Raises:
       ValueError: unknown ``impl``, or inputs that fail
         :func:`validate_inputs` / ``pallas_kernels.common.validate_inputs``;
         (eager calls) lengths past a row's block table or ``q_lens >
         kv_lens`` (``pallas_kernels.common.checked_lengths``; under ``jit``
-        they are clamped, so no row reads another's pages).
+        they are clamped, so no row reads another's pages), or a layer
+        outside the pool (clamped under ``jit``).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl=!r}")
-    validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales)
+    validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales, layer)
     common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    kv_lens, q_lens = common.checked_lengths(block_tables, k_pages.shape[1], k_pages.shape[2], kv_lens, q_lens, q.shape[1])
+    kv_lens, q_lens = common.checked_lengths(block_tables, k_pages.shape[-3], k_pages.shape[-2], kv_lens, q_lens, q.shape[1])
+    if layer is not None:
+        common.checked_layer(layer, k_pages.shape[0])  # the eager range check, named
     if impl == "auto":
         impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "xla")
     options = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    num_q_tokens, page_size = q.shape[1], k_pages.shape[2]
+    num_q_tokens, page_size = q.shape[1], k_pages.shape[-2]
     if impl == "xla" or (impl in ("pallas_tpu", "xla_loop") and num_q_tokens > 1):
         if k_scales is not None:
+            if layer is not None:  # the reference dequantizes one layer, not the pool
+                index = common.checked_layer(layer, k_pages.shape[0])[0]
+                k_pages, v_pages, k_scales, v_scales = (x[index] for x in (k_pages, v_pages, k_scales, v_scales))
+                layer = None
             k_pages, v_pages = common.dequantize_kv(k_pages, k_scales), common.dequantize_kv(v_pages, v_scales)
-        return ref_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_lens, **options)
+        return ref_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_lens, layer=layer, **options)
 
     from pallas_kernels import paged_attention_cpu, paged_attention_gpu, paged_attention_tpu, ragged_paged_attention
 
@@ -259,7 +286,8 @@ def paged_attention(
         lengths = jnp.where(q_lens > 0, kv_lens, 0)  # a padding row attends to nothing
         sizes = paged_attention_cpu.CPUBlockSizes(pages_per_compute_block=max(1, 128 // page_size))
         out = paged_attention_cpu.paged_attention_cpu(
-            q[:, 0], k_pages, v_pages, block_tables, lengths, k_scales, v_scales, block_sizes=sizes, **options)
+            q[:, 0], k_pages, v_pages, block_tables, lengths, k_scales, v_scales, block_sizes=sizes, layer=layer,
+            **options)
         return out[:, None]
     # At least 64 keys per compute block: fewer loop steps, and Triton's >= 16.
     ppcb = max(1, 64 // page_size)
@@ -272,11 +300,12 @@ def paged_attention(
             sizes = paged_attention_tpu.TPUBlockSizes(pages_per_compute_block=ppcb)
             kernel = paged_attention_tpu.paged_attention_tpu
         out = kernel(q[:, 0], k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
-                     block_sizes=sizes, **options)
+                     block_sizes=sizes, layer=layer, **options)
         return out[:, None]
     sizes = ragged_paged_attention.RaggedBlockSizes(pages_per_compute_block=ppcb)
     return ragged_paged_attention.ragged_paged_attention(
-        q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales, block_sizes=sizes, **options
+        q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales, block_sizes=sizes, layer=layer,
+        **options
     )
 
 

@@ -395,7 +395,7 @@ def _padded(out, q, k_pool, v_pool, layer, batch, rows, mine, width, impl, optio
     src = batch.q_starts[rows][:, None] + t  # [B, width] flat rows
     real = t < q_lens[:, None]
     qp = q[jnp.where(real, src, 0)]  # [B, width, N, H]
-    o = paged_attention(qp, k_pool[layer], v_pool[layer], batch.block_tables[rows], kv_lens, q_lens, impl=impl,
+    o = paged_attention(qp, k_pool, v_pool, batch.block_tables[rows], kv_lens, q_lens, impl=impl, layer=layer,
                         **options)
     dest = jnp.where(real, src, t_total).reshape(-1)
     return out.at[dest].add(o.reshape(-1, *o.shape[2:]).astype(out.dtype), mode="drop")

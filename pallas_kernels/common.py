@@ -81,12 +81,16 @@ def validate_inputs(
     q_lens: jax.Array | None = None,  # i32[B]; None for decode
     k_scales: jax.Array | None = None,  # f32[K, P, L]; with int8 pages only
     v_scales: jax.Array | None = None,  # f32[K, P, L]; with int8 pages only
+    layer: int | jax.Array | None = None,  # with a stacked pool [layers, K, P, L, H]
 ) -> None:
     """Checks the shapes and dtypes of a paged-attention call.
 
     Static facts only (no values are read), so it runs under ``jit``.
     ``q`` of rank 3 is a decode call and takes ``q_lens=None``; rank 4 is a
-    ragged call and needs ``q_lens``.
+    ragged call and needs ``q_lens``. With ``layer`` the pages are the
+    stacked pool ``[layers, K, P, L, H]`` (scales ``[layers, K, P, L]``) and
+    ``layer`` an integer scalar (:func:`checked_layer` checks its value);
+    without, one layer's ``[K, P, L, H]``.
 
     Raises:
       ValueError: a rank, shape or dtype mismatch; the message names the
@@ -105,13 +109,23 @@ def validate_inputs(
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q must be a float array, got dtype {q.dtype}")
     batch, num_q_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
-    if k_pages.ndim != 4:
-        raise ValueError(f"k_pages must be [num_kv_heads, num_pages, page_size, head_dim], got shape {k_pages.shape}")
+    if layer is None:
+        if k_pages.ndim != 4:
+            raise ValueError(f"k_pages must be [num_kv_heads, num_pages, page_size, head_dim] (or the stacked "
+                             f"[layers, ...] pool with a layer index), got shape {k_pages.shape}")
+    else:
+        if k_pages.ndim != 5:
+            raise ValueError(f"with layer={layer!r}, k_pages must be the stacked pool [num_layers, num_kv_heads, "
+                             f"num_pages, page_size, head_dim], got shape {k_pages.shape}")
+        layer_dtype = jnp.result_type(layer) if not isinstance(layer, bool) else jnp.dtype(bool)
+        if jnp.ndim(layer) != 0 or not jnp.issubdtype(layer_dtype, jnp.integer):
+            raise ValueError(f"layer must be an integer scalar, got {type(layer).__name__} of dtype {layer_dtype} "
+                             f"and shape {jnp.shape(layer)}")
     if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
         raise ValueError(
             f"v_pages {v_pages.dtype}{list(v_pages.shape)} must match k_pages {k_pages.dtype}{list(k_pages.shape)}"
         )
-    num_kv_heads, num_pages, page_size, kv_head_dim = k_pages.shape
+    num_kv_heads, num_pages, page_size, kv_head_dim = k_pages.shape[-4:]
     if kv_head_dim != head_dim:
         raise ValueError(f"head_dim of q ({head_dim}) and k_pages ({kv_head_dim}) differ")
     if num_q_heads % num_kv_heads:
@@ -127,10 +141,8 @@ def validate_inputs(
         )
     if quantized:
         for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
-            if s.shape != (num_kv_heads, num_pages, page_size) or s.dtype != jnp.float32:
-                raise ValueError(
-                    f"{name} must be f32[{num_kv_heads}, {num_pages}, {page_size}], got {s.dtype}{list(s.shape)}"
-                )
+            if s.shape != k_pages.shape[:-1] or s.dtype != jnp.float32:
+                raise ValueError(f"{name} must be f32{list(k_pages.shape[:-1])}, got {s.dtype}{list(s.shape)}")
     if block_tables.ndim != 2 or block_tables.shape[0] != batch or block_tables.shape[1] < 1:
         raise ValueError(f"block_tables must be [batch={batch}, pages_per_seq >= 1], got shape {block_tables.shape}")
     lens = (("kv_lens", kv_lens),) + ((("q_lens", q_lens),) if q_lens is not None else ())
@@ -199,6 +211,38 @@ def checked_lengths(block_tables: jax.Array, num_pages: int, page_size: int, kv_
         return kv_lens, None
     high = kv_lens if q_cap is None else jnp.minimum(kv_lens, q_cap)
     return kv_lens, jnp.clip(q_lens, 0, high)
+
+
+def checked_layer(layer: int | jax.Array | None, num_layers: int) -> jax.Array:
+    """The layer index a kernel reads the stacked pool at, as i32[1].
+
+    Args:
+      layer: an integer scalar, or None for a single layer's pages (index 0
+        of a one-layer stack, see :func:`stack_layer`).
+      num_layers: layers in the stacked pool.
+
+    Returns:
+      i32[1]: ``layer`` clamped to ``[0, num_layers)`` (under ``jit`` a
+      traced index cannot be checked, and a kernel must never step outside
+      the pool).
+
+    Raises:
+      ValueError: (eager calls) ``layer`` outside ``[0, num_layers)``.
+    """
+    if layer is None:
+        return jnp.zeros((1,), jnp.int32)
+    if not isinstance(layer, jax.core.Tracer):
+        value = int(np.asarray(layer))
+        if not 0 <= value < num_layers:
+            raise ValueError(f"layer must be in [0, num_layers={num_layers}), got layer={value}")
+    return jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1).reshape(1)
+
+
+def stack_layer(*arrays: jax.Array | None, layer) -> tuple[jax.Array | None, ...]:
+    """One layer's pages (and scales) as a one-layer stack when ``layer`` is
+    None (``x[None]``: a free reshape), the stacked pool as it is otherwise,
+    so a kernel has one code path that reads ``pool[layer]`` in place."""
+    return tuple(x if x is None or layer is not None else x[None] for x in arrays)
 
 
 def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -313,12 +357,15 @@ def ref_ragged_loop(
     scale: float | None,
     soft_cap: float | None,
     sliding_window: int | None,
+    layer: int | jax.Array | None = None,
 ) -> jax.Array:
     """The per-sequence Python loop behind every ``ref_<name>``.
 
     Copies everything to the host (not jittable), gathers exactly the
     ``kv_lens[b]`` owned slots of each sequence through its block table
     (dequantizing int8 pages) and calls :func:`ref_sequence_attention`.
+    With ``layer``, the pages (and scales) are the stacked pool and layer
+    ``layer`` of it is read.
 
     Returns:
       [B, T, N, H] in ``q.dtype``; zeros for rows ``t >= q_lens[b]``.
@@ -328,8 +375,11 @@ def ref_ragged_loop(
         a sequence longer than its block table.
     """
     batch, num_q_tokens, _, head_dim = q.shape
-    page_size = k_pages.shape[2]
+    page_size = k_pages.shape[-2]
     scale = resolve_scale(scale, head_dim)
+    if layer is not None:
+        index = int(checked_layer(layer, k_pages.shape[0])[0])
+        k_pages, v_pages, k_scales, v_scales = (None if x is None else x[index] for x in (k_pages, v_pages, k_scales, v_scales))
     host = lambda x: None if x is None else np.asarray(x).astype(np.float64)  # noqa: E731
     q_np, k_np, v_np, ks_np, vs_np = map(host, (q, k_pages, v_pages, k_scales, v_scales))
     kv_lens_np, q_lens_np, tables = np.asarray(kv_lens), np.asarray(q_lens), np.asarray(block_tables)
@@ -371,14 +421,15 @@ def ref_paged_decode_loop(
     scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    layer: int | jax.Array | None = None,
     **unused_kernel_options,
 ) -> jax.Array:
     """The truth for every decode kernel (``ref_paged_attention_gpu``,
     ``_tpu``, ``_cpu`` are this function): one query per sequence, a
     per-sequence loop over exactly the ``lengths[b]`` owned slots
-    (:func:`ref_ragged_loop`). Same positional arguments as the kernels;
-    kernel-only options (``block_sizes``, ``interpret``) are ignored. Not
-    jittable (reads lengths on the host).
+    (:func:`ref_ragged_loop`). Same arguments as the kernels (``layer``
+    with a stacked pool); kernel-only options (``block_sizes``,
+    ``interpret``) are ignored. Not jittable (reads lengths on the host).
 
     Returns:
       [B, N, H] in ``q.dtype``; zeros where ``lengths == 0``.
@@ -387,9 +438,9 @@ def ref_paged_decode_loop(
       ValueError: inputs failing :func:`validate_inputs` or
         :func:`validate_options`.
     """
-    validate_inputs(q, k_pages, v_pages, block_tables, lengths, None, k_scales, v_scales)
+    validate_inputs(q, k_pages, v_pages, block_tables, lengths, None, k_scales, v_scales, layer)
     validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
     return ref_ragged_loop(
         q[:, None], k_pages, v_pages, block_tables, lengths, jnp.minimum(lengths, 1), k_scales, v_scales,
-        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, layer=layer,
     )[:, 0]

@@ -52,10 +52,12 @@ class CPUBlockSizes:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "block_sizes"))
-def _paged_attention_cpu(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *,
+def _paged_attention_cpu(q, k_pages, v_pages, layer, block_tables, lengths, k_scales, v_scales, *,
                          scale, soft_cap, sliding_window, block_sizes):
     batch, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape
+    _, num_kv_heads, _, page_size, _ = k_pages.shape
+    heads = jnp.arange(num_kv_heads)[:, None, None]  # [K, 1, 1]
+    layer = layer[0]
     group = num_q_heads // num_kv_heads
     ppcb = block_sizes.pages_per_compute_block
     seqs = min(block_sizes.seqs_per_block, batch)
@@ -81,14 +83,15 @@ def _paged_attention_cpu(q, k_pages, v_pages, block_tables, lengths, k_scales, v
         def block(j, carry):
             o_prev, l_prev, m_prev = carry
             ids = lax.dynamic_slice_in_dim(tables, j * ppcb, ppcb, axis=1)  # i32[Bg, ppcb]
-            # k, v: [K, Bg, S, H] with S = keys
-            k = k_pages[:, ids].reshape(num_kv_heads, seqs, keys, head_dim).astype(jnp.float32)
-            v = v_pages[:, ids].reshape(num_kv_heads, seqs, keys, head_dim).astype(jnp.float32)
+            # k, v: [K, Bg, S, H] with S = keys; one gather from the stacked pool
+            # (indexing pool[layer] first could copy the layer out).
+            k = k_pages[layer, heads, ids[None]].reshape(num_kv_heads, seqs, keys, head_dim).astype(jnp.float32)
+            v = v_pages[layer, heads, ids[None]].reshape(num_kv_heads, seqs, keys, head_dim).astype(jnp.float32)
             k_pos = j * keys + jnp.arange(keys, dtype=jnp.int32)  # i32[S]
             key_real = k_pos[None, :] < lens[:, None]  # [Bg, S]
             logits = jnp.einsum("BKGH,KBSH->BKGS", q_g, k, precision=hi)
             if quantized:
-                logits = logits * k_scales[:, ids].reshape(num_kv_heads, seqs, keys).swapaxes(0, 1)[:, :, None]
+                logits = logits * k_scales[layer, heads, ids[None]].reshape(num_kv_heads, seqs, keys).swapaxes(0, 1)[:, :, None]
             if soft_cap is not None:
                 logits = soft_cap * jnp.tanh(logits / soft_cap)
             visible = key_real
@@ -103,7 +106,7 @@ def _paged_attention_cpu(q, k_pages, v_pages, block_tables, lengths, k_scales, v
             l_next = correction * l_prev + p.sum(axis=-1)
             if quantized:
                 # NaN may sit in the scales of slots nobody owns; 0 * NaN is NaN.
-                v_scale = v_scales[:, ids].reshape(num_kv_heads, seqs, keys).swapaxes(0, 1)  # [Bg, K, S]
+                v_scale = v_scales[layer, heads, ids[None]].reshape(num_kv_heads, seqs, keys).swapaxes(0, 1)  # [Bg, K, S]
                 p = p * jnp.where(key_real[:, None, :], v_scale, 0.0)[:, :, None, :]
             v = jnp.where(key_real[None, :, :, None], v, 0.0)
             o_next = correction[..., None] * o_prev + jnp.einsum("BKGS,KBSH->BKGH", p, v, precision=hi)
@@ -139,32 +142,41 @@ def paged_attention_cpu(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     block_sizes: CPUBlockSizes = CPUBlockSizes(),
+    layer: int | jax.Array | None = None,
 ) -> jax.Array:
     """Paged decode attention in XLA loops that stop at each sequence's length.
 
     Args:
       q: [B, N, H] unscaled queries (scaled here, see
         ``pallas_kernels.common``).
-      k_pages, v_pages: [K, P, L, H] one layer's pages, float or int8.
+      k_pages, v_pages: [K, P, L, H] one layer's pages, float or int8; or,
+        with ``layer``, the stacked pool [layers, K, P, L, H], gathered from
+        in place.
       block_tables: i32[B, pages_per_seq] page ids; entries past a sequence's
         length may be any valid page id (never read into the output).
       lengths: i32[B] tokens per sequence, the query's own included.
-      k_scales, v_scales: f32[K, P, L] per-token scales for int8 pages.
+      k_scales, v_scales: f32[K, P, L] per-token scales for int8 pages
+        (f32[layers, K, P, L] with ``layer``).
       scale, soft_cap, sliding_window: as in ``pallas_kernels.common``.
       block_sizes: tiling.
+      layer: the layer of a stacked pool (integer scalar, traced or not);
+        None for one layer's pages.
 
     Returns:
       [B, N, H] in ``q.dtype``; zeros where ``lengths == 0``. Computed in f32.
 
     Raises:
       ValueError: inputs failing ``common.validate_inputs`` or
-        ``common.validate_options``.
+        ``common.validate_options``; (eager) lengths past a row's table or a
+        layer outside the pool.
     """
-    common.validate_inputs(q, k_pages, v_pages, block_tables, lengths, None, k_scales, v_scales)
-    lengths, _ = common.checked_lengths(block_tables, k_pages.shape[1], k_pages.shape[2], lengths)
+    common.validate_inputs(q, k_pages, v_pages, block_tables, lengths, None, k_scales, v_scales, layer)
+    lengths, _ = common.checked_lengths(block_tables, k_pages.shape[-3], k_pages.shape[-2], lengths)
     common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    layer_index = common.checked_layer(layer, k_pages.shape[0])
+    k_pages, v_pages, k_scales, v_scales = common.stack_layer(k_pages, v_pages, k_scales, v_scales, layer=layer)
     return _paged_attention_cpu(
-        q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
+        q, k_pages, v_pages, layer_index, block_tables, lengths, k_scales, v_scales,
         scale=common.resolve_scale(scale, q.shape[-1]), soft_cap=soft_cap, sliding_window=sliding_window,
         block_sizes=block_sizes,
     )

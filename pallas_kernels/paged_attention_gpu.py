@@ -90,13 +90,14 @@ class GPUBlockSizes:
 
 def _kernel(
     # inputs
+    layer_ref,  # i32[1] the layer of the stacked pool
     kv_len_ref,  # i32[1] this sequence's kv_len
     q_len_ref,  # i32[1] this sequence's q_len
     block_table_ref,  # i32[pages_per_seq_padded]
     q_ref,  # [R, H] query rows of one KV head, R = block_q * G_pad
-    k_pages_ref,  # [P, L, H] one KV head's pages
-    v_pages_ref,  # [P, L, H]
-    *rest,  # (k_scales_ref f32[P, L], v_scales_ref f32[P, L])?, o_ref f32[R, H], l_ref f32[R], m_ref f32[R]
+    k_pages_ref,  # [layers, P, L, H] one KV head's pages, every layer
+    v_pages_ref,  # [layers, P, L, H]
+    *rest,  # (k_scales_ref, v_scales_ref f32[layers, P, L])?, o_ref f32[R, H], l_ref f32[R], m_ref f32[R]
     block_q: int,
     group: int,
     group_pad: int,
@@ -113,9 +114,9 @@ def _kernel(
         (o_ref, l_ref, m_ref), k_scales_ref, v_scales_ref = rest, None, None
     q_block, split = pl.program_id(2), pl.program_id(3)
     rows, head_dim = q_ref.shape
-    page_size = k_pages_ref.shape[1]
+    page_size = k_pages_ref.shape[2]
     keys = pages_per_compute_block * page_size
-    kv_len, q_len = kv_len_ref[0], q_len_ref[0]
+    kv_len, q_len, layer = kv_len_ref[0], q_len_ref[0], layer_ref[0]
 
     # Row r is query token q_block * block_q + r // G_pad, head r % G_pad of the group.
     row = lax.broadcasted_iota(jnp.int32, (rows,), 0)
@@ -139,13 +140,14 @@ def _kernel(
     def body(j, carry):
         o_prev, l_prev, m_prev = carry
         page_ids = block_table_ref[pl.ds(j * pages_per_compute_block, pages_per_compute_block)]
-        k = k_pages_ref[page_ids].reshape(keys, head_dim).astype(compute_dtype)
-        v = v_pages_ref[page_ids].reshape(keys, head_dim).astype(compute_dtype)
+        # Pages are read where they sit in the stacked pool: no layer is copied out.
+        k = k_pages_ref[layer, page_ids].reshape(keys, head_dim).astype(compute_dtype)
+        v = v_pages_ref[layer, page_ids].reshape(keys, head_dim).astype(compute_dtype)
         k_pos = j * keys + lax.broadcasted_iota(jnp.int32, (keys,), 0)  # i32[keys]
         key_real = k_pos < kv_len
         logits = plgpu.dot(q, k, trans_b=True)  # f32[R, keys]
         if quantized:
-            k_scale = k_scales_ref[page_ids].reshape(1, keys)
+            k_scale = k_scales_ref[layer, page_ids].reshape(1, keys)
             logits = logits * k_scale
         if soft_cap is not None:
             logits = soft_cap * jnp.tanh(logits / soft_cap)
@@ -159,7 +161,7 @@ def _kernel(
         l_next = correction * l_prev + p.sum(axis=-1)
         if quantized:
             # NaN may sit in the scales of slots nobody owns; 0 * NaN is NaN.
-            v_scale = jnp.where(key_real, v_scales_ref[page_ids].reshape(keys), 0.0)
+            v_scale = jnp.where(key_real, v_scales_ref[layer, page_ids].reshape(keys), 0.0)
             p = p * v_scale[None, :]
         else:
             v = jnp.where(key_real[:, None], v, jnp.zeros_like(v))
@@ -179,13 +181,14 @@ def _kernel(
 
 def flash_paged_call(
     q: jax.Array,  # [B, T, N, H]
-    k_pages: jax.Array,  # [K, P, L, H] float or int8
-    v_pages: jax.Array,  # [K, P, L, H]
+    k_pages: jax.Array,  # [layers, K, P, L, H] float or int8
+    v_pages: jax.Array,  # [layers, K, P, L, H]
+    layer: jax.Array,  # i32[1]
     block_tables: jax.Array,  # i32[B, pages_per_seq]
     kv_lens: jax.Array,  # i32[B]
     q_lens: jax.Array,  # i32[B]
-    k_scales: jax.Array | None,  # f32[K, P, L]
-    v_scales: jax.Array | None,  # f32[K, P, L]
+    k_scales: jax.Array | None,  # f32[layers, K, P, L]
+    v_scales: jax.Array | None,  # f32[layers, K, P, L]
     *,
     block_q: int,
     pages_per_compute_block: int,
@@ -197,13 +200,16 @@ def flash_paged_call(
     sliding_window: int | None,
     interpret: bool,
 ) -> jax.Array:
-    """The shared kernel launch (inputs already validated; traceable).
+    """The shared kernel launch (inputs already validated, ``layer`` checked
+    by ``common.checked_layer``; traceable). Pages are the stacked pool; a
+    program reads layer ``layer`` of it in place (a one-layer call passes
+    ``x[None]``, ``common.stack_layer``).
 
     Returns:
       [B, T, N, H] in ``q.dtype``; zeros for padding rows and empty sequences.
     """
     batch, num_q_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    num_layers, num_kv_heads, num_pages, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
     group_pad = max(pl.next_power_of_2(group), pl.cdiv(16, block_q))
     rows = block_q * group_pad
@@ -233,9 +239,13 @@ def flash_paged_call(
         sliding_window=sliding_window,
         quantized=quantized,
     )
-    pages_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda b, h, i, s: (h, 0, 0, 0))
-    scales_spec = pl.BlockSpec((None, num_pages, page_size), lambda b, h, i, s: (h, 0, 0))
+    # A program's pages block is its KV head's pages in every layer; the
+    # layer is an index into it (Triton has no scalar prefetch to move a
+    # block's origin by a runtime value), so no layer slice is ever copied.
+    pages_spec = pl.BlockSpec((num_layers, None, num_pages, page_size, head_dim), lambda b, h, i, s: (0, h, 0, 0, 0))
+    scales_spec = pl.BlockSpec((num_layers, None, num_pages, page_size), lambda b, h, i, s: (0, h, 0, 0))
     in_specs = [
+        pl.BlockSpec((1,), lambda b, h, i, s: (0,)),  # layer
         pl.BlockSpec((1,), lambda b, h, i, s: (b,)),  # kv_lens
         pl.BlockSpec((1,), lambda b, h, i, s: (b,)),  # q_lens
         pl.BlockSpec((None, pages_per_seq), lambda b, h, i, s: (b, 0)),  # block_tables
@@ -261,7 +271,7 @@ def flash_paged_call(
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"paged_attention_gpu_{block_q=}_{pages_per_compute_block=}_{k_splits=}",
-    )(kv_lens, q_lens, block_tables, qr, k_pages, v_pages, *((k_scales, v_scales) if quantized else ()))
+    )(layer, kv_lens, q_lens, block_tables, qr, k_pages, v_pages, *((k_scales, v_scales) if quantized else ()))
 
     # Combine the splits: o = sum_s o_s e^{m_s - m} / sum_s l_s e^{m_s - m}.
     m_all = m.max(axis=2, keepdims=True)
@@ -277,11 +287,11 @@ def flash_paged_call(
 @functools.partial(
     jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "block_sizes", "interpret")
 )
-def _paged_attention_gpu(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *,
+def _paged_attention_gpu(q, k_pages, v_pages, layer, block_tables, lengths, k_scales, v_scales, *,
                          scale, soft_cap, sliding_window, block_sizes, interpret):
     q_lens = jnp.minimum(lengths, 1)
     return flash_paged_call(
-        q[:, None], k_pages, v_pages, block_tables, lengths, q_lens, k_scales, v_scales,
+        q[:, None], k_pages, v_pages, layer, block_tables, lengths, q_lens, k_scales, v_scales,
         block_q=1,
         pages_per_compute_block=block_sizes.pages_per_compute_block,
         k_splits=block_sizes.k_splits,
@@ -305,25 +315,30 @@ def paged_attention_gpu(
     sliding_window: int | None = None,
     block_sizes: GPUBlockSizes = GPUBlockSizes(),
     interpret: bool | None = None,
+    layer: int | jax.Array | None = None,
 ) -> jax.Array:
     """Paged decode attention: one query token per sequence, GQA.
 
     Args:
       q: [B, N, H] unscaled queries (the kernel scales them, see
         ``pallas_kernels.common``).
-      k_pages, v_pages: [K, P, L, H] one layer's pages, float or int8.
+      k_pages, v_pages: [K, P, L, H] one layer's pages, float or int8; or,
+        with ``layer``, the stacked pool [layers, K, P, L, H].
       block_tables: i32[B, pages_per_seq] page ids; entries past a
         sequence's length may be any valid page id (they are never read into
         the output, even if the page holds NaN).
       lengths: i32[B] tokens per sequence, the query's own K/V included
         (0 <= lengths <= pages_per_seq * L).
-      k_scales, v_scales: f32[K, P, L] per-token scales for int8 pages.
+      k_scales, v_scales: f32[K, P, L] per-token scales for int8 pages
+        (f32[layers, K, P, L] with ``layer``).
       scale: logit scale, default ``1 / sqrt(H)``.
       soft_cap: logits become ``soft_cap * tanh(logits / soft_cap)``.
       sliding_window: the query at position ``p`` sees keys in
         ``(p - sliding_window, p]``.
       block_sizes: tiling.
       interpret: Pallas interpret mode; default: unless running on a GPU.
+      layer: the layer of a stacked pool, read in place (an integer scalar,
+        traced or not); None for one layer's pages.
 
     Returns:
       [B, N, H] in ``q.dtype``, zeros where ``lengths == 0``; computed in f32
@@ -331,15 +346,18 @@ def paged_attention_gpu(
 
     Raises:
       ValueError: inputs failing ``common.validate_inputs`` or
-        ``common.validate_options``, or a page size that does not tile
-        (``block_sizes.keys_per_block``).
+        ``common.validate_options``, a page size that does not tile
+        (``block_sizes.keys_per_block``), or (eager) a layer outside the
+        pool (``common.checked_layer``).
     """
-    common.validate_inputs(q, k_pages, v_pages, block_tables, lengths, None, k_scales, v_scales)
-    lengths, _ = common.checked_lengths(block_tables, k_pages.shape[1], k_pages.shape[2], lengths)
+    common.validate_inputs(q, k_pages, v_pages, block_tables, lengths, None, k_scales, v_scales, layer)
+    lengths, _ = common.checked_lengths(block_tables, k_pages.shape[-3], k_pages.shape[-2], lengths)
     common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    block_sizes.keys_per_block(k_pages.shape[2])
+    block_sizes.keys_per_block(k_pages.shape[-2])
+    layer_index = common.checked_layer(layer, k_pages.shape[0])
+    k_pages, v_pages, k_scales, v_scales = common.stack_layer(k_pages, v_pages, k_scales, v_scales, layer=layer)
     return _paged_attention_gpu(
-        q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
+        q, k_pages, v_pages, layer_index, block_tables, lengths, k_scales, v_scales,
         scale=common.resolve_scale(scale, q.shape[-1]), soft_cap=soft_cap, sliding_window=sliding_window,
         block_sizes=block_sizes, interpret=common.interpret_default(interpret, "gpu"),
     )

@@ -54,13 +54,14 @@ class TPUBlockSizes:
 
 def _kernel(
     # scalar prefetch (SMEM)
+    layer_ref,  # i32[1] the layer of the stacked pool
     lengths_ref,  # i32[B]
     block_tables_ref,  # i32[B * pages_per_seq]
     # inputs
     q_ref,  # [G, H] this program's query heads
-    k_pages_ref,  # [K, P, L, H] in HBM
-    v_pages_ref,  # [K, P, L, H] in HBM
-    *rest,  # (k_scales_ref, v_scales_ref f32[K, P, L] in HBM)?, o_ref [G, H], scratch
+    k_pages_ref,  # [layers, K, P, L, H] in HBM
+    v_pages_ref,  # [layers, K, P, L, H] in HBM
+    *rest,  # (k_scales_ref, v_scales_ref f32[layers, K, P, L] in HBM)?, o_ref [G, H], scratch
     pages_per_seq: int,
     pages_per_compute_block: int,
     scale: float,
@@ -73,7 +74,8 @@ def _kernel(
     else:
         o_ref, k_buf, v_buf, sems = rest
     b, h = pl.program_id(0), pl.program_id(1)
-    _, _, page_size, head_dim = k_pages_ref.shape
+    _, _, _, page_size, head_dim = k_pages_ref.shape
+    layer = layer_ref[0]
     keys = pages_per_compute_block * page_size
     length = lengths_ref[b]
 
@@ -89,7 +91,8 @@ def _kernel(
             if quantized:
                 pairs += [(k_scales_ref, k_scale_buf), (v_scales_ref, v_scale_buf)]
             for src, dst in pairs:
-                out.append(pltpu.make_async_copy(src.at[h].at[page], dst.at[slot].at[i], sems.at[slot]))
+                # The page's DMA source is its place in the stacked pool: no layer is copied out.
+                out.append(pltpu.make_async_copy(src.at[layer].at[h].at[page], dst.at[slot].at[i], sems.at[slot]))
         return out
 
     q = q_ref[...].astype(jnp.float32) * scale  # the one place q is scaled; f32[G, H]
@@ -147,10 +150,10 @@ def _kernel(
 @functools.partial(
     jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "block_sizes", "interpret")
 )
-def _paged_attention_tpu(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, *,
+def _paged_attention_tpu(q, k_pages, v_pages, layer, block_tables, lengths, k_scales, v_scales, *,
                          scale, soft_cap, sliding_window, block_sizes, interpret):
     batch, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape
+    _, num_kv_heads, _, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
     ppcb = block_sizes.pages_per_compute_block
     block_tables = common.pad_block_tables(block_tables, ppcb)
@@ -186,7 +189,7 @@ def _paged_attention_tpu(q, k_pages, v_pages, block_tables, lengths, k_scales, v
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=3,
             grid=(batch, num_kv_heads),
             in_specs=[q_spec, any_spec, any_spec] + ([any_spec, any_spec] if quantized else []),
             out_specs=q_spec,
@@ -196,7 +199,7 @@ def _paged_attention_tpu(q, k_pages, v_pages, block_tables, lengths, k_scales, v
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=pltpu.InterpretParams() if interpret else False,
         name=f"paged_attention_tpu_ppcb{ppcb}",
-    )(lengths, block_tables.reshape(-1), q_in, k_pages, v_pages, *((k_scales, v_scales) if quantized else ()))
+    )(layer, lengths, block_tables.reshape(-1), q_in, k_pages, v_pages, *((k_scales, v_scales) if quantized else ()))
     return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 
@@ -214,38 +217,48 @@ def paged_attention_tpu(
     sliding_window: int | None = None,
     block_sizes: TPUBlockSizes = TPUBlockSizes(),
     interpret: bool | None = None,
+    layer: int | jax.Array | None = None,
 ) -> jax.Array:
     """Paged decode attention on TPU: one query token per sequence, GQA.
 
     Args:
       q: [B, N, H] unscaled queries (scaled in the kernel, see
         ``pallas_kernels.common``).
-      k_pages, v_pages: [K, P, L, H] one layer's pages, float or int8.
+      k_pages, v_pages: [K, P, L, H] one layer's pages, float or int8; or,
+        with ``layer``, the stacked pool [layers, K, P, L, H], whose pages
+        are copied straight from where they sit (the layer index is
+        scalar-prefetched into SMEM with the lengths and tables).
       block_tables: i32[B, pages_per_seq] page ids; entries past a sequence's
         length may be any valid page id (their content never reaches the
         output, NaN included). The whole table is prefetched into SMEM.
       lengths: i32[B] tokens per sequence, the query's own included
         (``0 <= lengths <= pages_per_seq * L``).
-      k_scales, v_scales: f32[K, P, L] per-token scales for int8 pages.
+      k_scales, v_scales: f32[K, P, L] per-token scales for int8 pages
+        (f32[layers, K, P, L] with ``layer``).
       scale: logit scale, default ``1 / sqrt(H)``.
       soft_cap: logits become ``soft_cap * tanh(logits / soft_cap)``.
       sliding_window: the query at position ``p`` sees keys in
         ``(p - sliding_window, p]``.
       block_sizes: tiling.
       interpret: TPU interpret mode; default: unless running on a TPU.
+      layer: the layer of a stacked pool (integer scalar, traced or not);
+        None for one layer's pages.
 
     Returns:
       [B, N, H] in ``q.dtype``; zeros where ``lengths == 0``. Computed in f32.
 
     Raises:
       ValueError: inputs failing ``common.validate_inputs`` or
-        ``common.validate_options``.
+        ``common.validate_options``; (eager) lengths past a row's table or a
+        layer outside the pool.
     """
-    common.validate_inputs(q, k_pages, v_pages, block_tables, lengths, None, k_scales, v_scales)
-    lengths, _ = common.checked_lengths(block_tables, k_pages.shape[1], k_pages.shape[2], lengths)
+    common.validate_inputs(q, k_pages, v_pages, block_tables, lengths, None, k_scales, v_scales, layer)
+    lengths, _ = common.checked_lengths(block_tables, k_pages.shape[-3], k_pages.shape[-2], lengths)
     common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    layer_index = common.checked_layer(layer, k_pages.shape[0])
+    k_pages, v_pages, k_scales, v_scales = common.stack_layer(k_pages, v_pages, k_scales, v_scales, layer=layer)
     return _paged_attention_tpu(
-        q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
+        q, k_pages, v_pages, layer_index, block_tables, lengths, k_scales, v_scales,
         scale=common.resolve_scale(scale, q.shape[-1]), soft_cap=soft_cap, sliding_window=sliding_window,
         block_sizes=block_sizes, interpret=common.interpret_default(interpret, "tpu"),
     )

@@ -68,10 +68,10 @@ class RaggedBlockSizes:
 @functools.partial(
     jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "block_sizes", "interpret")
 )
-def _ragged(q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales, *,
+def _ragged(q, k_pages, v_pages, layer, block_tables, kv_lens, q_lens, k_scales, v_scales, *,
             scale, soft_cap, sliding_window, block_sizes, interpret):
     return flash_paged_call(
-        q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales,
+        q, k_pages, v_pages, layer, block_tables, kv_lens, q_lens, k_scales, v_scales,
         block_q=min(block_sizes.block_q, 1 << (q.shape[1] - 1).bit_length()),
         pages_per_compute_block=block_sizes.pages_per_compute_block,
         k_splits=1,
@@ -96,24 +96,29 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     block_sizes: RaggedBlockSizes = RaggedBlockSizes(),
     interpret: bool | None = None,
+    layer: int | jax.Array | None = None,
 ) -> jax.Array:
     """Causal GQA paged attention for a mixed prefill/decode batch.
 
     Args:
       q: [B, T, N, H] unscaled queries; rows ``t >= q_lens[b]`` are padding.
       k_pages, v_pages: [K, P, L, H] one layer's pages (query tokens' K/V
-        already written), float or int8.
+        already written), float or int8; or, with ``layer``, the stacked
+        pool [layers, K, P, L, H], read in place.
       block_tables: i32[B, pages_per_seq] page ids; entries past a
         sequence's length may be any valid page id.
       kv_lens: i32[B] cached tokens per sequence, query tokens included
         (``<= pages_per_seq * L``).
       q_lens: i32[B] query tokens per sequence, ``0 <= q_lens <= min(T,
         kv_lens)``.
-      k_scales, v_scales: f32[K, P, L] per-token scales for int8 pages.
+      k_scales, v_scales: f32[K, P, L] per-token scales for int8 pages
+        (f32[layers, K, P, L] with ``layer``).
       scale, soft_cap, sliding_window: as in ``pallas_kernels.common``.
       block_sizes: tiling; ``block_q`` is capped at ``T`` rounded up to a
         power of two.
       interpret: Pallas interpret mode; default: unless running on a GPU.
+      layer: the layer of a stacked pool (integer scalar, traced or not);
+        None for one layer's pages.
 
     Returns:
       [B, T, N, H] in ``q.dtype``; zeros for padding rows and for sequences
@@ -121,14 +126,17 @@ def ragged_paged_attention(
 
     Raises:
       ValueError: inputs failing ``common.validate_inputs`` /
-        ``common.validate_options``, or a page size that does not tile.
+        ``common.validate_options``, a page size that does not tile, or
+        (eager) lengths past a row's table or a layer outside the pool.
     """
-    common.validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales)
+    common.validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales, layer)
     common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    block_sizes.check_page_size(k_pages.shape[2])
-    kv_lens, q_lens = common.checked_lengths(block_tables, k_pages.shape[1], k_pages.shape[2], kv_lens, q_lens, q.shape[1])
+    block_sizes.check_page_size(k_pages.shape[-2])
+    kv_lens, q_lens = common.checked_lengths(block_tables, k_pages.shape[-3], k_pages.shape[-2], kv_lens, q_lens, q.shape[1])
+    layer_index = common.checked_layer(layer, k_pages.shape[0])
+    k_pages, v_pages, k_scales, v_scales = common.stack_layer(k_pages, v_pages, k_scales, v_scales, layer=layer)
     return _ragged(
-        q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales,
+        q, k_pages, v_pages, layer_index, block_tables, kv_lens, q_lens, k_scales, v_scales,
         scale=common.resolve_scale(scale, q.shape[-1]), soft_cap=soft_cap, sliding_window=sliding_window,
         block_sizes=block_sizes, interpret=common.interpret_default(interpret, "gpu"),
     )
@@ -147,6 +155,7 @@ def ref_ragged_paged_attention(
     scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    layer: int | jax.Array | None = None,
     **unused_kernel_options,
 ) -> jax.Array:
     """The truth for :func:`ragged_paged_attention`: a per-sequence loop of
@@ -157,9 +166,9 @@ def ref_ragged_paged_attention(
     Raises:
       ValueError: as the kernel, and lengths out of range.
     """
-    common.validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales)
+    common.validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales, layer)
     common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
     return common.ref_ragged_loop(
         q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales,
-        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, layer=layer,
     )

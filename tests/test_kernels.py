@@ -515,3 +515,87 @@ def test_dispatch_rejects_unknown_impl():
     c = _dispatch_case(1)
     with pytest.raises(ValueError, match="impl must be one of"):
         attention.paged_attention(*ragged_args(c)[:6], impl="triton")
+
+
+# ---------------------------------------------------------------------------
+# The stacked pool: layer ``layer`` of [layers, K, P, L, H], read in place
+
+
+def _stack(x, layer, num_layers=3):
+    """``x`` as layer ``layer`` of a stack whose other layers hold NaN."""
+    if x is None:
+        return None
+    x = np.asarray(x)
+    fill = 127 if x.dtype == np.int8 else np.nan  # int8 pages: NaN sits in the (stacked) scales
+    stack = np.full((num_layers, *x.shape), fill, x.dtype)
+    stack[layer] = x
+    return jnp.asarray(stack)
+
+
+@pytest.mark.parametrize("impl, num_q_tokens, quantized", [
+    ("xla", 16, False), ("xla", 1, True), ("xla_loop", 1, False), ("xla_loop", 1, True),
+    ("pallas_gpu", 1, False), ("pallas_gpu", 1, True), ("pallas_tpu", 1, False), ("pallas_ragged", 16, False),
+])
+def test_stacked_pool_reads_its_layer_in_place(impl, num_q_tokens, quantized):
+    """Every implementation, given the stacked pool and a (traced) layer
+    index, gives bit for bit what it gives on that layer's pages alone,
+    while every other layer holds NaN (and, for int8, NaN scales and
+    saturated pages): no other layer is read."""
+    c = _dispatch_case(num_q_tokens)
+    pages = (c["k_pages"], c["v_pages"])
+    scales = (None, None)
+    if quantized:
+        (kq, ks), (vq, vs) = common.quantize_kv(pages[0]), common.quantize_kv(pages[1])
+        pages, scales = (kq, vq), (ks, vs)
+    rest = (c["block_tables"], c["kv_lens"], c["q_lens"])
+    one = attention.paged_attention(c["q"], *pages, *rest, impl=impl, k_scales=scales[0], v_scales=scales[1])
+    stacked = [_stack(x, 1) for x in (*pages, *scales)]
+    call = jax.jit(lambda layer, q, k, v, bt, kl, ql, ks, vs: attention.paged_attention(
+        q, k, v, bt, kl, ql, impl=impl, layer=layer, k_scales=ks, v_scales=vs))
+    out = call(jnp.int32(1), c["q"], *stacked[:2], *rest, *stacked[2:])
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(one))
+    real = np.arange(num_q_tokens)[None, :] < np.asarray(c["q_lens"])[:, None]
+    assert np.all(np.isfinite(np.asarray(out)[real]))
+
+
+def test_stacked_pool_rejects_bad_layers():
+    c = _dispatch_case(1)
+    args = (c["q"], _stack(c["k_pages"], 0), _stack(c["v_pages"], 0), c["block_tables"], c["kv_lens"], c["q_lens"])
+    for bad in (3, -1):
+        with pytest.raises(ValueError, match=r"layer must be in \[0, num_layers=3\), got layer=" + str(bad)):
+            attention.paged_attention(*args, impl="xla", layer=bad)
+        with pytest.raises(ValueError, match="layer must be in"):
+            paged_attention_gpu(c["q"][:, 0], *args[1:5], layer=bad)
+    with pytest.raises(ValueError, match="layer must be an integer scalar"):
+        attention.paged_attention(*args, impl="xla", layer=1.0)
+    with pytest.raises(ValueError, match="with layer=0, k_pages must be the stacked pool"):
+        attention.paged_attention(c["q"], c["k_pages"], c["v_pages"], *args[3:], impl="xla", layer=0)
+    with pytest.raises(ValueError, match="or the stacked"):
+        attention.paged_attention(*args, impl="xla")  # a 5-D pool without a layer
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "int8"])
+def test_gpu_kernels_lower_to_triton(quantized):
+    """The GPU kernels (stacked pool, traced layer) lower to Triton IR on a
+    machine without a GPU: ``lowering_platforms=("cuda",)`` runs Pallas'
+    Triton lowering, which refuses shapes, indexing and ops Triton cannot
+    take. What only the GPU compiler can say is tested on a GPU
+    (``experiments/device_check.sh``)."""
+    pool = jnp.zeros((4, 3, 32, 16, 64), jnp.bfloat16)
+    scales = (None, None)
+    if quantized:
+        pool, s = common.quantize_kv(pool)
+        scales = (s, s)
+    tables, kv_lens = jnp.zeros((4, 8), jnp.int32), jnp.full((4,), 20, jnp.int32)
+
+    def lowered(fn, *args):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    decode = lowered(lambda layer, q: paged_attention_gpu(q, pool, pool, tables, kv_lens, *scales, layer=layer,
+                                                          interpret=False),
+                     jnp.int32(2), jnp.zeros((4, 9, 64), jnp.bfloat16))
+    ragged = lowered(lambda layer, q: ragged_paged_attention(q, pool, pool, tables, kv_lens, jnp.full((4,), 16, jnp.int32),
+                                                             *scales, layer=layer, interpret=False),
+                     jnp.int32(2), jnp.zeros((4, 16, 9, 64), jnp.bfloat16))
+    for text in (decode, ragged):
+        assert "xla.gpu.triton" in text
