@@ -17,28 +17,40 @@ reported separately), so that the mode that runs second is not favoured by
 programs the first one compiled.
 
 The model is SmolLM2-135M-Instruct from its GGUF (``--model smollm2``, the
-default) or a local Hugging Face checkpoint folder (``--model PATH``: Llama,
-Mistral or Qwen2 safetensors, :mod:`models.hf_loader`), in f32.
+default), a local Hugging Face checkpoint folder (``--model PATH``: Llama,
+Mistral or Qwen2 safetensors, :mod:`models.hf_loader`), or a real
+architecture with random weights (``--model llama-3-8b``, ``qwen2.5-7b``,
+``smollm2-135m``: :mod:`models.presets`). A preset needs neither the GGUF nor
+the ShareGPT package: it serves the packaged request lengths
+(``experiments/data/sharegpt_requests.json``, :func:`packaged_requests`),
+so an accelerator host with no network measures serving at real scale.
+Weights in ``--dtype`` and K/V in ``--kv-dtype``: f32 on CPU, bf16 on GPU
+and TPU by default.
 
-Usage: ``python -m experiments.serve_sharegpt [--model PATH] [--num-requests N] ...``
+Usage: ``python -m experiments.serve_sharegpt [--model NAME|PATH] [--num-requests N] ...``
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import pathlib
 import platform
 import sys
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from experiments import provenance
 from experiments.sharegpt import load_conversations, sample_requests
+from paged_jax.kv_cache import default_kv_dtype
 from paged_jax.engine import Engine, EngineConfig, EngineStats, Request, RequestOutput, num_traces
 from paged_jax.data_parallel import merged_stats
 from paged_jax.jit_stats import CompileMonitor, enable_persistent_cache
+from models.presets import PRESETS
 
 CSV_COLUMNS = (
     "mode",
@@ -60,9 +72,12 @@ CSV_COLUMNS = (
     "compile_s",
     "programs",
     "compiled",
+    "kv_dtype",
 )
 MODES = ("paged", "contiguous")
 MAX_SEQ_LEN = 2048  # the longest request vLLM's sampling keeps: prompt + output
+KV_DTYPES = ("float32", "bfloat16")
+PACKAGED_LIMIT = 1000  # requests in experiments/data/sharegpt_requests.json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +111,7 @@ class ServeResult:
     compile_s: float
     programs: int
     compiled: int
+    kv_dtype: str
     prefill_tokens: int
     page_size: int
     kv_budget_tokens: int
@@ -130,6 +146,46 @@ def build_requests(tokenizer, num_requests: int, max_output_len: int, *, seed: i
     return requests, prompts, report
 
 
+PACKAGED_REQUESTS = pathlib.Path(__file__).resolve().parent / "data" / "sharegpt_requests.json"
+
+
+def packaged_requests(num_requests: int, max_output_len: int, *, vocab_size: int, seed: int = 0,
+                      path: pathlib.Path = PACKAGED_REQUESTS) -> list[Request]:
+    """Requests with the lengths of the packaged ShareGPT sample, for models
+    without a tokenizer (random-weight presets).
+
+    The file (made by ``python -m experiments.make_request_lengths``) holds
+    the templated prompt length and output length of the first 1,000
+    requests :func:`build_requests` samples with seed 0. Request ``i``'s
+    prompt is the chat template's prefix ids, ``prompt_tokens - len(prefix)
+    - len(suffix)`` random ids (``numpy.random.default_rng([seed, i])``,
+    in ``[0, vocab_size)``) and the template's suffix: the lengths and the
+    shared template prefix are ShareGPT's, the words are not (with random
+    weights only the lengths matter). Outputs: ``min(output_tokens,
+    max_output_len)`` tokens, EOS ignored.
+
+    Raises:
+      ValueError: ``num_requests`` above the file's 1,000, or an argument
+        below 1.
+    """
+    for name, value in (("num_requests", num_requests), ("max_output_len", max_output_len),
+                        ("vocab_size", vocab_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {name}={value!r}")
+    data = json.loads(pathlib.Path(path).read_text())
+    rows = data["requests"]
+    if num_requests > len(rows):
+        raise ValueError(f"num_requests={num_requests} exceeds the {len(rows)} packaged requests in {path}")
+    prefix, suffix = data["template_prefix_ids"], data["template_suffix_ids"]
+    requests = []
+    for i, (prompt_len, output_len) in enumerate(rows[:num_requests]):
+        body = np.random.default_rng([seed, i]).integers(0, vocab_size, prompt_len - len(prefix) - len(suffix))
+        ids = [t % vocab_size for t in prefix] + body.tolist() + [t % vocab_size for t in suffix]
+        requests.append(Request(request_id=i, prompt_ids=ids, max_new_tokens=min(output_len, max_output_len),
+                                ignore_eos=True))
+    return requests
+
+
 def serve(
     model,
     requests: list[Request],
@@ -146,6 +202,7 @@ def serve(
     prefix_caching: bool = True,
     preemption_mode: str = "recompute",
     mesh=None,
+    kv_dtype=None,
 ) -> tuple[ServeResult, list[RequestOutput]]:
     """Serves ``requests`` in one mode and measures it.
 
@@ -168,6 +225,9 @@ def serve(
         one engine per data shard, tensor parallel over its model devices,
         each with a pool of ``kv_budget_tokens`` (the budget is per data
         shard); None for one device.
+      kv_dtype: dtype of the K/V pages (default
+        ``paged_jax.kv_cache.default_kv_dtype()``: f32 on CPU, bf16 on GPU
+        and TPU).
 
     Raises:
       ValueError: unknown mode or a budget below one maximum-length sequence.
@@ -184,6 +244,7 @@ def serve(
             f"({MAX_SEQ_LEN} tokens), got {kv_budget_tokens=} {page_size=}"
         )
     num_pages = kv_budget_tokens // page_size + 1  # + the null page
+    kv_dtype = jnp.dtype(kv_dtype or default_kv_dtype())
     config = EngineConfig(
         max_seqs=max_seqs,
         max_seq_len=MAX_SEQ_LEN,
@@ -193,7 +254,7 @@ def serve(
         preemption_mode=preemption_mode,
     )
     if mesh is None:
-        pool = model.config.make_kv_pool(num_pages, page_size)
+        pool = model.config.make_kv_pool(num_pages, page_size, kv_dtype)
         engine = Engine(paged_model or RaggedModel(model), pool, config, stop_ids=stop_ids,
                         vocab_size=model.config.vocab_size)
     else:
@@ -201,7 +262,7 @@ def serve(
 
         pool = None
         engine = make_data_parallel_engine(model, mesh, config, pages_per_shard=num_pages, page_size=page_size,
-                                           stop_ids=stop_ids, vocab_size=model.config.vocab_size)
+                                           stop_ids=stop_ids, vocab_size=model.config.vocab_size, kv_dtype=kv_dtype)
     with CompileMonitor() as compiles:
         t0 = time.perf_counter()
         outputs = engine.run(requests, progress=progress)
@@ -231,6 +292,7 @@ def serve(
         compile_s=round(compiles.counts.seconds, 1),
         programs=st.num_programs,
         compiled=compiles.counts.compiled,
+        kv_dtype=kv_dtype.name,
         prefill_tokens=st.prefill_tokens,
         page_size=page_size,
         kv_budget_tokens=(num_pages - 1) * page_size,
@@ -257,7 +319,7 @@ class MatmulFloor:
     def time(self, num_tokens: int, num_logits: int) -> float:
         key = (num_tokens, num_logits)
         if key not in self._cache:
-            x = jax.numpy.ones((num_tokens, self._model.config.model_dim), jax.numpy.float32)
+            x = jnp.ones((num_tokens, self._model.config.model_dim), self._model.embed[...].dtype)
             self._fn(self._model, x, num_logits).block_until_ready()
             times = []
             for _ in range(self._repeats):
@@ -342,8 +404,14 @@ def parse_args(argv=None):
         help="tokens per model call, decode tokens and prefill chunks together (default 256; raised to --max-seqs)",
     )
     p.add_argument("--model", default="smollm2",
-                   help="'smollm2' (SmolLM2-135M-Instruct from its GGUF, the default) or the path of a Hugging Face "
-                        "checkpoint folder (config.json, *.safetensors, tokenizer.json; llama, mistral or qwen2)")
+                   help="'smollm2' (SmolLM2-135M-Instruct from its GGUF, the default), the path of a Hugging Face "
+                        "checkpoint folder (config.json, *.safetensors, tokenizer.json; llama, mistral or qwen2), or "
+                        f"a random-weight preset of a real architecture ({', '.join(sorted(PRESETS))}), which serves "
+                        "the packaged ShareGPT request lengths and needs no tokenizer")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="weight dtype (default float32 on CPU, bfloat16 on GPU and TPU)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                   help="K/V page dtype (default float32 on CPU, bfloat16 on GPU and TPU)")
     p.add_argument("--mesh", default=None,
                    help="serve over a device mesh, e.g. 'data=2,model=4': one engine per data shard, each tensor "
                         "parallel over its model devices and with its own --kv-budget-tokens pool (default: one "
@@ -364,7 +432,9 @@ def parse_args(argv=None):
             f"--kv-budget-tokens rounded down to whole pages of --page-size {args.page_size} must hold one "
             f"maximum-length request ({MAX_SEQ_LEN} tokens), got {args.kv_budget_tokens}"
         )
-    if args.model != "smollm2":  # fail now, not after loading: reads config.json only
+    if args.model in PRESETS and args.num_requests > PACKAGED_LIMIT:
+        p.error(f"--num-requests {args.num_requests}: a preset serves the {PACKAGED_LIMIT} packaged requests at most")
+    if args.model != "smollm2" and args.model not in PRESETS:  # fail now, not after loading: reads config.json only
         from models.hf_loader import read_hf_config
 
         try:
@@ -385,20 +455,25 @@ def parse_args(argv=None):
     return args
 
 
-def load_model(spec: str):
-    """``(model, tokenizer, name)`` for ``--model``: ``"smollm2"`` (the GGUF)
-    or a Hugging Face checkpoint folder, weights in f32.
+def load_model(spec: str, dtype=jnp.float32):
+    """``(model, tokenizer, name)`` for ``--model``: ``"smollm2"`` (the GGUF),
+    a random-weight preset (tokenizer None) or a Hugging Face checkpoint
+    folder, weights in ``dtype``.
 
     Raises:
       FileNotFoundError, ValueError: from the loaders, naming the file.
     """
+    if spec in PRESETS:
+        from models.presets import random_model
+
+        return random_model(spec, param_dtype=dtype), None, f"{spec} (random weights)"
     if spec == "smollm2":
         from models.smollm2 import load_smollm2
 
-        return (*load_smollm2(), "SmolLM2-135M-Instruct")
+        return (*load_smollm2(param_dtype=dtype), "SmolLM2-135M-Instruct")
     from models.hf_loader import load_hf
 
-    return (*load_hf(spec), pathlib.Path(spec).resolve().name)
+    return (*load_hf(spec, param_dtype=dtype), pathlib.Path(spec).resolve().name)
 
 
 def check_out_dir(p: argparse.ArgumentParser, out: pathlib.Path, flag: str = "--out") -> None:
@@ -426,9 +501,12 @@ def main(argv=None) -> list[ServeResult]:
 
     print(f"machine: {machine()}")
     print(setup_compile_cache(args))
+    accelerator = jax.default_backend() != "cpu"
+    dtype = jnp.dtype(args.dtype or ("bfloat16" if accelerator else "float32"))
+    kv_dtype = jnp.dtype(args.kv_dtype or default_kv_dtype())
     t0 = time.perf_counter()
-    model, tokenizer, model_name = load_model(args.model)
-    print(f"loaded {model_name} in {time.perf_counter() - t0:.1f} s")
+    model, tokenizer, model_name = load_model(args.model, dtype)
+    print(f"loaded {model_name} in {time.perf_counter() - t0:.1f} s; weights {dtype.name}, K/V {kv_dtype.name}")
     if args.mesh is not None:
         from paged_jax.sharding import make_mesh
 
@@ -438,14 +516,16 @@ def main(argv=None) -> list[ServeResult]:
             raise SystemExit(f"--mesh {args.mesh!r}: {e}") from e
         print(f"mesh: data={mesh.shape['data']} x model={mesh.shape['model']} over {mesh.devices.size} "
               f"{jax.devices()[0].platform} devices")
-    requests, prompts, report = build_requests(tokenizer, args.num_requests, args.max_output_len, seed=args.seed)
-    print(
-        f"ShareGPT: {report.records} complete conversations recovered"
-        + (" (the shipped file is truncated mid-record)" if report.truncated else "")
-        + f"; serving {len(requests)} requests, "
-        f"{sum(len(r.prompt_ids) for r in requests)} prompt tokens, "
-        f"{sum(r.max_new_tokens for r in requests)} output tokens"
-    )
+    if tokenizer is None:
+        requests = packaged_requests(args.num_requests, args.max_output_len, vocab_size=model.config.vocab_size,
+                                     seed=args.seed)
+        prompts, source = None, f"packaged ShareGPT request lengths ({PACKAGED_REQUESTS.name}), random prompt ids"
+    else:
+        requests, prompts, report = build_requests(tokenizer, args.num_requests, args.max_output_len, seed=args.seed)
+        source = f"ShareGPT: {report.records} complete conversations recovered" + (
+            " (the shipped file is truncated mid-record)" if report.truncated else "")
+    print(f"{source}; serving {len(requests)} requests, {sum(len(r.prompt_ids) for r in requests)} prompt tokens, "
+          f"{sum(r.max_new_tokens for r in requests)} output tokens")
     paged_model = RaggedModel(model)
     floor = MatmulFloor(model)
     results, outputs = [], {}
@@ -455,21 +535,24 @@ def main(argv=None) -> list[ServeResult]:
             model, requests, mode=mode, page_size=args.page_size, kv_budget_tokens=args.kv_budget_tokens,
             max_seqs=args.max_seqs, max_batched_tokens=args.max_batched_tokens, paged_model=paged_model,
             prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode,
-            floor=floor, mesh=mesh,
+            floor=floor, mesh=mesh, kv_dtype=kv_dtype,
         )
         results.append(result)
         outputs[mode] = outs
 
-    first = outputs["paged"][0]
-    completion = tokenizer.decode(_until_stop(first.output_ids, tokenizer.stop_ids))
-    print("\nfirst request\n  prompt:     " + _clip(prompts[0]) + "\n  completion: " + _clip(completion))
+    if tokenizer is not None:
+        first = outputs["paged"][0]
+        completion = tokenizer.decode(_until_stop(first.output_ids, tokenizer.stop_ids))
+        print("\nfirst request\n  prompt:     " + _clip(prompts[0]) + "\n  completion: " + _clip(completion))
     same = sum(a.output_ids == b.output_ids for a, b in zip(outputs["paged"], outputs["contiguous"]))
     table = markdown_table(results)
     ratios = ratio_line(results)
     summary = (
-        f"{len(requests)} ShareGPT requests, outputs capped at {args.max_output_len} tokens, "
+        f"{len(requests)} ShareGPT requests{'' if tokenizer else ' (packaged lengths, random prompt ids)'}, "
+        f"outputs capped at {args.max_output_len} tokens, "
         f"KV budget {results[0].kv_budget_tokens} tokens, page size {args.page_size}, max {args.max_seqs} "
-        f"running, {max(args.max_batched_tokens, args.max_seqs)} tokens per model call; {machine()}, f32.\n"
+        f"running, {max(args.max_batched_tokens, args.max_seqs)} tokens per model call; {machine()}; "
+        f"weights {dtype.name}, K/V {kv_dtype.name}.\n"
         f"Greedy outputs identical in both modes for {same}/{len(requests)} requests. "
         f"{num_traces(paged_model) if mesh is None else sum(r.programs for r in results)} step programs traced "
         f"over both modes; XLA compiled "

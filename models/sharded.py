@@ -289,7 +289,7 @@ class ShardedRaggedModel:
 
 def make_data_parallel_engine(model: Llama, mesh: Mesh, config, *, pages_per_shard: int, page_size: int,
                               stop_ids=(), vocab_size: int | None = None, impl: str = "auto",
-                              check_page_state: bool = False):
+                              check_page_state: bool = False, kv_dtype=jnp.float32):
     """A :class:`paged_jax.data_parallel.DataParallelEngine` over ``mesh``:
     for each data shard (a row of ``model``-axis devices), the weights placed
     on its devices tensor parallel (:class:`ShardedRaggedModel`), a pool of
@@ -305,6 +305,7 @@ def make_data_parallel_engine(model: Llama, mesh: Mesh, config, *, pages_per_sha
       page_size: tokens per page.
       stop_ids, vocab_size, check_page_state: as :class:`paged_jax.engine.Engine`.
       impl: attention implementation.
+      kv_dtype: dtype of every shard's K/V pages.
 
     Raises:
       ValueError: a data shard whose devices belong to more than one
@@ -326,6 +327,6 @@ def make_data_parallel_engine(model: Llama, mesh: Mesh, config, *, pages_per_sha
             continue
         row = Mesh(mesh.devices[d:d + 1], (DATA, MODEL))
         shard_model = ShardedRaggedModel(model, row, impl=impl)
-        engines.append(Engine(shard_model, shard_model.make_kv_pool(pages_per_shard, page_size), config,
+        engines.append(Engine(shard_model, shard_model.make_kv_pool(pages_per_shard, page_size, kv_dtype), config,
                               stop_ids=stop_ids, vocab_size=vocab_size, check_page_state=check_page_state))
     return DataParallelEngine(engines)

