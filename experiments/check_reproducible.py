@@ -54,6 +54,7 @@ TIMING_COLUMNS = frozenset({
     "seconds",
     # experiments.kernel_bench: CSV columns, then the Markdown headers of the same
     "ms", "ratio", "gbs", "pct_copy", "copy_read_gbs", "x dense", "GB/s", "% copy", "copy GB/s (read)",
+    "pct_peak", "peak_read_gbs", "% peak",
 })
 """Columns that measure time (or a rate or ratio of times): left out of the comparison."""
 
@@ -61,6 +62,8 @@ TIMING_TEXT = (
     re.compile(r"throughput:? [\d.]+x"),  # serve_sharegpt's and hf_baseline's ratio lines
     re.compile(r"XLA compiled \d+ programs"),  # serve_sharegpt's summary: the compile cache's state
     re.compile(r"load average at start [\d., ]+"),  # kernel_bench's machine line: other work on the machine
+    re.compile(r"copy reads [\d.e+]+ GB/s"),  # kernel_bench's peak line
+    re.compile(r"^- .*(x dense|% of peak).*$", re.M),  # kernel_bench's summary bullets: ratios and verdicts
 )
 """Timings inside Markdown prose, blanked before lines are compared."""
 

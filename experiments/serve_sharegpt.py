@@ -76,7 +76,7 @@ CSV_COLUMNS = (
 )
 MODES = ("paged", "contiguous")
 MAX_SEQ_LEN = 2048  # the longest request vLLM's sampling keeps: prompt + output
-KV_DTYPES = ("float32", "bfloat16")
+KV_DTYPES = ("float32", "bfloat16", "int8")
 PACKAGED_LIMIT = 1000  # requests in experiments/data/sharegpt_requests.json
 
 
@@ -198,7 +198,7 @@ def serve(
     paged_model=None,
     stop_ids=(),
     progress: bool = True,
-    floor: "MatmulFloor | None" = None,
+    floor: "MatmulFloor | None | bool" = None,
     prefix_caching: bool = True,
     preemption_mode: str = "recompute",
     mesh=None,
@@ -218,7 +218,8 @@ def serve(
       paged_model: ``models.llama.RaggedModel(model)``; pass the same one to
         several calls to share compiled programs.
       floor: measures the weight-matmul floor of the calls made (default a
-        new :class:`MatmulFloor`).
+        new :class:`MatmulFloor`); False skips it (``floor_s`` 0,
+        ``model_over_floor`` NaN).
       prefix_caching: automatic prefix caching (``EngineConfig``).
       preemption_mode: "recompute" or "swap".
       mesh: a ``(data, model)`` device mesh (``paged_jax.sharding.make_mesh``):
@@ -268,8 +269,7 @@ def serve(
         outputs = engine.run(requests, progress=progress)
         wall = time.perf_counter() - t0 - compiles.counts.seconds
     st = merged_stats(engine)
-    floor = floor or MatmulFloor(model)
-    floor_s = floor.seconds(st)
+    floor_s = 0.0 if floor is False else (floor or MatmulFloor(model)).seconds(st)
     generated = sum(len(o.output_ids) for o in outputs)
     rows = sum(c.shape.num_tokens for c in st.calls)
     result = ServeResult(
@@ -411,7 +411,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="weight dtype (default float32 on CPU, bfloat16 on GPU and TPU)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
-                   help="K/V page dtype (default float32 on CPU, bfloat16 on GPU and TPU)")
+                   help="K/V page dtype (default float32 on CPU, bfloat16 on GPU and TPU); int8 stores an f32 scale "
+                        "per token and KV head beside the pages")
     p.add_argument("--mesh", default=None,
                    help="serve over a device mesh, e.g. 'data=2,model=4': one engine per data shard, each tensor "
                         "parallel over its model devices and with its own --kv-budget-tokens pool (default: one "
@@ -441,6 +442,8 @@ def parse_args(argv=None):
             read_hf_config(args.model)
         except (OSError, ValueError) as e:
             p.error(f"--model {args.model!r} is not a supported checkpoint: {e}")
+    if args.mesh is not None and args.kv_dtype == "int8":
+        p.error("--kv-dtype int8 is not supported with --mesh yet; use bfloat16 or float32")
     if args.mesh is not None:
         from paged_jax.sharding import init_distributed, make_mesh, parse_mesh
 

@@ -35,6 +35,7 @@ import argparse
 import pathlib
 import time
 
+import jax
 import numpy as np
 
 from experiments import provenance
@@ -180,11 +181,10 @@ def part_c(paged_model, model, args) -> list[dict]:
         out_s, in_s = [], []
         for _ in range(args.repeats + 1):
             t = time.perf_counter()
-            k, v = gather_pages(kv, pages)
-            k.block_until_ready(), v.block_until_ready()
+            copied = jax.block_until_ready(gather_pages(kv, pages))
             out_s.append(time.perf_counter() - t)
             t = time.perf_counter()
-            kv = scatter_pages(kv, fresh, k, v)
+            kv = scatter_pages(kv, fresh, copied)
             kv.k.block_until_ready()
             in_s.append(time.perf_counter() - t)
         r, o, i = min(recompute[1:]), min(out_s[1:]), min(in_s[1:])

@@ -30,7 +30,7 @@ from paged_jax import attention as paged_attn
 from paged_jax import ragged_attention
 from paged_jax.batch import RaggedBatch
 from paged_jax.checks import check_int
-from paged_jax.kv_cache import KVPool, init_kv_pool, write_layer_pages
+from paged_jax.kv_cache import KVPool, default_kv_dtype, init_kv_pool, write_layer_kv
 from paged_jax.page_state import slot_mapping
 
 
@@ -121,16 +121,22 @@ class LlamaConfig:
         return self.num_layers * per_layer + embed + d
 
     def kv_bytes_per_token(self, dtype=jnp.float32) -> int:
-        """KV-pool bytes one token occupies across all layers (K and V)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * jnp.dtype(dtype).itemsize
+        """KV-pool bytes one token occupies across all layers (K and V; an
+        int8 pool's f32 scales included)."""
+        from pallas_kernels.common import kv_bytes_per_token
 
-    def make_kv_pool(self, num_pages: int, page_size: int, dtype=jnp.float32) -> KVPool:
+        return 2 * self.num_layers * self.num_kv_heads * kv_bytes_per_token(self.head_dim, dtype)
+
+    def make_kv_pool(self, num_pages: int, page_size: int, dtype=None) -> KVPool:
         """A zeroed KV pool shaped for this model: ``[num_layers, K, P, L, H]``.
 
         Args:
           num_pages: P, pages including the null page (>= 2).
           page_size: L, tokens per page (>= 1).
-          dtype: storage dtype of K and V.
+          dtype: storage dtype of K and V: a float dtype, or int8 (with
+            per-token scales); default
+            :func:`paged_jax.kv_cache.default_kv_dtype` (f32 on CPU, bf16 on
+            GPU and TPU).
 
         Raises:
           ValueError: from :func:`paged_jax.kv_cache.init_kv_pool`.
@@ -141,7 +147,7 @@ class LlamaConfig:
             num_pages=num_pages,
             page_size=page_size,
             head_dim=self.head_dim,
-            dtype=dtype,
+            dtype=default_kv_dtype() if dtype is None else dtype,
         )
 
 
@@ -361,14 +367,13 @@ def _run_layers(model: Llama, x, cos, sin, cache, attend, reduce=None):
 def _paged(slots: jax.Array, attend_pages):
     """An ``attend`` for :func:`_run_layers` over a paged pool: writes the
     layer's new K/V (``[B, T, K, H]``, flattened to one row per token slot)
-    at ``slots`` (i32[B * T]), then ``attend_pages(q, k_pool, v_pool,
-    layer)``."""
+    at ``slots`` (i32[B * T]; quantized for an int8 pool), then
+    ``attend_pages(q, kv, layer)``."""
 
     def attend(q, k, v, kv: KVPool, layer):
         rows = k.shape[0] * k.shape[1]
-        k_pool = write_layer_pages(kv.k, layer, k.reshape(rows, *k.shape[2:]), slots)
-        v_pool = write_layer_pages(kv.v, layer, v.reshape(rows, *v.shape[2:]), slots)
-        return attend_pages(q, k_pool, v_pool, layer), KVPool(k=k_pool, v=v_pool)
+        kv = write_layer_kv(kv, layer, k.reshape(rows, *k.shape[2:]), v.reshape(rows, *v.shape[2:]), slots)
+        return attend_pages(q, kv, layer), kv
 
     return attend
 
@@ -384,6 +389,23 @@ def _check_pool(config: LlamaConfig, kv: KVPool) -> None:
     got = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
     if got != want:
         raise ValueError(f"kv pool must have (num_layers, num_kv_heads, head_dim)={want} for this model, got {got}")
+    check_pool_dtypes(kv)
+
+
+def check_pool_dtypes(kv: KVPool) -> None:
+    """Raises ValueError unless the pool is float without scales, or int8
+    with f32 scales of shape ``k.shape[:-1]`` (an int8 pool without scales
+    would store truncated K/V)."""
+    int8 = kv.k.dtype == jnp.int8
+    if kv.v.dtype != kv.k.dtype or not (int8 or jnp.issubdtype(kv.k.dtype, jnp.floating)):
+        raise ValueError(f"kv pool K and V must share a float or int8 dtype, got {kv.k.dtype} and {kv.v.dtype}")
+    if int8 != (kv.k_scale is not None) or int8 != (kv.v_scale is not None):
+        raise ValueError(f"an int8 kv pool needs k_scale and v_scale and a float one has none; got {kv.k.dtype} "
+                         f"pages with k_scale {'set' if kv.k_scale is not None else 'None'}, v_scale "
+                         f"{'set' if kv.v_scale is not None else 'None'}")
+    for name, x in (("k_scale", kv.k_scale), ("v_scale", kv.v_scale)):
+        if x is not None and (x.shape != kv.k.shape[:-1] or x.dtype != jnp.float32):
+            raise ValueError(f"kv pool {name} must be f32{list(kv.k.shape[:-1])}, got {x.dtype}{list(x.shape)}")
 
 
 def forward(
@@ -445,8 +467,9 @@ def forward(
 
     x = model.embed[...][tokens]  # [B, T, D]
 
-    def attend_pages(q, k_pool, v_pool, layer):
-        return paged_attn.paged_attention(q, k_pool, v_pool, block_tables, kv_lens, q_lens, impl=impl, layer=layer,
+    def attend_pages(q, kv, layer):
+        return paged_attn.paged_attention(q, kv.k, kv.v, block_tables, kv_lens, q_lens, impl=impl, layer=layer,
+                                          k_scales=kv.k_scale, v_scales=kv.v_scale,
                                           sliding_window=config.sliding_window)
 
     x, kv = _run_layers(model, x, cos, sin, kv, _paged(slots, attend_pages), reduce)
@@ -492,9 +515,9 @@ def forward_ragged(model: Llama, batch: RaggedBatch, kv: KVPool, *, impl: str = 
     cos, sin = rope_angles(positions, config.head_dim, config.rope_theta)  # [1, T, H/2]
     x = model.embed[...][batch.tokens][None]  # [1, T, D]
 
-    def attend_pages(q, k_pool, v_pool, layer):
-        return ragged_attention.attend(q[0], k_pool, v_pool, layer, batch, impl=impl,
-                                       sliding_window=config.sliding_window)[None]
+    def attend_pages(q, kv, layer):
+        return ragged_attention.attend(q[0], kv.k, kv.v, layer, batch, impl=impl, k_scales=kv.k_scale,
+                                       v_scales=kv.v_scale, sliding_window=config.sliding_window)[None]
 
     x, kv = _run_layers(model, x, cos, sin, kv, _paged(batch.slots, attend_pages), reduce)
     return _logits(model, x[0, batch.logits_rows]), kv  # [R, V]

@@ -9,7 +9,7 @@ nor a network (accelerator hosts often have neither).
 The shapes are those of the published ``config.json`` files:
 ``meta-llama/Meta-Llama-3-8B`` (8,030,261,248 parameters),
 ``Qwen/Qwen2.5-7B`` (7,615,616,512) and ``HuggingFaceTB/SmolLM2-135M-Instruct``
-(134,515,008, the same config the GGUF gives: ``tests/test_presets.py``).
+(134,515,008: :data:`models.llama.SMOLLM2_135M`, the config the GGUF gives).
 """
 
 from __future__ import annotations
@@ -17,13 +17,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from models.llama import Llama, LlamaConfig
+from models.llama import SMOLLM2_135M, Llama, LlamaConfig
 
 PRESETS: dict[str, LlamaConfig] = {
-    "smollm2-135m": LlamaConfig(
-        vocab_size=49152, model_dim=576, mlp_dim=1536, num_layers=30, num_q_heads=9, num_kv_heads=3,
-        head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5, tie_embeddings=True, max_seq_len=8192,
-    ),
+    "smollm2-135m": SMOLLM2_135M,
     "llama-3-8b": LlamaConfig(
         vocab_size=128256, model_dim=4096, mlp_dim=14336, num_layers=32, num_q_heads=32, num_kv_heads=8,
         head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5, tie_embeddings=False, max_seq_len=8192,

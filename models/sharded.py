@@ -166,6 +166,9 @@ class ShardedLlama:
         Raises:
           ValueError: from :func:`paged_jax.kv_cache.init_kv_pool`.
         """
+        if jnp.dtype(dtype) == jnp.int8:
+            raise ValueError("int8 K/V is not supported on a mesh yet (its scales have no sharding); use bfloat16 "
+                             f"or float32, got dtype={jnp.dtype(dtype)}")
         data = self.mesh.shape[DATA]
         sharding = NamedSharding(self.mesh, KV_SPEC)
         pool = jax.jit(lambda: init_kv_pool(
@@ -285,6 +288,8 @@ class ShardedRaggedModel:
         if got != want:
             raise ValueError(f"kv pool must have (num_layers, num_kv_heads, head_dim)={want} for this sharded "
                              f"model (KV heads padded for the mesh), got {got}")
+        if kv.quantized or kv.k.dtype == jnp.int8:
+            raise ValueError("int8 K/V is not supported on a mesh yet; use a bfloat16 or float32 pool")
 
 
 def make_data_parallel_engine(model: Llama, mesh: Mesh, config, *, pages_per_shard: int, page_size: int,

@@ -1040,8 +1040,8 @@ class Engine:
             return False
         # Dispatched now, so it runs after the calls that wrote these pages
         # and before the next call, which frees them.
-        k, v = gather_pages(self.kv, list(unique))
-        self.swap.put(group, SwappedGroup(k=k, v=v, num_pages=len(unique), tables=tables, num_tokens=num_tokens))
+        copied = gather_pages(self.kv, list(unique))
+        self.swap.put(group, SwappedGroup(pages=copied, num_pages=len(unique), tables=tables, num_tokens=num_tokens))
         self.stats.swap_outs += 1
         self.stats.swapped_out_pages += len(unique)
         return True
@@ -1054,7 +1054,7 @@ class Engine:
         fresh = self.pool.take_free(len(needed))
         self._num_free -= len(needed)
         new_page = dict(zip(needed, fresh))
-        self.kv = scatter_pages(self.kv, fresh, swapped.k, swapped.v, source=needed)
+        self.kv = scatter_pages(self.kv, fresh, swapped.pages, source=needed)
         for seq in members:
             table = [new_page[i] for i in swapped.tables[seq.index]]
             seq.num_computed = swapped.num_tokens[seq.index]

@@ -27,12 +27,26 @@ class KVPool:
     """K and V pages for all layers.
 
     Attributes:
-      k: [num_layers, num_kv_heads, num_pages, page_size, head_dim].
+      k: [num_layers, num_kv_heads, num_pages, page_size, head_dim], float,
+        or int8 with scales.
       v: same shape and dtype as ``k``.
+      k_scale, v_scale: f32[num_layers, num_kv_heads, num_pages, page_size]
+        per-token, per-KV-head scales of an int8 pool (``x ~= x_int8 *
+        scale``, ``pallas_kernels.common.quantize_kv``); None for a float
+        pool. Every whole-page operation (copy-on-write, swap) moves them
+        with their pages: it maps over the pool's leaves, whose third axis
+        is always the page.
     """
 
     k: jax.Array  # [layers, K, P, L, H]
     v: jax.Array  # [layers, K, P, L, H]
+    k_scale: jax.Array | None = None  # f32[layers, K, P, L] (int8 pools)
+    v_scale: jax.Array | None = None  # f32[layers, K, P, L] (int8 pools)
+
+    @property
+    def quantized(self) -> bool:
+        """int8 pages with per-token scales."""
+        return self.k_scale is not None
 
     @property
     def num_layers(self) -> int:
@@ -56,8 +70,8 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by K and V together."""
-        return self.k.nbytes + self.v.nbytes
+        """Bytes held by K and V together (scales included)."""
+        return sum(x.nbytes for x in jax.tree.leaves(self))
 
 
 def default_kv_dtype() -> jnp.dtype:
@@ -79,10 +93,14 @@ def init_kv_pool(
     """A zeroed pool. Memory: ``2 * num_layers * num_kv_heads * num_pages *
     page_size * head_dim * itemsize`` bytes.
 
+    With ``dtype=int8`` the pool also holds f32 scales per token and KV
+    head (``H + 4`` bytes per token and head instead of ``2 H`` for bf16);
+    writes quantize (:func:`write_layer_kv`), attention dequantizes.
+
     Raises:
       ValueError: a size that is not a positive int (``num_pages`` >= 2: the
-        null page plus one usable page), or a dtype that is not floating
-        (K and V would be truncated silently).
+        null page plus one usable page), or a dtype that is neither floating
+        nor int8 (K and V would be truncated silently).
     """
     for name, value, low in (
         ("num_layers", num_layers, 1),
@@ -92,10 +110,14 @@ def init_kv_pool(
         ("head_dim", head_dim, 1),
     ):
         check_int(name, value, low)
-    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
-        raise ValueError(f"dtype must be a floating dtype (float32, bfloat16, float16), got dtype={jnp.dtype(dtype)}")
+    dtype = jnp.dtype(dtype)
+    if not (jnp.issubdtype(dtype, jnp.floating) or dtype == jnp.int8):
+        raise ValueError(f"dtype must be a floating dtype (float32, bfloat16, float16) or int8, got dtype={dtype}")
     shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
-    return KVPool(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    if dtype != jnp.int8:
+        return KVPool(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    return KVPool(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                  k_scale=jnp.zeros(shape[:-1], jnp.float32), v_scale=jnp.zeros(shape[:-1], jnp.float32))
 
 
 def write_layer_pages(pool: jax.Array, layer: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
@@ -130,6 +152,31 @@ def write_layer_pages(pool: jax.Array, layer: jax.Array, new: jax.Array, slots: 
     return pool.at[layer, :, page, offset].set(new.astype(pool.dtype), mode="drop")
 
 
+def write_layer_kv(pool: KVPool, layer: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> KVPool:
+    """Writes new tokens' K and V into one layer of the pool, in place
+    (:func:`write_layer_pages`); an int8 pool stores them quantized per
+    token and KV head (``pallas_kernels.common.quantize_kv``) with their
+    scales.
+
+    Args:
+      pool: the pool.
+      layer: i32[] layer index.
+      k, v: [N_tok, K, H] float values.
+      slots: i32[N_tok] flat slots; -1 is skipped.
+
+    Returns:
+      The updated pool.
+    """
+    if not pool.quantized:
+        return KVPool(k=write_layer_pages(pool.k, layer, k, slots), v=write_layer_pages(pool.v, layer, v, slots))
+    from pallas_kernels.common import quantize_kv
+
+    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)  # [N_tok, K, H] int8, f32[N_tok, K]
+    return KVPool(k=write_layer_pages(pool.k, layer, kq, slots), v=write_layer_pages(pool.v, layer, vq, slots),
+                  k_scale=write_layer_pages(pool.k_scale, layer, ks, slots),
+                  v_scale=write_layer_pages(pool.v_scale, layer, vs, slots))
+
+
 def write_pages(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
     """Writes new tokens' K (or V) into one layer's pages.
 
@@ -155,7 +202,7 @@ def copy_pages(pool: KVPool, src: jax.Array, dst: jax.Array) -> KVPool:
     dst = jnp.where(skip, pool.num_pages, dst)
     src = jnp.where(skip, 0, src)
 
-    def one(x):
+    def one(x):  # [layers, K, P, ...]: K/V pages and scales alike
         return x.at[:, :, dst].set(x[:, :, src], mode="drop")
 
-    return KVPool(k=one(pool.k), v=one(pool.v))
+    return jax.tree.map(one, pool)

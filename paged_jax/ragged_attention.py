@@ -114,6 +114,8 @@ def ragged_paged_attention(
     scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    k_scales: jax.Array | None = None,  # f32[layers, K, P, L] with int8 pools
+    v_scales: jax.Array | None = None,  # f32[layers, K, P, L] with int8 pools
 ) -> jax.Array:
     """Causal GQA attention of a flat token batch over its sequences' pages.
 
@@ -121,8 +123,8 @@ def ragged_paged_attention(
       q: [T, N, H] queries (unscaled), flat: sequence ``s`` owns rows
         ``q_starts[s] + t`` for ``t < q_lens[s]``; rows no sequence owns are
         padding.
-      k_pool, v_pool: [layers, K, P, L, H] the stacked pool; the new tokens'
-        K/V already written.
+      k_pool, v_pool: [layers, K, P, L, H] the stacked pool, float or int8;
+        the new tokens' K/V already written.
       layer: i32[] which layer's pages to read.
       block_tables: i32[S, pages_per_seq] each sequence's pages.
       q_starts: i32[S] first flat row of each sequence's queries.
@@ -142,6 +144,9 @@ def ragged_paged_attention(
       scale: logit scale, default ``1 / sqrt(H)``.
       soft_cap: logits become ``soft_cap * tanh(logits / soft_cap)``.
       sliding_window: a query at ``p`` sees keys in ``(p - window, p]``.
+      k_scales, v_scales: f32[layers, K, P, L] per-token scales of an int8
+        pool (``pallas_kernels.common.quantize_kv``), applied to each work
+        item's gathered keys and values; None for a float pool.
 
     Returns:
       [T, N, H] in ``q.dtype``, computed in f32; zeros in padding rows.
@@ -155,6 +160,7 @@ def ragged_paged_attention(
     """
     _validate(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, num_tiles=num_tiles, tile_q=tile_q,
               pages_per_block=pages_per_block, work_chunk=work_chunk, sliding_window=sliding_window)
+    _validate_scales(k_pool, k_scales, v_scales)
     common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
     t_total, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_pool.shape[1], k_pool.shape[3]
@@ -209,6 +215,9 @@ def ragged_paged_attention(
         # copy the whole layer.
         k = k_pool[layer, :, pages].astype(jnp.float32)  # [W, ppb, K, L, H]
         v = v_pool[layer, :, pages].astype(jnp.float32)
+        if k_scales is not None:  # int8: dequantize the gathered item, never the pool
+            k = k * k_scales[layer, :, pages][..., None]  # scales [W, ppb, K, L]
+            v = v * v_scales[layer, :, pages][..., None]
         logits = jnp.einsum("WKMH,WJKLH->WKMJL", q_tile[w_tile], k)
         logits = logits.reshape(work_chunk, num_kv_heads, rows_m, block_tokens)  # [W, K, M, C]
         if soft_cap is not None:
@@ -254,6 +263,18 @@ def ragged_paged_attention(
     dest = jnp.where(row_real, tile_rows, t_total).reshape(-1)
     out = jnp.zeros((t_total, num_q_heads, head_dim), jnp.float32).at[dest].set(o_tile, mode="drop")
     return out.astype(q.dtype)
+
+
+def _validate_scales(k_pool, k_scales, v_scales) -> None:
+    """Scales are given exactly with an int8 pool, as f32[layers, K, P, L]."""
+    quantized = k_pool.dtype == jnp.int8
+    if quantized != (k_scales is not None) or quantized != (v_scales is not None):
+        raise ValueError(f"k_scales and v_scales must be given exactly when the pool is int8, got a {k_pool.dtype} "
+                         f"pool with k_scales {'set' if k_scales is not None else 'None'} and v_scales "
+                         f"{'set' if v_scales is not None else 'None'}")
+    for name, x in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if x is not None and (x.shape != k_pool.shape[:-1] or x.dtype != jnp.float32):
+            raise ValueError(f"{name} must be f32{list(k_pool.shape[:-1])}, got {x.dtype}{list(x.shape)}")
 
 
 def _validate(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, *, num_tiles, tile_q,
@@ -305,6 +326,8 @@ def attend(
     batch,
     *,
     impl: str = "auto",
+    k_scales: jax.Array | None = None,  # f32[layers, K, P, L] with int8 pools
+    v_scales: jax.Array | None = None,
     **options,
 ) -> jax.Array:
     """Attention for a :class:`paged_jax.batch.RaggedBatch`: its one-token
@@ -323,6 +346,7 @@ def attend(
         decode and ``[max_prefill_chunks, T]`` for chunks, and handed to
         :func:`paged_jax.attention.paged_attention`. ``"auto"``: ``"xla"`` on
         CPU, the backend's kernels elsewhere.
+      k_scales, v_scales: the per-token scales of an int8 pool, else None.
       options: ``scale``, ``soft_cap``, ``sliding_window``.
 
     Returns:
@@ -368,9 +392,11 @@ def attend(
             out = out + ragged_paged_attention(
                 q, k_pool, v_pool, layer, batch.block_tables, batch.q_starts,
                 jnp.where(rows, batch.q_lens, 0), jnp.where(rows, batch.kv_lens, 0),
-                num_tiles=tiles, tile_q=tile_q, pages_per_block=ppb, work_chunk=work_chunk, **options,
+                num_tiles=tiles, tile_q=tile_q, pages_per_block=ppb, work_chunk=work_chunk,
+                k_scales=k_scales, v_scales=v_scales, **options,
             )
         return out
+    options = dict(options, k_scales=k_scales, v_scales=v_scales)
     if shape.decode_tiles:
         out = _padded(out, q, k_pool, v_pool, layer, batch, jnp.arange(decode.shape[0]), decode, 1, impl, options)
     if shape.prefill_tiles:

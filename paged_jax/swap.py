@@ -39,54 +39,64 @@ def _padded(pages: list[int]) -> np.ndarray:
 
 
 @jax.jit
-def _gather(kv: KVPool, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return kv.k[:, :, pages], kv.v[:, :, pages]
+def _gather(kv: KVPool, pages: jax.Array) -> KVPool:
+    return jax.tree.map(lambda x: x[:, :, pages], kv)  # every leaf's third axis is the page
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _scatter(kv: KVPool, pages: jax.Array, k: jax.Array, v: jax.Array) -> KVPool:
-    return KVPool(k=kv.k.at[:, :, pages].set(k.astype(kv.k.dtype)), v=kv.v.at[:, :, pages].set(v.astype(kv.v.dtype)))
+def _scatter(kv: KVPool, pages: jax.Array, copied: KVPool) -> KVPool:
+    return jax.tree.map(lambda x, c: x.at[:, :, pages].set(c.astype(x.dtype)), kv, copied)
 
 
-def gather_pages(kv: KVPool, pages: list[int], host=None) -> tuple[jax.Array, jax.Array]:
+def gather_pages(kv: KVPool, pages: list[int], host=None) -> KVPool:
     """Copies pages out of the pool, to ``host`` (a device; default the
     first CPU device).
 
     Args:
-      kv: the pool; K and V are ``[layers, K, P, L, H]``.
+      kv: the pool; K and V are ``[layers, K, P, L, H]`` (int8 scales
+        ``[layers, K, P, L]`` travel with them).
       pages: page ids to copy, in the order they come back.
 
     Returns:
-      ``(k, v)``, each ``[layers, K, n, L, H]`` for ``n >= len(pages)`` (a
-      power of two; entries past ``len(pages)`` copy the null page).
+      A :class:`KVPool` on ``host`` of ``n >= len(pages)`` pages (a power
+      of two; entries past ``len(pages)`` copy the null page): K and V
+      ``[layers, K, n, L, H]``, and the scales of an int8 pool.
     """
-    k, v = _gather(kv, jnp.asarray(_padded(pages)))
+    copied = _gather(kv, jnp.asarray(_padded(pages)))
     host = host or jax.devices("cpu")[0]
-    return jax.device_put(k, host), jax.device_put(v, host)
+    return jax.device_put(copied, host)
 
 
-def scatter_pages(kv: KVPool, pages: list[int], k: jax.Array, v: jax.Array, source: list[int] | None = None) -> KVPool:
+def scatter_pages(kv: KVPool, pages: list[int], copied: KVPool, source: list[int] | None = None) -> KVPool:
     """Writes copied contents (from :func:`gather_pages`) into ``pages`` of
     the pool; the pool is donated and the new one returned.
 
     Args:
       kv: the pool.
       pages: page ids to write.
-      k, v: copied contents ``[layers, K, n, L, H]``.
+      copied: the copied pages (:func:`gather_pages`), with the pool's
+        dtype and scales.
       source: for each of ``pages``, which copied page goes there (default
         ``0, 1, ...``).
+
+    Raises:
+      ValueError: ``source`` naming a page that was not copied, or copied
+        pages of another pool's layout (float vs int8).
     """
+    n = copied.k.shape[2]
     source = list(range(len(pages))) if source is None else list(source)
-    if len(source) != len(pages) or (source and not 0 <= min(source) <= max(source) < k.shape[2]):
-        raise ValueError(f"source must give one of the {k.shape[2]} copied pages for each of {len(pages)} pages, "
-                         f"got {source}")
+    if len(source) != len(pages) or (source and not 0 <= min(source) <= max(source) < n):
+        raise ValueError(f"source must give one of the {n} copied pages for each of {len(pages)} pages, got {source}")
+    if copied.quantized != kv.quantized:
+        raise ValueError(f"copied pages are {'int8' if copied.quantized else 'float'} but the pool is "
+                         f"{'int8' if kv.quantized else 'float'}")
     target = _padded(pages)
     src = np.zeros(len(target), np.int32)
     src[: len(source)] = source
-    if len(target) != k.shape[2] or source != list(range(len(pages))):
-        k, v = k[:, :, src], v[:, :, src]  # on the host, before the copy in
+    if len(target) != n or source != list(range(len(pages))):
+        copied = jax.tree.map(lambda x: x[:, :, src], copied)  # on the host, before the copy in
     device = next(iter(kv.k.devices()))
-    return _scatter(kv, jnp.asarray(target), jax.device_put(k, device), jax.device_put(v, device))
+    return _scatter(kv, jnp.asarray(target), jax.device_put(copied, device))
 
 
 @dataclasses.dataclass
@@ -94,15 +104,14 @@ class SwappedGroup:
     """A preempted group's pages in host memory.
 
     Attributes:
-      k, v: ``[layers, K, n, L, H]`` contents, ``n >= num_pages``.
+      pages: the copied pages (:func:`gather_pages`), ``n >= num_pages``.
       num_pages: distinct pages copied.
       tables: per sequence of the group (by its index in the group),
         indices into the copied pages, in logical order.
       num_tokens: per sequence, tokens whose K/V the pages hold.
     """
 
-    k: jax.Array
-    v: jax.Array
+    pages: KVPool
     num_pages: int
     tables: dict[int, list[int]]
     num_tokens: dict[int, int]

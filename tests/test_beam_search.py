@@ -3,6 +3,7 @@ unpaged f64 NumPy beam search over the same model (every beam recomputed
 from its own tokens), and with enough beams it equals exhaustive search.
 """
 
+import functools
 import itertools
 
 import jax.numpy as jnp
@@ -122,11 +123,21 @@ def test_enough_beams_equal_exhaustive_search():
     np.testing.assert_allclose([c.cumulative_logprob for c in out.outputs], [s for s, _ in best], rtol=1e-5)
 
 
+def _preemption_requests():
+    rng = np.random.default_rng(8)
+    return [beam_request(i, rng.integers(0, 50, size=int(rng.integers(3, 16))).tolist(), 3, 14) for i in range(6)]
+
+
+@functools.cache
+def _unpressured_beams():
+    """The large pool's beams, shared by both preemption modes."""
+    return {o.request_id: o for o in engine_for(400, page_size=PAGE, max_seqs=16).run(_preemption_requests())}
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_beam_groups_survive_preemption(mode):
-    rng = np.random.default_rng(8)
-    reqs = [beam_request(i, rng.integers(0, 50, size=int(rng.integers(3, 16))).tolist(), 3, 14) for i in range(6)]
-    big = {o.request_id: o for o in engine_for(400, page_size=PAGE, max_seqs=16).run(reqs)}
+    reqs = _preemption_requests()
+    big = _unpressured_beams()
     engine = engine_for(30, page_size=PAGE, max_seqs=16, preemption_mode=mode, max_seq_len=36)
     small = {o.request_id: o for o in engine.run(reqs)}
     assert engine.stats.preemptions > 0

@@ -54,10 +54,11 @@ PAGE_SIZE, NUM_PAGES, PAGES_PER_SEQ = 4, 17, 4
 """One pool shape and block-table width for every test (fewer compilations)."""
 
 
-def nan_pool(config: LlamaConfig, num_pages: int = NUM_PAGES, page_size: int = PAGE_SIZE):
-    """A pool full of NaN: reading any slot no write filled poisons the output."""
-    kv = config.make_kv_pool(num_pages, page_size)
-    return type(kv)(k=jnp.full_like(kv.k, jnp.nan), v=jnp.full_like(kv.v, jnp.nan))
+def nan_pool(config: LlamaConfig, num_pages: int = NUM_PAGES, page_size: int = PAGE_SIZE, dtype=None):
+    """A pool full of NaN: reading any slot no write filled poisons the
+    output (an int8 pool: NaN scales)."""
+    kv = config.make_kv_pool(num_pages, page_size, dtype)
+    return jax.tree.map(lambda x: x if x.dtype == jnp.int8 else jnp.full_like(x, jnp.nan), kv)
 
 
 def dense_reference(model: Llama, tokens: np.ndarray) -> np.ndarray:
@@ -112,7 +113,8 @@ def run(step, tokens, kv, block_table, kv_len, q_len, *, width=None):
                 jnp.asarray([kv_len], jnp.int32), jnp.asarray([q_len], jnp.int32))
 
 
-def mixed_calls(model: Llama, schedule, *, page_size=PAGE_SIZE, num_pages=64, max_pages=16, tiling=None):
+def mixed_calls(model: Llama, schedule, *, page_size=PAGE_SIZE, num_pages=64, max_pages=16, tiling=None,
+                kv_dtype=None):
     """Runs the decoder over a schedule of flat mixed batches through the
     page state, on a pool full of NaN. ``schedule``: a list of calls, each a
     list of ``(row, chunk_tokens)``. Returns, per call, ``{row: f32[V]
@@ -121,7 +123,7 @@ def mixed_calls(model: Llama, schedule, *, page_size=PAGE_SIZE, num_pages=64, ma
     rows_n = 1 + max(row for call in schedule for row, _ in call)
     state = ps.init_page_state(num_pages=num_pages, max_seqs=rows_n, max_pages_per_seq=max_pages,
                                page_size=page_size)
-    kv = nan_pool(model.config, num_pages, page_size)
+    kv = nan_pool(model.config, num_pages, page_size, kv_dtype)
     apply = jax.jit(rm.apply, donate_argnums=2)
     tiling = tiling or Tiling(prefill_tile_q=4, decode_pages_per_block=2, prefill_pages_per_block=2,
                               decode_work_chunk=4, prefill_work_chunk=4, min_tokens=8)
@@ -158,10 +160,10 @@ def mixed_calls(model: Llama, schedule, *, page_size=PAGE_SIZE, num_pages=64, ma
     return out
 
 
-def check_mixed_against_dense(model, prompts, schedule, tol):
+def check_mixed_against_dense(model, prompts, schedule, tol, kv_dtype=None):
     """Every chunk's last-token logits from :func:`mixed_calls` equal the
     dense reference on the sequence so far."""
-    got = mixed_calls(model, schedule)
+    got = mixed_calls(model, schedule, kv_dtype=kv_dtype)
     full = {row: [t for call in schedule for r, chunk in call if r == row for t in chunk] for row in range(len(prompts))}
     dense = {row: dense_reference(model, np.asarray(seq)) for row, seq in full.items()}  # causal: one pass each
     seen = {row: 0 for row in full}
@@ -404,7 +406,18 @@ def test_engine_on_the_decoder_preemption_keeps_greedy_outputs():
     assert outs[200] == outs[17]
 
 
-def test_mixed_batches_equal_dense_forward():
+PRECISION = {
+    None: ({"rtol": 1e-4, "atol": 1e-4}, None),
+    # int8 K/V: one f32 scale per token and KV head, errors up to max|x| / 254 per element; the dense reference
+    # is f32 throughout, so the tolerance is that of the quantization (logits here span about +-15; measured
+    # errors up to 0.11), not of the path: test_ragged_attention checks int8 attention exactly against dequantized
+    # pages. Scales dropped or misplaced give errors of 10-100x the tolerance.
+    "int8": ({"rtol": 0, "atol": 0.25}, jnp.int8),
+}
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"], ids=["f32", "int8"])
+def test_mixed_batches_equal_dense_forward(kv_dtype):
     """Prefill chunks and decode tokens of several sequences share calls:
     chunks end at a page boundary (4), inside a page and across pages; a
     one-token prompt and a decode run beside them. Each chunk's logits equal
@@ -418,7 +431,7 @@ def test_mixed_batches_equal_dense_forward():
         [(1, [7]), (0, a[11:17]), (2, [9])],  # last chunk + two decodes
         [(0, [3]), (1, [11]), (2, [2])],  # decode only
     ]
-    check_mixed_against_dense(tiny_model(), [a, b, c], schedule, {"rtol": 1e-4, "atol": 1e-4})
+    check_mixed_against_dense(tiny_model(), [a, b, c], schedule, *PRECISION[kv_dtype])
 
 
 @pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_ragged"])
@@ -438,3 +451,29 @@ def test_engine_through_pallas_kernels_equals_xla(impl):
                         EngineConfig(max_seqs=4, max_seq_len=32, max_num_batched_tokens=16))
         outs[name] = {o.request_id: o.output_ids for o in engine.run(reqs)}
     assert outs[impl] == outs["xla"]
+
+
+def test_int8_pool_stores_quantized_kv_and_refuses_half_pools():
+    from paged_jax.kv_cache import KVPool, init_kv_pool, write_layer_kv
+    from pallas_kernels.common import dequantize_kv
+
+    config = LlamaConfig(**TINY)
+    kv = config.make_kv_pool(num_pages=5, page_size=4, dtype=jnp.int8)
+    assert kv.quantized and kv.k.dtype == jnp.int8 and kv.k_scale.shape == (2, 1, 5, 4)
+    assert kv.nbytes == 2 * (2 * 1 * 5 * 4) * (16 + 4) == 5 * 4 * config.kv_bytes_per_token(jnp.int8)
+    r = np.random.default_rng(0)
+    k, v = (jnp.asarray(r.normal(size=(3, 1, 16)), jnp.float32) for _ in range(2))
+    out = write_layer_kv(kv, jnp.int32(1), k, v, jnp.asarray([0, 9, -1], jnp.int32))  # slot 9: page 2, offset 1
+    for pages, scales, want in ((out.k, out.k_scale, k), (out.v, out.v_scale, v)):
+        got = np.asarray(dequantize_kv(pages[1], scales[1]))  # [K, P, L, H]
+        for row, (page, offset) in enumerate(((0, 0), (2, 1))):
+            step = float(scales[1, 0, page, offset])
+            assert step == pytest.approx(float(jnp.max(jnp.abs(want[row]))) / 127)
+            np.testing.assert_array_less(np.abs(got[0, page, offset] - np.asarray(want[row, 0])), step / 2 + 1e-7)
+    assert not np.any(np.asarray(out.k[0]))  # layer 0 untouched, the -1 slot skipped
+    assert int(np.count_nonzero(np.asarray(out.k_scale))) == 2
+    with pytest.raises(ValueError, match="or int8, got dtype=int32"):
+        init_kv_pool(num_layers=1, num_kv_heads=1, num_pages=2, page_size=1, head_dim=2, dtype=jnp.int32)
+    half = KVPool(k=kv.k, v=kv.v)  # int8 pages without scales would store truncated K/V
+    with pytest.raises(ValueError, match="an int8 kv pool needs k_scale and v_scale"):
+        RaggedModel(tiny_model()).check_kv_pool(half)

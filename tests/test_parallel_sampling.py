@@ -2,6 +2,7 @@
 pages after prefill, copy-on-write when they diverge, gang preemption.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -143,21 +144,32 @@ def test_group_requests_that_could_never_resume_are_refused():
     assert not engine.has_unfinished()
 
 
-def test_swap_round_trip_is_bit_identical():
+@pytest.mark.parametrize("quantized", [False, True], ids=["f32", "int8"])
+def test_swap_round_trip_is_bit_identical(quantized):
     rng = np.random.default_rng(6)
     k = rng.normal(size=(2, 3, 12, 4, 8)).astype(np.float32)
-    pool = KVPool(k=jnp.asarray(k), v=jnp.asarray(-k))
-    hk, hv = gather_pages(pool, [3, 5, 7])
-    assert hk.shape[2] == 4 and next(iter(hk.devices())).platform == "cpu"
-    pool = scatter_pages(pool, [10, 2, 8], hk, hv, source=[2, 0, 1])  # page 7 -> 10, 3 -> 2, 5 -> 8
-    out = np.asarray(pool.k)
-    for dst, src in ((10, 7), (2, 3), (8, 5)):
-        assert out[:, :, dst].tobytes() == k[:, :, src].tobytes()
-        assert np.asarray(pool.v)[:, :, dst].tobytes() == (-k[:, :, src]).tobytes()
-    for untouched in (1, 3, 4, 5, 6, 7, 9, 11):
-        assert out[:, :, untouched].tobytes() == k[:, :, untouched].tobytes()
+    if quantized:  # int8 pages and their per-token scales travel together
+        pool = KVPool(k=jnp.asarray(k * 10, jnp.int8), v=jnp.asarray(-k * 10, jnp.int8),
+                      k_scale=jnp.asarray(k[..., 0]), v_scale=jnp.asarray(-k[..., 1]))
+    else:
+        pool = KVPool(k=jnp.asarray(k), v=jnp.asarray(-k))
+    before = [np.asarray(x) for x in jax.tree.leaves(pool)]
+    copied = gather_pages(pool, [3, 5, 7])
+    assert copied.k.shape[2] == 4 and next(iter(copied.k.devices())).platform == "cpu"
+    assert copied.quantized == quantized
+    pool = scatter_pages(pool, [10, 2, 8], copied, source=[2, 0, 1])  # page 7 -> 10, 3 -> 2, 5 -> 8
+    for old, new in zip(before, jax.tree.leaves(pool)):
+        new = np.asarray(new)
+        for dst, src in ((10, 7), (2, 3), (8, 5)):
+            assert new[:, :, dst].tobytes() == old[:, :, src].tobytes()
+        for untouched in (1, 3, 4, 5, 6, 7, 9, 11):
+            assert new[:, :, untouched].tobytes() == old[:, :, untouched].tobytes()
     with pytest.raises(ValueError, match="source must give"):
-        scatter_pages(pool, [1, 2], hk, hv, source=[0, 9])
+        scatter_pages(pool, [1, 2], copied, source=[0, 9])
+    other = KVPool(k=jnp.zeros((2, 3, 12, 4, 8)), v=jnp.zeros((2, 3, 12, 4, 8))) if quantized else None
+    if other is not None:
+        with pytest.raises(ValueError, match="copied pages are int8 but the pool is float"):
+            scatter_pages(other, [1], copied, source=[0])
 
 
 def test_abort_a_swapped_group_empties_its_swap_space():

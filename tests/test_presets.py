@@ -11,7 +11,6 @@ import pytest
 from flax import nnx
 
 from experiments import serve_sharegpt
-from models.gguf_loader import open_gguf, read_config
 from models.llama import LlamaConfig
 from models.presets import PRESETS, random_model
 
@@ -29,10 +28,6 @@ def test_preset_shapes_hold_the_published_parameter_count(name):
     leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
     assert sum(int(np.prod(x.shape)) for x in leaves) == PUBLISHED_PARAMS[name] == PRESETS[name].num_params
     assert {x.dtype for x in leaves} == {jnp.dtype(jnp.bfloat16)}
-
-
-def test_smollm2_preset_is_the_gguf_config():
-    assert PRESETS["smollm2-135m"] == LlamaConfig(**read_config(open_gguf()))
 
 
 def test_random_model_refuses_bad_input():
@@ -87,3 +82,14 @@ def test_serve_cli_with_a_preset(monkeypatch, tmp_path):
         serve_sharegpt.parse_args(["--model", "tiny-test", "--num-requests", "1001", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
         serve_sharegpt.parse_args(["--kv-dtype", "float16", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_agree_with_the_memory_tables(name):
+    """The memory tables (paged_jax.memory) carry the same published shapes."""
+    from paged_jax import memory
+
+    config, table = PRESETS[name], memory.PRESETS[name]
+    assert (config.num_layers, config.num_kv_heads, config.head_dim, config.num_params) == (
+        table.num_layers, table.num_kv_heads, table.head_dim, table.num_params)
+    assert config.kv_bytes_per_token(jnp.bfloat16) == table.kv_bytes_per_token("bfloat16")

@@ -209,13 +209,10 @@ def test_batch_shape_refuses_too_many_chunks_and_empty_batches():
     assert shape == BatchShape(num_tokens=16, num_logits=8, decode_tiles=8, prefill_tiles=0)
 
 
-@pytest.mark.parametrize("impl", ["pallas_ragged", "pallas_gpu", "xla_loop"])
-def test_kernels_on_the_flat_batch_match_oracle(impl):
-    """The Pallas kernels (interpret mode here) serve a flat batch through
-    its padded view: decode rows as [S, 1], chunks as [max_chunks, T]."""
-    q, k, v, bt, qs, ql, kl = make_case(*MIXED, seed=6, pages_per_seq=16)
-    tiling = Tiling(min_tokens=8, max_prefill_chunks=4)
-    shape = batch_shape(ql, num_seq_rows=len(ql), tiling=tiling)
+def flat_batch(q, bt, qs, ql, kl):
+    """``(q padded to the bucket, RaggedBatch, real rows)`` for a case, with
+    room for 4 prefill chunks."""
+    shape = batch_shape(ql, num_seq_rows=len(ql), tiling=Tiling(min_tokens=8, max_prefill_chunks=4))
     n = int(ql.sum())
     qpad = np.zeros((shape.num_tokens, *q.shape[1:]), np.float32)
     qpad[:n] = q[:n]
@@ -223,6 +220,15 @@ def test_kernels_on_the_flat_batch_match_oracle(impl):
     batch = RaggedBatch(tokens=z, positions=z, slots=z, block_tables=jnp.asarray(bt), q_starts=jnp.asarray(qs),
                         q_lens=jnp.asarray(ql), kv_lens=jnp.asarray(kl), logits_rows=jnp.zeros(1, jnp.int32),
                         shape=shape)
+    return qpad, batch, n
+
+
+@pytest.mark.parametrize("impl", ["pallas_ragged", "pallas_gpu", "xla_loop"])
+def test_kernels_on_the_flat_batch_match_oracle(impl):
+    """The Pallas kernels (interpret mode here) serve a flat batch through
+    its padded view: decode rows as [S, 1], chunks as [max_chunks, T]."""
+    q, k, v, bt, qs, ql, kl = make_case(*MIXED, seed=6, pages_per_seq=16)
+    qpad, batch, n = flat_batch(q, bt, qs, ql, kl)
     got = np.asarray(jax.jit(functools.partial(attend, impl=impl))(
         jnp.asarray(qpad), jnp.asarray(k), jnp.asarray(v), 1, batch))
     want = oracle(q, k[1], v[1], bt, qs, ql, kl)
@@ -296,3 +302,40 @@ def test_attend_refuses_a_shape_that_cannot_hold_the_batch():
     for impl in ("xla", "pallas_ragged"):
         with pytest.raises(ValueError, match="3 chunks of 2\\+ tokens \\(max_prefill_chunks=2\\)"):
             attend(jnp.zeros((8, *q.shape[1:])), jnp.asarray(k), jnp.asarray(v), 0, batch, impl=impl)
+
+
+def _int8_case(seed):
+    """MIXED quantized: int8 pages, NaN in the scales of every slot no
+    sequence owns, and the f64 oracle's dequantized pages."""
+    from pallas_kernels.common import dequantize_kv, quantize_kv
+
+    q, k, v, bt, qs, ql, kl = make_case(*MIXED, seed=seed, head_dim=16)
+    (kq, ks), (vq, vs) = quantize_kv(jnp.nan_to_num(jnp.asarray(k))), quantize_kv(jnp.nan_to_num(jnp.asarray(v)))
+    unowned = np.isnan(k[..., 0])
+    ks, vs = np.where(unowned, np.nan, ks).astype(np.float32), np.where(unowned, np.nan, vs).astype(np.float32)
+    exact_k = np.asarray(dequantize_kv(kq, jnp.asarray(ks)))
+    exact_v = np.asarray(dequantize_kv(vq, jnp.asarray(vs)))
+    return (q, kq, vq, bt, qs, ql, kl), (jnp.asarray(ks), jnp.asarray(vs)), (exact_k, exact_v)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_ragged", "pallas_gpu"])
+def test_int8_pool_matches_oracle_on_dequantized_pages(impl):
+    """int8 pages with per-token scales (stacked ``[layers, K, P, L]``, NaN
+    where nobody owns a slot): attention equals the f64 oracle over the
+    dequantized pages, through the XLA path and the kernels' padded view."""
+    (q, kq, vq, bt, qs, ql, kl), (ks, vs), (exact_k, exact_v) = _int8_case(seed=8)
+    qpad, batch, n = flat_batch(q, bt, qs, ql, kl)
+    got = np.asarray(jax.jit(functools.partial(attend, impl=impl))(jnp.asarray(qpad), kq, vq, 1, batch,
+                                                                   k_scales=ks, v_scales=vs))
+    want = oracle(q, exact_k[1], exact_v[1], bt, qs, ql, kl)
+    np.testing.assert_allclose(got[:n], want[:n], atol=2e-5, rtol=2e-5)
+    assert np.all(got[n:] == 0)
+
+
+def test_int8_scales_are_checked():
+    (q, kq, vq, bt, qs, ql, kl), (ks, vs), _ = _int8_case(seed=9)
+    args = (jnp.asarray(q), kq, vq, 1, jnp.asarray(bt), jnp.asarray(qs), jnp.asarray(ql), jnp.asarray(kl))
+    with pytest.raises(ValueError, match="k_scales and v_scales must be given exactly when the pool is int8"):
+        ragged_paged_attention(*args, num_tiles=64)
+    with pytest.raises(ValueError, match=r"k_scales must be f32\[2, 2, "):
+        ragged_paged_attention(*args, num_tiles=64, k_scales=ks[0], v_scales=vs)

@@ -1,0 +1,151 @@
+"""experiments.kernel_bench: the tables it writes, its summary against issue
+11's targets, its presets and its argument checks (tiny sizes, timing loops
+of one call)."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import kernel_bench, provenance
+from paged_jax import memory
+from pallas_kernels import paged_attention_gpu, ragged_paged_attention
+
+
+ONE_CALL = 1e-6
+"""--min-seconds that makes every timed loop one call: the numbers mean nothing, the test is quick."""
+
+
+def test_main_writes_one_row_per_impl_per_case(tmp_path):
+    out = tmp_path / "kb"
+    kernel_bench.main(["--batches", "2", "--contexts", "64", "--ragged-batches", "4", "--heads", "smollm2",
+                       "--heads", "llama-3-8b", "--layers", "3", "--peak-copy-gb", "0.01",
+                       "--min-seconds", str(ONE_CALL), "--out", str(out)])
+    record, rows = provenance.read_csv(out.with_suffix(".csv"))
+    assert record["seeds"] == f"data={kernel_bench.SEED}"
+    assert list(rows[0]) == kernel_bench.CSV_COLUMNS
+    impls = ["dense", *kernel_bench.native_impls()]
+    # 2 presets x (1 uniform + 1 ragged case), each case: dense and every paged implementation once.
+    cases = {}
+    for r in rows:
+        cases.setdefault((r["heads"], r["workload"], r["batch"]), []).append(r["impl"])
+    assert sorted(cases) == [("llama-3-8b", "sharegpt", "4"), ("llama-3-8b", "uniform", "2"),
+                             ("smollm2", "sharegpt", "4"), ("smollm2", "uniform", "2")]
+    assert all(found == impls for found in cases.values())
+    for r in rows:
+        for column in ("kv_gb", "ms", "ratio", "gbs", "pct_peak", "pct_copy", "copy_read_gbs", "peak_read_gbs"):
+            assert math.isfinite(float(r[column])) and float(r[column]) > 0, (column, r)
+        assert float(r["pct_peak"]) == pytest.approx(100 * float(r["gbs"]) / float(r["peak_read_gbs"]), rel=1e-4)
+    assert len({r["peak_read_gbs"] for r in rows}) == 1  # measured once per run
+    # KV needed: 2 sequences * 64 tokens * K * H * 4 bytes (f32) * 2 (K and V).
+    uniform_gb = {r["heads"]: float(r["kv_gb"]) for r in rows if r["workload"] == "uniform"}
+    assert uniform_gb == {"smollm2": pytest.approx(2 * 64 * 3 * 64 * 4 * 2 / 1e9, rel=1e-5),  # 6 digits in the CSV
+                          "llama-3-8b": pytest.approx(2 * 64 * 8 * 128 * 4 * 2 / 1e9, rel=1e-5)}
+
+    text = out.with_suffix(".md").read_text()
+    for words in ("| heads |", "| KV GB |", "| % peak |", "| % copy |", "launch-bound", "stacked pool of 3 layers",
+                  "## Summary", "- smollm2 sharegpt (1 case", "CPU: xla_loop <= 0.55x dense", provenance.MARKER):
+        assert words in text, words
+    assert text.count("| llama-3-8b |") == text.count("| smollm2 |") == 2 * len(impls)
+
+
+def test_gpu_rows_through_the_stacked_pool():
+    """The rows a GPU writes (pallas_gpu and pallas_ragged, interpreted on
+    CPU) equal dense attention when read at layer 1 of a pool whose other
+    layers are NaN."""
+    cfg = dataclasses.replace(kernel_bench.HEAD_PRESETS["smollm2"], layers=3)
+    rows = kernel_bench.run_case(cfg, np.array([5, 33], np.int32), jnp.float32, ["pallas_gpu", "pallas_ragged"],
+                                 np.random.default_rng(0), "sharegpt", peak_read_gbs=1.0, min_seconds=ONE_CALL)
+    assert [r["impl"] for r in rows] == ["dense", "pallas_gpu", "pallas_ragged"]
+
+
+@pytest.mark.parametrize("name", list(kernel_bench.HEAD_PRESETS))
+def test_gpu_kernels_lower_to_triton_at_preset_heads(name):
+    """Each preset's heads (Qwen2.5-7B's 7 queries per KV head among them)
+    pass Pallas' Triton lowering with the block sizes
+    ``attention.paged_attention`` picks for page 16."""
+    cfg = kernel_bench.HEAD_PRESETS[name]
+    pool = jnp.zeros((3, cfg.num_kv_heads, 8, cfg.page_size, cfg.head_dim), jnp.bfloat16)
+    tables, kv_lens = jnp.zeros((2, 4), jnp.int32), jnp.full((2,), 20, jnp.int32)
+    ppcb = 64 // cfg.page_size
+
+    def lowered(fn, q):
+        return jax.jit(fn).trace(jnp.int32(1), q).lower(lowering_platforms=("cuda",)).as_text()
+
+    decode = lowered(lambda layer, q: paged_attention_gpu.paged_attention_gpu(
+        q, pool, pool, tables, kv_lens, None, None, layer=layer, interpret=False,
+        block_sizes=paged_attention_gpu.GPUBlockSizes(pages_per_compute_block=ppcb)),
+        jnp.zeros((2, cfg.num_q_heads, cfg.head_dim), jnp.bfloat16))
+    ragged = lowered(lambda layer, q: ragged_paged_attention.ragged_paged_attention(
+        q, pool, pool, tables, kv_lens, jnp.ones((2,), jnp.int32), None, None, layer=layer, interpret=False,
+        block_sizes=ragged_paged_attention.RaggedBlockSizes(pages_per_compute_block=ppcb)),
+        jnp.zeros((2, 1, cfg.num_q_heads, cfg.head_dim), jnp.bfloat16))
+    assert "xla.gpu.triton" in decode and "xla.gpu.triton" in ragged
+
+
+def test_presets_are_the_models_heads():
+    assert {n: (c.num_q_heads, c.num_kv_heads, c.head_dim) for n, c in kernel_bench.HEAD_PRESETS.items()} == {
+        "smollm2": (9, 3, 64), "llama-3-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128)}
+    for name, model in (("smollm2", "smollm2-135m"), ("llama-3-8b", "llama-3-8b"), ("qwen2.5-7b", "qwen2.5-7b")):
+        cfg, preset = kernel_bench.HEAD_PRESETS[name], memory.get_preset(model)
+        assert (cfg.num_kv_heads, cfg.head_dim) == (preset.num_kv_heads, preset.head_dim)
+    # --sizes large: the smallest large case moves >= 1 GB at llama-3-8b heads in bf16 (64 * 4096 * 8 * 128 * 2 * 2).
+    llama = kernel_bench.HEAD_PRESETS["llama-3-8b"]
+    assert 64 * max(kernel_bench.LARGE_CONTEXTS) * llama.num_kv_heads * llama.head_dim * 2 * 2 >= 1e9
+
+
+def _row(impl, ratio, pct_peak, *, heads="llama-3-8b", workload="uniform", batch=64, max_len=2048,
+         dtype="bfloat16"):
+    return dict(heads=heads, workload=workload, batch=batch, mean_len=float(max_len), max_len=max_len, dtype=dtype,
+                impl=impl, ratio=ratio, pct_peak=pct_peak)
+
+
+def test_summary_judges_the_targets():
+    # % peak = dense's % peak / x dense within a case. pallas_ragged ran in one case only: the
+    # best-per-workload line ranks only the implementations that ran every case.
+    gpu = [_row("dense", 1.0, 84.0), _row("pallas_gpu", 0.95, 88.4), _row("pallas_ragged", 1.1, 76.4),
+           _row("dense", 1.0, 90.0, batch=128), _row("pallas_gpu", 1.2, 75.0, batch=128),
+           _row("dense", 1.0, 70.0, batch=32),  # B < 64: outside the target
+           _row("pallas_gpu", 3.0, 23.3, batch=32)]
+    lines = kernel_bench.summary_lines(gpu, "gpu")
+    decode = next(line for line in lines if line.startswith("- GPU decode kernel"))
+    assert "**not met (1 of 2 cases)**" in decode
+    assert "B=64 len=2048 pallas_gpu 0.95x dense 88.4 % of peak" in decode and "B=32" not in decode
+    assert "- llama-3-8b uniform (3 cases): pallas_gpu" in "\n".join(lines)
+    assert any(line.startswith("- ShareGPT-like ragged batches of 128") and "not measured" in line for line in lines)
+    assert any(line.startswith("- CPU: xla_loop") and "not applicable on gpu" in line for line in lines)
+
+    cpu = [_row("dense", 1.0, 10.0, workload="sharegpt", batch=b, heads="smollm2") for b in (32, 128)]
+    cpu += [_row("xla_loop", 0.5, 20.0, workload="sharegpt", batch=32, heads="smollm2"),
+            _row("xla_loop", 0.2, 50.0, workload="sharegpt", batch=128, heads="smollm2")]
+    lines = kernel_bench.summary_lines(cpu, "cpu")
+    assert any(line.startswith("- CPU: xla_loop") and "**met**" in line for line in lines)
+    assert any(line.startswith("- ShareGPT-like ragged batches of 128") and "**met**" in line for line in lines)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--heads", "gpt-5"], "--heads"),
+    (["--batches", "0"], "--batches"),
+    (["--ragged-batches", "-3"], "--ragged-batches"),
+    (["--contexts", "long"], "--contexts"),
+    (["--peak-copy-gb", "-1"], "--peak-copy-gb"),
+    (["--peak-copy-gb", "nan"], "--peak-copy-gb"),
+    (["--layers", "0"], "--layers"),
+    (["--min-seconds", "0"], "--min-seconds"),
+    (["--sizes", "huge"], "--sizes"),
+    (["--dtype", "int8"], "--dtype"),
+])
+def test_bad_arguments_are_refused(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        kernel_bench.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
+
+
+def test_bad_preset_stops_main_before_any_work(tmp_path):
+    with pytest.raises(SystemExit):
+        kernel_bench.main(["--heads", "no-such-model", "--out", str(tmp_path / "kb")])
+    assert not list(tmp_path.iterdir())
