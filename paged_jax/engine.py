@@ -66,44 +66,31 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import time
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Iterable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from paged_jax import beam_search
 from paged_jax import page_state as ps
-from paged_jax.batch import BatchShape, RaggedBatch, Tiling, batch_shape
+from paged_jax.batch import BatchShape, Tiling, batch_shape
 from paged_jax.block_pool import BlockPool
 from paged_jax.checks import check_int
 from paged_jax.jit_stats import CompileMonitor
-from paged_jax.kv_cache import KVPool, copy_pages
+from paged_jax.kv_cache import KVPool
 from paged_jax.prefix_cache import PrefixCache, chain_keys
-from paged_jax.sampling import SamplingParams, greedy, sample
+from paged_jax.requests import CompletionOutput, Request, RequestOutput
+from paged_jax.sampling import SamplingParams
+from paged_jax.stats import CallRecord, EngineStats
+from paged_jax.step import PagedModel, StepInputs, device_step, num_traces
 from paged_jax.swap import SwapSpace, SwappedGroup, gather_pages, scatter_pages
 
-
-class PagedModel(Protocol):
-    """What the engine needs of a model.
-
-    Attributes:
-      params: the weights, a pytree (an argument of the jitted step, never a
-        constant folded into it).
-      vocab_size: tokens in the vocabulary (prompt ids are checked against
-        it).
-      apply: ``apply(params, batch: RaggedBatch, kv: KVPool) -> (logits
-        f32[R, V] at ``batch.logits_rows``, kv)``, pure and jittable, writing
-        the batch's K/V at ``batch.slots`` (``models.llama.RaggedModel``).
-    """
-
-    params: Any
-    vocab_size: int
-
-    def apply(self, params, batch: RaggedBatch, kv: KVPool) -> tuple[jax.Array, KVPool]: ...
+__all__ = [  # the engine's API; the types live in their own modules and are re-exported here
+    "CallRecord", "CompletionOutput", "Engine", "EngineConfig", "EngineStats", "PagedModel", "Request",
+    "RequestOutput", "SamplingParams", "drain", "num_traces",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -165,84 +152,6 @@ class EngineConfig:
         for name in ("reserve_max_len", "async_scheduling", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {name}={getattr(self, name)!r}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Request:
-    """One generation request.
-
-    Attributes:
-      request_id: unique among the engine's requests.
-      prompt_ids: prompt token ids, at least one.
-      max_new_tokens: most tokens to generate, >= 1.
-      sampling: greedy by default.
-      ignore_eos: keep generating through stop tokens (fixed output lengths,
-        as serving benchmarks do).
-      cache_salt: requests with different salts never share a cached page,
-        even with identical tokens (isolation between users or tenants);
-        ``None`` is a salt like any other.
-    """
-
-    request_id: str | int
-    prompt_ids: Sequence[int]
-    max_new_tokens: int
-    sampling: SamplingParams = SamplingParams()
-    ignore_eos: bool = False
-    cache_salt: str | None = None
-
-
-@dataclasses.dataclass
-class CompletionOutput:
-    """One continuation of a request (``SamplingParams.n`` of them).
-
-    Attributes:
-      index: its place among the request's samples (its random stream).
-      output_ids: generated token ids (a stop token, if one ended it, last).
-      finish_reason: "stop" (a stop token), "length" (max_new_tokens) or
-        "abort" (:meth:`Engine.abort`).
-      cumulative_logprob: the sum of its tokens' log-probabilities (beam
-        search only; None otherwise).
-    """
-
-    index: int
-    output_ids: list[int]
-    finish_reason: str
-    cumulative_logprob: float | None = None
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    """What came of a request.
-
-    Attributes:
-      outputs: its continuations, by index (one unless ``SamplingParams.n``
-        asked for more); for beam search its ``beam_width`` best
-        hypotheses, best first.
-      num_preemptions: times it was preempted and recomputed (all its
-        sequences together).
-      num_cached_tokens: prompt tokens served from the prefix cache when
-        it was first admitted.
-      first_token_s, finish_s: seconds from the start of :meth:`Engine.run`
-        (or the first :meth:`Engine.step`).
-    """
-
-    request_id: str | int
-    prompt_ids: list[int]
-    outputs: list[CompletionOutput]
-    num_preemptions: int
-    first_token_s: float
-    finish_s: float
-    num_cached_tokens: int = 0
-
-    @property
-    def output_ids(self) -> list[int]:
-        """The first continuation's tokens."""
-        return self.outputs[0].output_ids
-
-    @property
-    def finish_reason(self) -> str:
-        """The first continuation's finish reason."""
-        return self.outputs[0].finish_reason
 
 
 @dataclasses.dataclass(eq=False)
@@ -327,135 +236,6 @@ class _Group:
 
 
 @dataclasses.dataclass
-class CallRecord:
-    """One model call: its static shape, real tokens, and seconds from
-    dispatch to results on the host, less ``compile_s`` spent compiling (or
-    loading from the persistent cache) inside it."""
-
-    shape: BatchShape
-    tokens: int
-    decode_tokens: int
-    seconds: float
-    compile_s: float
-
-
-@dataclasses.dataclass
-class EngineStats:
-    """Counters over an engine's life. Times in seconds.
-
-    ``mean_concurrency`` and ``kv_token_fraction`` are time-averaged over
-    iterations, weighting each by its wall time; ``kv_token_fraction`` is the
-    share of allocated KV slots (pages held x page size) that hold a token.
-    ``model_s`` is the time the host spends in the jitted step calls
-    (page-state update, forward and sampling): dispatching them and waiting
-    for their results, compilation excluded; ``compile_s`` the compilation
-    inside them; ``host_s`` everything else an iteration spends (scheduling,
-    building the batch), which with ``async_scheduling`` overlaps the
-    device's work on the previous call.
-
-    Prefix caching: ``prompt_tokens`` counts the prompt tokens of requests
-    at their first admission and ``prefix_hit_tokens`` those of them served
-    from the cache (``prefix_hit_rate`` is the ratio); ``recompute_hit_tokens``
-    counts tokens of preempted sequences found again in the cache when
-    readmitted. ``prefix_hit_pages`` counts pages taken from the cache, and
-    ``pages_saved`` those of them another running sequence held at the time
-    (memory not spent twice; the others only save compute).
-
-    Sharing: after each iteration ``seq_pages_sum`` adds the pages every
-    sequence holds, each sequence counting its own (what they would take
-    without sharing), and ``used_pages_sum`` the distinct pages held;
-    ``sharing_saving`` is ``1 - used / seq`` over the run, the measure of
-    the paper's Figures 15 and 17. ``recomputed_tokens``: tokens prefilled
-    again after a preemption by recompute.
-    """
-
-    iterations: int = 0
-    model_calls: int = 0
-    prefill_tokens: int = 0  # prompt (and recomputed) tokens computed
-    decode_tokens: int = 0  # tokens fed back one at a time
-    generated_tokens: int = 0
-    discarded_tokens: int = 0  # sampled after a stop token was already in flight
-    preemptions: int = 0
-    swap_outs: int = 0  # preemptions by swapping (the rest recomputed)
-    swapped_out_pages: int = 0
-    swapped_in_pages: int = 0
-    aborted: int = 0
-    prompt_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    recompute_hit_tokens: int = 0
-    prefix_hit_pages: int = 0
-    pages_saved: int = 0
-    recomputed_tokens: int = 0
-    seq_pages_sum: int = 0
-    used_pages_sum: int = 0
-    peak_pages_used: int = 0
-    peak_concurrency: int = 0
-    busy_s: float = 0.0
-    model_s: float = 0.0
-    compile_s: float = 0.0
-    concurrency_s: float = 0.0  # integral of running sequences over time
-    token_fraction_s: float = 0.0  # integral of used/allocated over time
-    programs: set = dataclasses.field(default_factory=set)  # (BatchShape, greedy only)
-    calls: list = dataclasses.field(default_factory=list)  # CallRecord per model call
-
-    @property
-    def sharing_saving(self) -> float:
-        """Share of the pages sequences hold that sharing saves (0 when
-        nothing is shared)."""
-        return 1 - self.used_pages_sum / self.seq_pages_sum if self.seq_pages_sum else 0.0
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        """Prompt tokens served from the prefix cache / prompt tokens."""
-        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def host_s(self) -> float:
-        return self.busy_s - self.model_s - self.compile_s
-
-    @property
-    def mean_concurrency(self) -> float:
-        return self.concurrency_s / self.busy_s if self.busy_s else 0.0
-
-    @property
-    def kv_token_fraction(self) -> float:
-        return self.token_fraction_s / self.busy_s if self.busy_s else 0.0
-
-    @property
-    def num_programs(self) -> int:
-        """Distinct static shapes run: the jit compilations this engine
-        needed (fewer if another engine of the same model compiled some)."""
-        return len(self.programs)
-
-
-@struct.dataclass
-class _StepInputs:
-    """Host-built arrays of one call (numpy; see :meth:`Engine._build`), a
-    pytree handed to the jitted step as is."""
-
-    free_mask: np.ndarray  # bool[S] slots to free before growing
-    num_hit: np.ndarray  # i32[S] pages an empty slot takes (a prefix-cache hit or a swap-in)
-    hit_pages: np.ndarray  # i32[S, max_pages_per_seq] their ids
-    hit_tokens: np.ndarray  # i32[S] tokens they hold
-    num_new: np.ndarray  # i32[S]
-    min_pages: np.ndarray  # i32[S]
-    fork_pre: np.ndarray  # i32[S] slot each empty slot forks from before growing (beam search), -1 none
-    fork_src: np.ndarray  # i32[S] slot each empty slot forks from after growing (parallel samples), -1 none
-    tokens: np.ndarray  # i32[T]
-    from_prev: np.ndarray  # bool[T] token is the previous call's sample for its row
-    positions: np.ndarray  # i32[T]
-    token_rows: np.ndarray  # i32[T] page-state row of each token, -1 padding
-    q_starts: np.ndarray  # i32[S]
-    logits_rows: np.ndarray  # i32[R]
-    logits_slots: np.ndarray  # i32[R] page-state row of each sampled token, -1 none
-    temperature: np.ndarray  # f32[R]
-    top_p: np.ndarray  # f32[R]
-    seeds: np.ndarray  # u32[R]
-    streams: np.ndarray  # i32[R] sample index within the request
-    steps: np.ndarray  # i32[R]
-
-
-@dataclasses.dataclass
 class _InFlight:
     """A dispatched call whose results the host has not read yet."""
 
@@ -469,7 +249,6 @@ class _InFlight:
     record: CallRecord
 
 
-_TRACES: collections.Counter = collections.Counter()  # id(model) -> traces of _device_step
 _MONITOR: CompileMonitor | None = None
 
 
@@ -480,63 +259,6 @@ def _compile_seconds() -> float:
     if _MONITOR is None:
         _MONITOR = CompileMonitor()
     return _MONITOR.counts.seconds
-
-
-@functools.partial(jax.jit, static_argnames=("model", "shape", "greedy_only", "top_k"), donate_argnums=(2, 3))
-def _device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array, inp: _StepInputs, *, shape: BatchShape,
-                 greedy_only: bool, top_k: int):
-    """Free, share, grow, fork, forward, sample: one iteration's device work, one program
-    per (model, shape, greedy_only, top_k). ``prev``: i32[S] the previous
-    call's sampled token per page-state row (inputs marked ``from_prev``
-    take it). Returns ``(state, kv, sampled i32[S] per row, (top ids
-    i32[S, k], top log-probs f32[S, k]) per row with ``k = min(top_k, V)``,
-    ok, num_free_pages)``."""
-    _TRACES[id(model)] += 1  # runs at trace time only
-    state = ps.unchecked_free(state, inp.free_mask)
-    state, hit_ok = jax.lax.cond(
-        jnp.any(inp.num_hit > 0), ps.unchecked_share, lambda st, n, p, t: (st, jnp.bool_(True)), state, inp.num_hit,
-        inp.hit_pages, inp.hit_tokens,
-    )
-    no_fork = lambda st, f: (st, jnp.bool_(True))  # noqa: E731
-    state, pre_ok = jax.lax.cond(jnp.any(inp.fork_pre >= 0), ps.unchecked_fork_many, no_fork, state, inp.fork_pre)
-    state, ok, cow_src, cow_dst = ps.unchecked_extend(state, inp.num_new, inp.min_pages)
-    state, fork_ok = jax.lax.cond(jnp.any(inp.fork_src >= 0), ps.unchecked_fork_many, no_fork, state, inp.fork_src)
-    ok &= hit_ok & pre_ok & fork_ok
-    # Copy-on-write copies are rare: skip the pool-wide gather when none.
-    kv = jax.lax.cond(jnp.any(cow_src != ps.NO_PAGE), copy_pages, lambda kv, s, d: kv, kv, cow_src, cow_dst)
-    rows, positions = inp.token_rows, inp.positions
-    slots = ps.flat_slot_mapping(state.block_tables, rows, positions, page_size=state.page_size)
-    tokens = jnp.where(inp.from_prev, prev[jnp.clip(rows, 0, prev.shape[0] - 1)], inp.tokens)
-    batch = RaggedBatch(
-        tokens=tokens,
-        positions=positions,
-        slots=slots,
-        block_tables=state.block_tables,
-        q_starts=inp.q_starts,
-        q_lens=inp.num_new,
-        kv_lens=state.seq_lens,
-        logits_rows=inp.logits_rows,
-        shape=shape,
-    )
-    logits, kv = model.apply(params, batch, kv)  # [R, V]
-    if greedy_only:
-        new = greedy(logits)
-    else:
-        new = sample(logits, inp.temperature, inp.top_p, inp.seeds, inp.streams, inp.steps)
-    dest = jnp.where(inp.logits_slots < 0, prev.shape[0], inp.logits_slots)  # -1: dropped
-    by_row = jnp.zeros_like(prev).at[dest].set(new, mode="drop")
-    k = min(top_k, logits.shape[-1])
-    top = (jnp.zeros((prev.shape[0], k), jnp.int32), jnp.zeros((prev.shape[0], k), jnp.float32))
-    if k:  # beam search: each row's k most likely tokens
-        top_lp, top_ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)  # [R, k]
-        top = (top[0].at[dest].set(top_ids, mode="drop"), top[1].at[dest].set(top_lp, mode="drop"))
-    return state, kv, by_row, top, ok, state.num_free_pages
-
-
-def num_traces(model) -> int:
-    """Programs traced (compiled, unless JAX's persistent cache had them)
-    for ``model``'s engine step, over all its engines."""
-    return _TRACES[id(model)]
 
 
 def drain(engine, total: int, progress: bool, postfix=None) -> list[RequestOutput]:
@@ -1105,7 +827,7 @@ class Engine:
 
     # ------------------------------------------------------------- device
 
-    def _build(self, scheduled: list[tuple[_Seq, int]]) -> tuple[_StepInputs, BatchShape, list[_Seq]]:
+    def _build(self, scheduled: list[tuple[_Seq, int]]) -> tuple[StepInputs, BatchShape, list[_Seq]]:
         """The call's inputs, and the sequences that sample in it in row
         order: the scheduled ones whose chunk reaches their end, and the
         children forked in it (new ``_Seq`` objects, not yet running)."""
@@ -1166,7 +888,7 @@ class Engine:
         for slot, (pages, num_tokens) in self._hits.items():
             num_hit[slot], hit_tokens[slot] = len(pages), num_tokens
             hit_pages[slot, : len(pages)] = pages
-        inputs = _StepInputs(
+        inputs = StepInputs(
             free_mask=self._to_free.copy(), num_hit=num_hit, hit_pages=hit_pages, hit_tokens=hit_tokens, num_new=num_new,
             min_pages=np.full(S, self._reserve_pages, np.int32), fork_pre=fork_pre, fork_src=fork_src, tokens=tokens,
             from_prev=from_prev, positions=positions, token_rows=token_rows, q_starts=q_starts,
@@ -1199,7 +921,7 @@ class Engine:
         top_k = 1 << (2 * width - 1).bit_length() if width else 0  # 2 * width, bucketed to a power of two
         self.stats.programs.add((shape, greedy_only, top_k))
         c0, t0 = _compile_seconds(), time.perf_counter()
-        self.state, self.kv, new, top, ok, num_free = _device_step(
+        self.state, self.kv, new, top, ok, num_free = device_step(
             self.model, self.model.params, self.state, self.kv, self._no_prev if prev is None else prev.sampled,
             inputs, shape=shape, greedy_only=greedy_only, top_k=top_k,
         )

@@ -1,0 +1,111 @@
+"""What the engine counts: per-call records and counters over its life
+(the columns of the serving tables).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from paged_jax.batch import BatchShape
+
+
+@dataclasses.dataclass
+class CallRecord:
+    """One model call: its static shape, real tokens, and seconds from
+    dispatch to results on the host, less ``compile_s`` spent compiling (or
+    loading from the persistent cache) inside it."""
+
+    shape: BatchShape
+    tokens: int
+    decode_tokens: int
+    seconds: float
+    compile_s: float
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters over an engine's life. Times in seconds.
+
+    ``mean_concurrency`` and ``kv_token_fraction`` are time-averaged over
+    iterations, weighting each by its wall time; ``kv_token_fraction`` is the
+    share of allocated KV slots (pages held x page size) that hold a token.
+    ``model_s`` is the time the host spends in the jitted step calls
+    (page-state update, forward and sampling): dispatching them and waiting
+    for their results, compilation excluded; ``compile_s`` the compilation
+    inside them; ``host_s`` everything else an iteration spends (scheduling,
+    building the batch), which with ``async_scheduling`` overlaps the
+    device's work on the previous call.
+
+    Prefix caching: ``prompt_tokens`` counts the prompt tokens of requests
+    at their first admission and ``prefix_hit_tokens`` those of them served
+    from the cache (``prefix_hit_rate`` is the ratio); ``recompute_hit_tokens``
+    counts tokens of preempted sequences found again in the cache when
+    readmitted. ``prefix_hit_pages`` counts pages taken from the cache, and
+    ``pages_saved`` those of them another running sequence held at the time
+    (memory not spent twice; the others only save compute).
+
+    Sharing: after each iteration ``seq_pages_sum`` adds the pages every
+    sequence holds, each sequence counting its own (what they would take
+    without sharing), and ``used_pages_sum`` the distinct pages held;
+    ``sharing_saving`` is ``1 - used / seq`` over the run, the measure of
+    the paper's Figures 15 and 17. ``recomputed_tokens``: tokens prefilled
+    again after a preemption by recompute.
+    """
+
+    iterations: int = 0
+    model_calls: int = 0
+    prefill_tokens: int = 0  # prompt (and recomputed) tokens computed
+    decode_tokens: int = 0  # tokens fed back one at a time
+    generated_tokens: int = 0
+    discarded_tokens: int = 0  # sampled after a stop token was already in flight
+    preemptions: int = 0
+    swap_outs: int = 0  # preemptions by swapping (the rest recomputed)
+    swapped_out_pages: int = 0
+    swapped_in_pages: int = 0
+    aborted: int = 0
+    prompt_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    recompute_hit_tokens: int = 0
+    prefix_hit_pages: int = 0
+    pages_saved: int = 0
+    recomputed_tokens: int = 0
+    seq_pages_sum: int = 0
+    used_pages_sum: int = 0
+    peak_pages_used: int = 0
+    peak_concurrency: int = 0
+    busy_s: float = 0.0
+    model_s: float = 0.0
+    compile_s: float = 0.0
+    concurrency_s: float = 0.0  # integral of running sequences over time
+    token_fraction_s: float = 0.0  # integral of used/allocated over time
+    programs: set = dataclasses.field(default_factory=set)  # (BatchShape, greedy only)
+    calls: list = dataclasses.field(default_factory=list)  # CallRecord per model call
+
+    @property
+    def sharing_saving(self) -> float:
+        """Share of the pages sequences hold that sharing saves (0 when
+        nothing is shared)."""
+        return 1 - self.used_pages_sum / self.seq_pages_sum if self.seq_pages_sum else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache / prompt tokens."""
+        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def host_s(self) -> float:
+        return self.busy_s - self.model_s - self.compile_s
+
+    @property
+    def mean_concurrency(self) -> float:
+        return self.concurrency_s / self.busy_s if self.busy_s else 0.0
+
+    @property
+    def kv_token_fraction(self) -> float:
+        return self.token_fraction_s / self.busy_s if self.busy_s else 0.0
+
+    @property
+    def num_programs(self) -> int:
+        """Distinct static shapes run: the jit compilations this engine
+        needed (fewer if another engine of the same model compiled some)."""
+        return len(self.programs)

@@ -1,0 +1,129 @@
+"""One iteration's device work, as one jitted program: free, share, fork,
+grow (copy-on-write included), forward over the flat batch, sample.
+
+The engine (:mod:`paged_jax.engine`) plans an iteration on the host and
+calls :func:`device_step` once; the model is anything with the
+:class:`PagedModel` protocol (``models.llama.RaggedModel``).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from paged_jax import page_state as ps
+from paged_jax.batch import BatchShape, RaggedBatch
+from paged_jax.kv_cache import KVPool, copy_pages
+from paged_jax.sampling import greedy, sample
+
+
+class PagedModel(Protocol):
+    """What the engine needs of a model.
+
+    Attributes:
+      params: the weights, a pytree (an argument of the jitted step, never a
+        constant folded into it).
+      vocab_size: tokens in the vocabulary (prompt ids are checked against
+        it).
+      apply: ``apply(params, batch: RaggedBatch, kv: KVPool) -> (logits
+        f32[R, V] at ``batch.logits_rows``, kv)``, pure and jittable, writing
+        the batch's K/V at ``batch.slots`` (``models.llama.RaggedModel``).
+    """
+
+    params: Any
+    vocab_size: int
+
+    def apply(self, params, batch: RaggedBatch, kv: KVPool) -> tuple[jax.Array, KVPool]: ...
+
+
+@struct.dataclass
+class StepInputs:
+    """Host-built arrays of one call (numpy; see :meth:`Engine._build`), a
+    pytree handed to the jitted step as is."""
+
+    free_mask: np.ndarray  # bool[S] slots to free before growing
+    num_hit: np.ndarray  # i32[S] pages an empty slot takes (a prefix-cache hit or a swap-in)
+    hit_pages: np.ndarray  # i32[S, max_pages_per_seq] their ids
+    hit_tokens: np.ndarray  # i32[S] tokens they hold
+    num_new: np.ndarray  # i32[S]
+    min_pages: np.ndarray  # i32[S]
+    fork_pre: np.ndarray  # i32[S] slot each empty slot forks from before growing (beam search), -1 none
+    fork_src: np.ndarray  # i32[S] slot each empty slot forks from after growing (parallel samples), -1 none
+    tokens: np.ndarray  # i32[T]
+    from_prev: np.ndarray  # bool[T] token is the previous call's sample for its row
+    positions: np.ndarray  # i32[T]
+    token_rows: np.ndarray  # i32[T] page-state row of each token, -1 padding
+    q_starts: np.ndarray  # i32[S]
+    logits_rows: np.ndarray  # i32[R]
+    logits_slots: np.ndarray  # i32[R] page-state row of each sampled token, -1 none
+    temperature: np.ndarray  # f32[R]
+    top_p: np.ndarray  # f32[R]
+    seeds: np.ndarray  # u32[R]
+    streams: np.ndarray  # i32[R] sample index within the request
+    steps: np.ndarray  # i32[R]
+
+
+_TRACES: collections.Counter = collections.Counter()  # id(model) -> traces of device_step
+
+
+@functools.partial(jax.jit, static_argnames=("model", "shape", "greedy_only", "top_k"), donate_argnums=(2, 3))
+def device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array, inp: StepInputs, *, shape: BatchShape,
+                 greedy_only: bool, top_k: int):
+    """Free, share, grow, fork, forward, sample: one iteration's device work, one program
+    per (model, shape, greedy_only, top_k). ``prev``: i32[S] the previous
+    call's sampled token per page-state row (inputs marked ``from_prev``
+    take it). Returns ``(state, kv, sampled i32[S] per row, (top ids
+    i32[S, k], top log-probs f32[S, k]) per row with ``k = min(top_k, V)``,
+    ok, num_free_pages)``."""
+    _TRACES[id(model)] += 1  # runs at trace time only
+    state = ps.unchecked_free(state, inp.free_mask)
+    state, hit_ok = jax.lax.cond(
+        jnp.any(inp.num_hit > 0), ps.unchecked_share, lambda st, n, p, t: (st, jnp.bool_(True)), state, inp.num_hit,
+        inp.hit_pages, inp.hit_tokens,
+    )
+    no_fork = lambda st, f: (st, jnp.bool_(True))  # noqa: E731
+    state, pre_ok = jax.lax.cond(jnp.any(inp.fork_pre >= 0), ps.unchecked_fork_many, no_fork, state, inp.fork_pre)
+    state, ok, cow_src, cow_dst = ps.unchecked_extend(state, inp.num_new, inp.min_pages)
+    state, fork_ok = jax.lax.cond(jnp.any(inp.fork_src >= 0), ps.unchecked_fork_many, no_fork, state, inp.fork_src)
+    ok &= hit_ok & pre_ok & fork_ok
+    # Copy-on-write copies are rare: skip the pool-wide gather when none.
+    kv = jax.lax.cond(jnp.any(cow_src != ps.NO_PAGE), copy_pages, lambda kv, s, d: kv, kv, cow_src, cow_dst)
+    rows, positions = inp.token_rows, inp.positions
+    slots = ps.flat_slot_mapping(state.block_tables, rows, positions, page_size=state.page_size)
+    tokens = jnp.where(inp.from_prev, prev[jnp.clip(rows, 0, prev.shape[0] - 1)], inp.tokens)
+    batch = RaggedBatch(
+        tokens=tokens,
+        positions=positions,
+        slots=slots,
+        block_tables=state.block_tables,
+        q_starts=inp.q_starts,
+        q_lens=inp.num_new,
+        kv_lens=state.seq_lens,
+        logits_rows=inp.logits_rows,
+        shape=shape,
+    )
+    logits, kv = model.apply(params, batch, kv)  # [R, V]
+    if greedy_only:
+        new = greedy(logits)
+    else:
+        new = sample(logits, inp.temperature, inp.top_p, inp.seeds, inp.streams, inp.steps)
+    dest = jnp.where(inp.logits_slots < 0, prev.shape[0], inp.logits_slots)  # -1: dropped
+    by_row = jnp.zeros_like(prev).at[dest].set(new, mode="drop")
+    k = min(top_k, logits.shape[-1])
+    top = (jnp.zeros((prev.shape[0], k), jnp.int32), jnp.zeros((prev.shape[0], k), jnp.float32))
+    if k:  # beam search: each row's k most likely tokens
+        top_lp, top_ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)  # [R, k]
+        top = (top[0].at[dest].set(top_ids, mode="drop"), top[1].at[dest].set(top_lp, mode="drop"))
+    return state, kv, by_row, top, ok, state.num_free_pages
+
+
+def num_traces(model) -> int:
+    """Programs traced (compiled, unless JAX's persistent cache had them)
+    for ``model``'s engine step, over all its engines."""
+    return _TRACES[id(model)]
