@@ -68,7 +68,7 @@ def hf_generate(requests, *, batch_size: int, pad_id: int, threads: int = 2) -> 
 
 
 def parse_args(argv=None):
-    from experiments.serve_sharegpt import add_compile_cache_args, check_compile_cache, check_out_dir
+    from experiments.cli import add_compile_cache_args, check_compile_cache, check_out_dir, require_positive
 
     p = argparse.ArgumentParser(prog="python -m experiments.hf_baseline", description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("--num-requests", type=int, default=48, help="ShareGPT requests (default 48, as the demo)")
@@ -79,9 +79,7 @@ def parse_args(argv=None):
                    help="results folder (default: the repository's results/)")
     add_compile_cache_args(p)
     args = p.parse_args(argv)
-    for name in ("num_requests", "max_output_len", "batch_size"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    require_positive(p, args, "num_requests", "max_output_len", "batch_size")
     check_out_dir(p, args.out)
     check_compile_cache(p, args)
     return args
@@ -90,7 +88,8 @@ def parse_args(argv=None):
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     from experiments import provenance
-    from experiments.serve_sharegpt import build_requests, machine, serve, setup_compile_cache
+    from experiments.cli import machine, setup_compile_cache
+    from experiments.serve_sharegpt import build_requests, serve
     from models.llama import RaggedModel
     from models.smollm2 import load_smollm2
 

@@ -54,7 +54,6 @@ import itertools
 import math
 import os
 import pathlib
-import platform
 import time
 from collections.abc import Callable
 
@@ -63,6 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import provenance
+from experiments.cli import cpu_model
 from models.presets import PRESETS as MODEL_PRESETS
 from paged_jax import attention
 
@@ -127,17 +127,9 @@ config.json), by ``--heads`` name."""
 
 def machine() -> str:
     """CPU model, core count, JAX backend and devices, load average."""
-    model = platform.processor() or "unknown CPU"
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     devices = ", ".join(sorted({d.device_kind for d in jax.devices()}))
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"{model}, {os.cpu_count()} cores; JAX {jax.__version__} backend {jax.default_backend()} "
+    return (f"{cpu_model()}, {os.cpu_count()} cores; JAX {jax.__version__} backend {jax.default_backend()} "
             f"({len(jax.devices())} x {devices}); load average at start {load}")
 
 

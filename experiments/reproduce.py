@@ -24,6 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments import figures, provenance
+from experiments.cli import require_positive
 from experiments.waste_sim import PAPER_TOKEN_SHARE, SCHEMES, SimConfig, simulate
 from paged_jax.memory import GB, KiB, PRESETS, get_preset, paged_slots, plan_capacity
 
@@ -361,9 +362,7 @@ def parse_args(argv=None):
     p.add_argument("--skip-serving", action="store_true", help="leave out the SmolLM2 serving rows")
     p.add_argument("--declared-max", type=int, default=256, help="reservation drawn in layout.png")
     args = p.parse_args(argv)
-    for name in ("sim_requests", "pool_tokens", "serve_requests", "serve_block_requests", "serve_max_output"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    require_positive(p, args, "sim_requests", "pool_tokens", "serve_requests", "serve_block_requests", "serve_max_output")
     return args
 
 

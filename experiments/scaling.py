@@ -39,6 +39,7 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 from experiments import provenance  # noqa: E402
+from experiments.cli import check_out_dir, machine, require_positive  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent.parent / "results"
 COLUMNS = ["devices", "mesh", "kv_heads_per_device", "q_slots_per_device", "pages_per_device",
@@ -67,21 +68,16 @@ def main(argv=None) -> None:
         counts = [int(x) for x in args.devices.split(",")]
     except ValueError:
         parser.error(f"--devices must be comma-separated integers, got {args.devices!r}")
-    for name, value in (("--num-requests", args.num_requests), ("--max-output-len", args.max_output_len),
-                        ("--page-size", args.page_size), ("--max-seqs", args.max_seqs),
-                        ("--capacity-len", args.capacity_len), ("--max-prompt-len", args.max_prompt_len)):
-        if value < 1:
-            parser.error(f"{name} must be >= 1, got {value}")
+    require_positive(parser, args, "num_requests", "max_output_len", "page_size", "max_seqs", "capacity_len",
+                     "max_prompt_len")
     if not (args.kv_budget_mib > 0 and args.kv_budget_mib < float("inf")):
         parser.error(f"--kv-budget-mib must be a finite number > 0, got {args.kv_budget_mib}")
-    from experiments.serve_sharegpt import check_out_dir
-
     check_out_dir(parser, args.out)
     record = provenance.collect("experiments.scaling", argv, seeds={"sharegpt_shuffle": args.seed})
 
     import jax
 
-    from experiments.serve_sharegpt import build_requests, machine
+    from experiments.serve_sharegpt import build_requests
     from models.sharded import make_data_parallel_engine
     from models.smollm2 import load_smollm2
     from paged_jax.data_parallel import gather_outputs

@@ -36,7 +36,6 @@ import argparse
 import dataclasses
 import json
 import pathlib
-import platform
 import sys
 import time
 
@@ -45,11 +44,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import provenance
+from experiments.cli import add_compile_cache_args, check_compile_cache, check_out_dir, machine, require_positive
+from experiments.cli import setup_compile_cache
 from experiments.sharegpt import load_conversations, sample_requests
 from paged_jax.kv_cache import default_kv_dtype
 from paged_jax.engine import Engine, EngineConfig, EngineStats, Request, RequestOutput, num_traces
 from paged_jax.data_parallel import merged_stats
-from paged_jax.jit_stats import CompileMonitor, enable_persistent_cache
+from paged_jax.jit_stats import CompileMonitor
 from models.presets import PRESETS
 
 CSV_COLUMNS = (
@@ -353,42 +354,6 @@ def ratio_line(results: list[ServeResult]) -> str:
     )
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import os
-
-    return f"{cpu}, {os.cpu_count()} cores, JAX {jax.__version__} on {jax.default_backend()}"
-
-
-DEFAULT_COMPILE_CACHE = pathlib.Path(__file__).resolve().parents[1] / ".jax_cache"
-
-
-def add_compile_cache_args(p: argparse.ArgumentParser) -> None:
-    """``--compile-cache DIR`` / ``--no-compile-cache``: JAX's persistent
-    compilation cache, on by default so a second run compiles nothing."""
-    p.add_argument(
-        "--compile-cache", type=pathlib.Path, default=DEFAULT_COMPILE_CACHE,
-        help=f"folder of JAX's persistent compilation cache (default {DEFAULT_COMPILE_CACHE.name}/ in the repository)",
-    )
-    p.add_argument("--no-compile-cache", action="store_true", help="compile everything afresh")
-
-
-def setup_compile_cache(args) -> str:
-    """Applies the compile-cache flags (checked by :func:`check_compile_cache`);
-    returns a line saying what was done."""
-    if args.no_compile_cache:
-        return "persistent compilation cache: off"
-    enable_persistent_cache(args.compile_cache)
-    return f"persistent compilation cache: {args.compile_cache}"
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m experiments.serve_sharegpt", description=__doc__.split("\n\n")[0])
     p.add_argument("--num-requests", type=int, default=48, help="ShareGPT requests to serve (default 48)")
@@ -425,9 +390,7 @@ def parse_args(argv=None):
                    help="results folder (default: the repository's results/)")
     add_compile_cache_args(p)
     args = p.parse_args(argv)
-    for name in ("num_requests", "max_output_len", "page_size", "max_seqs", "max_batched_tokens"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    require_positive(p, args, "num_requests", "max_output_len", "page_size", "max_seqs", "max_batched_tokens")
     if args.kv_budget_tokens // args.page_size * args.page_size < MAX_SEQ_LEN:
         p.error(
             f"--kv-budget-tokens rounded down to whole pages of --page-size {args.page_size} must hold one "
@@ -477,23 +440,6 @@ def load_model(spec: str, dtype=jnp.float32):
     from models.hf_loader import load_hf
 
     return (*load_hf(spec, param_dtype=dtype), pathlib.Path(spec).resolve().name)
-
-
-def check_out_dir(p: argparse.ArgumentParser, out: pathlib.Path, flag: str = "--out") -> None:
-    """Fails now, not after minutes of serving, when the folder a flag names
-    cannot be created or written."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write_test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        p.error(f"{flag} {str(out)!r} is not a writable folder: {e}")
-
-
-def check_compile_cache(p: argparse.ArgumentParser, args) -> None:
-    if not args.no_compile_cache:
-        check_out_dir(p, args.compile_cache.expanduser(), "--compile-cache")
 
 
 def main(argv=None) -> list[ServeResult]:

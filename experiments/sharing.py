@@ -39,8 +39,14 @@ import jax
 import numpy as np
 
 from experiments import provenance
-from experiments.serve_sharegpt import add_compile_cache_args, check_compile_cache, check_out_dir, machine
-from experiments.serve_sharegpt import setup_compile_cache
+from experiments.cli import (
+    add_compile_cache_args,
+    check_compile_cache,
+    check_out_dir,
+    machine,
+    require_positive,
+    setup_compile_cache,
+)
 from paged_jax.engine import Engine, EngineConfig, Request
 from paged_jax.jit_stats import CompileMonitor
 from paged_jax.sampling import SamplingParams
@@ -284,10 +290,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if not args.parts or set(args.parts) - set("abcd"):
         p.error(f"--parts must be letters among a, b, c, d, got {args.parts!r}")
-    for name in ("num_requests", "max_output_len", "system_tokens", "kv_tokens", "pressure_tokens", "max_seqs",
-                 "preempt_tokens", "repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    require_positive(p, args, "num_requests", "max_output_len", "system_tokens", "kv_tokens", "pressure_tokens",
+                     "max_seqs", "preempt_tokens", "repeats")
     if any(s < 1 for s in args.page_sizes):
         p.error(f"--page-sizes must be >= 1, got {args.page_sizes}")
     check_out_dir(p, args.out)

@@ -151,7 +151,7 @@ def main(argv=None) -> None:
     checkpoint = args.checkpoint or CHECKPOINTS / f"{stem}.safetensors"
     # Fail now, not after minutes of training: the optimizer settings and
     # both output places.
-    from experiments.serve_sharegpt import check_out_dir
+    from experiments.cli import check_out_dir
     from models.train import TrainConfig
 
     try:

@@ -96,7 +96,7 @@ class DataParallelEngine:
         if self.engines[shard] is not None:
             self.engines[shard].add_request(request)
         else:
-            self.local_engines[0]._check(request, set())  # the same check the serving host makes
+            self.local_engines[0].check_request(request)  # the same check the serving host makes
         self.placement[rid] = shard
         self._placed_tokens[shard] += len(request.prompt_ids) + request.max_new_tokens
         return shard
@@ -133,7 +133,7 @@ class DataParallelEngine:
             if ids.count(i) > 1:
                 raise ValueError(f"request_id {i!r} appears twice")
         for r in requests:  # each engine checks its own requests the same way
-            self.local_engines[0]._check(r, set())
+            self.local_engines[0].check_request(r)
         for r in requests:
             self.add_request(r)
         return drain(self, len(requests), progress)

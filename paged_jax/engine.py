@@ -480,6 +480,17 @@ class Engine:
             if not 0 <= t < high:
                 raise ValueError(f"{name}: token id {t} outside the vocabulary [0, {high})")
 
+    def check_request(self, request: Request, taken: Iterable = ()) -> None:
+        """Checks ``request`` as :meth:`add_request` would, without adding
+        it: its type, prompt ids (non-empty, in the vocabulary), lengths
+        against ``max_seq_len``, sampling against ``max_seqs`` and the pool,
+        and that its id is not among ``taken``.
+
+        Raises:
+          ValueError: naming the request and what is wrong.
+        """
+        self._check(request, set(taken))
+
     def _check(self, request: Request, taken: set) -> None:
         if not isinstance(request, Request):
             raise ValueError(f"expected a Request, got {request!r}")
