@@ -245,6 +245,10 @@ def parse_args(argv=None):
     for folder in args.compare or ():
         if not folder.is_dir():
             p.error(f"--compare: {str(folder)!r} is not a folder")
+    if args.keep is not None:
+        from experiments.cli import check_out_dir
+
+        check_out_dir(p, args.keep, "--keep")
     args.reproduce_args = args.reproduce_args or list(SMALL)
     return args
 
@@ -261,6 +265,8 @@ def main(argv=None) -> int:
             work.mkdir(parents=True, exist_ok=True)
             a, b = run_twice(args.reproduce_args, work)
             result = compare_dirs(a, b)
+    if result.files == 0 and not result.differences:  # nothing compared is not agreement
+        result.differences.append(f"no .md or .csv files to compare in {a} and {b}")
     for line in result.differences:
         print(line)
     if result.notes:

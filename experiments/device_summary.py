@@ -19,10 +19,15 @@ def serving_lines(folder: pathlib.Path) -> list[str]:
     per second of both modes, their ratio, compile and wall seconds."""
     lines = []
     for csv in sorted(folder.glob("serve_*/serve_sharegpt.csv")):
-        _, rows = provenance.read_csv(csv)
-        by = {r["mode"]: r for r in rows}
-        p, c = by["paged"], by["contiguous"]
-        ratio = float(p["tokens_per_s"]) / float(c["tokens_per_s"])
+        try:
+            _, rows = provenance.read_csv(csv)
+            by = {r["mode"]: r for r in rows}
+            p, c = by["paged"], by["contiguous"]
+            ratio = float(p["tokens_per_s"]) / float(c["tokens_per_s"])
+        except (KeyError, ValueError, ZeroDivisionError) as e:
+            lines.append(f"{csv.parent.name}: unreadable {csv} ({type(e).__name__}: {e}); expected a paged and a "
+                         "contiguous row with tokens_per_s > 0")
+            continue
         lines.append(
             f"{csv.parent.name}: paged {p['tokens_per_s']} tok/s vs contiguous {c['tokens_per_s']} ({ratio:.2f}x); "
             f"paged wall {p['wall_s']} s, compile {p['compile_s']} s, {p['programs']} programs, "
@@ -48,12 +53,17 @@ def main(argv=None) -> int:
         print("usage: python -m experiments.device_summary DIR", file=sys.stderr)
         return 2
     folder = pathlib.Path(args[0])
+    if not folder.is_dir():
+        print(f"{str(folder)!r} is not a folder (experiments/device_check.sh writes DIR)", file=sys.stderr)
+        return 2
     serving, bench = serving_lines(folder), bench_lines(folder)
     print("== summary ==")
     for line in bench + serving:
         print(line)
-    if not serving or not bench:
-        print(f"missing results in {folder}: {'serving' if not serving else 'kernel benchmark'}", file=sys.stderr)
+    missing = [what for what, found in (("kernel benchmark", bench), ("serving", serving)) if not found]
+    if missing or any("unreadable" in line for line in serving):
+        print(f"incomplete results in {folder}: missing {', '.join(missing) or 'nothing'}; "
+              f"unreadable serving files: {sum('unreadable' in line for line in serving)}", file=sys.stderr)
         return 1
     return 0
 

@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import provenance
-from experiments.cli import cpu_model
+from experiments.cli import check_out_dir, cpu_model
 from models.presets import PRESETS as MODEL_PRESETS
 from paged_jax import attention
 
@@ -482,6 +482,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", default=str(RESULTS / "kernel_bench"), help="path stem for .md and .csv")
     args = parser.parse_args(argv)
     args.heads = list(dict.fromkeys(args.heads or ["smollm2"]))
+    if args.peak_copy_gb is not None and args.peak_copy_gb < 1e-3:
+        parser.error(f"--peak-copy-gb must be at least 0.001 (1 MB: a smaller copy measures launch time, not "
+                     f"bandwidth), got {args.peak_copy_gb}")
+    check_out_dir(parser, pathlib.Path(args.out).parent)  # before minutes of timing
     return args
 
 

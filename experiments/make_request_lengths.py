@@ -21,6 +21,8 @@ import argparse
 import json
 import pathlib
 
+from experiments.cli import check_out_dir, require_positive
+
 DATA = pathlib.Path(__file__).resolve().parent / "data" / "sharegpt_requests.json"
 
 
@@ -39,8 +41,8 @@ def main(argv=None) -> None:
     p.add_argument("--num-requests", type=int, default=1000, help="requests to store (default 1000)")
     p.add_argument("--out", type=pathlib.Path, default=DATA, help=f"output file (default {DATA})")
     args = p.parse_args(argv)
-    if args.num_requests < 1:
-        p.error(f"--num-requests must be >= 1, got {args.num_requests}")
+    require_positive(p, args, "num_requests")
+    check_out_dir(p, args.out.parent, "--out")  # before tokenizing ShareGPT
     from experiments.serve_sharegpt import build_requests
     from models.smollm2 import load_smollm2
 

@@ -47,6 +47,7 @@ from experiments import provenance
 from experiments.cli import add_compile_cache_args, check_compile_cache, check_out_dir, machine, require_positive
 from experiments.cli import setup_compile_cache
 from experiments.sharegpt import load_conversations, sample_requests
+from paged_jax.checks import check_int
 from paged_jax.kv_cache import default_kv_dtype
 from paged_jax.engine import Engine, EngineConfig, EngineStats, Request, RequestOutput, num_traces
 from paged_jax.data_parallel import merged_stats
@@ -166,22 +167,32 @@ def packaged_requests(num_requests: int, max_output_len: int, *, vocab_size: int
     max_output_len)`` tokens, EOS ignored.
 
     Raises:
-      ValueError: ``num_requests`` above the file's 1,000, or an argument
-        below 1.
+      ValueError: ``num_requests`` above the file's 1,000, an argument
+        below 1 (``seed`` below 0), a ``vocab_size`` that cannot hold the
+        template's ids, or a malformed file (named).
     """
-    for name, value in (("num_requests", num_requests), ("max_output_len", max_output_len),
-                        ("vocab_size", vocab_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {name}={value!r}")
-    data = json.loads(pathlib.Path(path).read_text())
-    rows = data["requests"]
+    for name, value, low in (("num_requests", num_requests, 1), ("max_output_len", max_output_len, 1),
+                             ("vocab_size", vocab_size, 1), ("seed", seed, 0)):
+        check_int(name, value, low)
+    try:
+        data = json.loads(pathlib.Path(path).read_text())
+        rows, prefix, suffix = data["requests"], data["template_prefix_ids"], data["template_suffix_ids"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{str(path)!r} is not a packaged request file "
+                         f"(python -m experiments.make_request_lengths writes one): {e!r}") from None
     if num_requests > len(rows):
         raise ValueError(f"num_requests={num_requests} exceeds the {len(rows)} packaged requests in {path}")
-    prefix, suffix = data["template_prefix_ids"], data["template_suffix_ids"]
+    if max(prefix + suffix) >= vocab_size:
+        raise ValueError(f"vocab_size={vocab_size} cannot hold the chat template's token ids (up to "
+                         f"{max(prefix + suffix)}) in {path}")
+    for i, (prompt_len, output_len) in enumerate(rows[:num_requests]):
+        if prompt_len < len(prefix) + len(suffix) or output_len < 1:
+            raise ValueError(f"{path}: request {i} has prompt_tokens={prompt_len} (the template alone takes "
+                             f"{len(prefix) + len(suffix)}) and output_tokens={output_len} (need >= 1)")
     requests = []
     for i, (prompt_len, output_len) in enumerate(rows[:num_requests]):
         body = np.random.default_rng([seed, i]).integers(0, vocab_size, prompt_len - len(prefix) - len(suffix))
-        ids = [t % vocab_size for t in prefix] + body.tolist() + [t % vocab_size for t in suffix]
+        ids = list(prefix) + body.tolist() + list(suffix)
         requests.append(Request(request_id=i, prompt_ids=ids, max_new_tokens=min(output_len, max_output_len),
                                 ignore_eos=True))
     return requests
@@ -404,7 +415,8 @@ def parse_args(argv=None):
         try:
             read_hf_config(args.model)
         except (OSError, ValueError) as e:
-            p.error(f"--model {args.model!r} is not a supported checkpoint: {e}")
+            p.error(f"--model {args.model!r} is neither 'smollm2', a preset ({', '.join(sorted(PRESETS))}) nor "
+                    f"a supported checkpoint folder: {e}")
     if args.mesh is not None and args.kv_dtype == "int8":
         p.error("--kv-dtype int8 is not supported with --mesh yet; use bfloat16 or float32")
     if args.mesh is not None:

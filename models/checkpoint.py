@@ -76,9 +76,10 @@ def save_checkpoint(model: Llama, path: str | os.PathLike, *, metadata: dict[str
       The path written.
 
     Raises:
-      ValueError: ``model`` is not a :class:`Llama`, or ``metadata`` has a
+      ValueError: ``model`` is not a :class:`Llama`, ``metadata`` has a
         non-string key or value or uses a reserved key (``format``,
-        ``paged_jax.config``).
+        ``paged_jax.config``), or ``path`` is a folder.
+      OSError: the file cannot be written (the message names it).
     """
     if not isinstance(model, Llama):
         raise ValueError(f"model must be a models.llama.Llama, got a {type(model).__name__}")
@@ -88,9 +89,12 @@ def save_checkpoint(model: Llama, path: str | os.PathLike, *, metadata: dict[str
             raise ValueError(f"metadata must map str to str, got {key!r}: {value!r}")
         if key in ("format", "paged_jax.config"):
             raise ValueError(f"metadata key {key!r} is reserved")
+    path = pathlib.Path(path)
+    if path.is_dir():
+        raise ValueError(f"path {str(path)!r} is a folder; give the checkpoint file to write (e.g. "
+                         f"{str(path / 'model.safetensors')!r})")
     weights = _flat_params(model)
     weights = {name: np.ascontiguousarray(jax.device_get(w)) for name, w in weights.items()}
-    path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     metadata.update({"format": FORMAT, "paged_jax.config": json.dumps(dataclasses.asdict(model.config))})
     safetensors.numpy.save_file(weights, str(path), metadata=metadata)

@@ -204,6 +204,10 @@ def config_from_hf(cfg: dict[str, Any], path: str = CONFIG) -> LlamaConfig:
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
         if not isinstance(types, list) or len(types) != layers:
             raise bad("layer_types", types, f"expected a list of {layers} layer types")
+        unknown = sorted({str(t) for t in types} - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise bad("layer_types", types, f"unknown layer types {unknown}; expected 'full_attention' or "
+                      "'sliding_attention'")
         sliding = [t == "sliding_attention" for t in types]
         if window is None and any(sliding):
             raise bad("layer_types", types, "marks sliding layers, but use_sliding_window / sliding_window "
@@ -263,6 +267,11 @@ class _Tensors:
                 raise ValueError(f"{str(index)!r}: field 'weight_map' must map tensor names to shard files, "
                                  f"got {type(weight_map).__name__}")
             self.where = {name: folder / shard for name, shard in weight_map.items()}
+            root = folder.resolve()
+            outside = sorted({s for s in weight_map.values() if root not in (folder / s).resolve().parents})
+            if outside:
+                raise ValueError(f"{str(index)!r}: field 'weight_map' names shard files outside the checkpoint "
+                                 f"folder: {outside}")
             for shard in sorted(set(self.where.values())):
                 if not shard.is_file():
                     raise FileNotFoundError(f"{str(index)!r} lists shard {shard.name!r}, which does not exist")
@@ -418,11 +427,22 @@ def _token_text(value, path: pathlib.Path, name: str) -> str | None:
                      f"an object with 'content', or null")
 
 
-def _id_list(value) -> list[int]:
+def _id_list(value, path: pathlib.Path, field: str) -> list[int]:
+    """A token id or a list of them (``eos_token_id``), as a list.
+
+    Raises:
+      ValueError: an entry that is not an int >= 0 (a string id would
+        otherwise be dropped and generation not stop there), naming the file
+        and field.
+    """
     if value is None:
         return []
     values = value if isinstance(value, list) else [value]
-    return [int(v) for v in values if isinstance(v, int) and not isinstance(v, bool)]
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{str(path)!r}: field {field!r} must be a token id (an int >= 0) or a list of them, "
+                             f"got {value!r}")
+    return list(values)
 
 
 def load_hf_tokenizer(folder: str | os.PathLike) -> Tokenizer:
@@ -466,7 +486,7 @@ def load_hf_tokenizer(folder: str | os.PathLike) -> Tokenizer:
             raise ValueError(f"{str(cfg_path)}: field {name!r} is {text!r}, which {TOKENIZER} does not have")
         return token
 
-    config_eos = _id_list(model_cfg.get("eos_token_id"))
+    config_eos = _id_list(model_cfg.get("eos_token_id"), folder / CONFIG, "eos_token_id")
     eos_id = token_id("eos_token")
     if eos_id is None:
         if not config_eos:
@@ -494,7 +514,7 @@ def load_hf_tokenizer(folder: str | os.PathLike) -> Tokenizer:
         eos_id=eos_id,
         pad_id=eos_id if pad_id is None else pad_id,
         chat_template=template,
-        extra_stop_ids=config_eos + _id_list(gen_cfg.get("eos_token_id")),
+        extra_stop_ids=config_eos + _id_list(gen_cfg.get("eos_token_id"), folder / GENERATION_CONFIG, "eos_token_id"),
     )
 
 

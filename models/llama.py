@@ -30,7 +30,7 @@ from paged_jax import attention as paged_attn
 from paged_jax import ragged_attention
 from paged_jax.batch import RaggedBatch
 from paged_jax.checks import check_int
-from paged_jax.kv_cache import KVPool, default_kv_dtype, init_kv_pool, write_layer_kv
+from paged_jax.kv_cache import KVPool, check_pool, default_kv_dtype, init_kv_pool, write_layer_kv
 from paged_jax.page_state import slot_mapping
 
 
@@ -389,23 +389,8 @@ def _check_pool(config: LlamaConfig, kv: KVPool) -> None:
     got = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
     if got != want:
         raise ValueError(f"kv pool must have (num_layers, num_kv_heads, head_dim)={want} for this model, got {got}")
-    check_pool_dtypes(kv)
+    check_pool(kv)
 
-
-def check_pool_dtypes(kv: KVPool) -> None:
-    """Raises ValueError unless the pool is float without scales, or int8
-    with f32 scales of shape ``k.shape[:-1]`` (an int8 pool without scales
-    would store truncated K/V)."""
-    int8 = kv.k.dtype == jnp.int8
-    if kv.v.dtype != kv.k.dtype or not (int8 or jnp.issubdtype(kv.k.dtype, jnp.floating)):
-        raise ValueError(f"kv pool K and V must share a float or int8 dtype, got {kv.k.dtype} and {kv.v.dtype}")
-    if int8 != (kv.k_scale is not None) or int8 != (kv.v_scale is not None):
-        raise ValueError(f"an int8 kv pool needs k_scale and v_scale and a float one has none; got {kv.k.dtype} "
-                         f"pages with k_scale {'set' if kv.k_scale is not None else 'None'}, v_scale "
-                         f"{'set' if kv.v_scale is not None else 'None'}")
-    for name, x in (("k_scale", kv.k_scale), ("v_scale", kv.v_scale)):
-        if x is not None and (x.shape != kv.k.shape[:-1] or x.dtype != jnp.float32):
-            raise ValueError(f"kv pool {name} must be f32{list(kv.k.shape[:-1])}, got {x.dtype}{list(x.shape)}")
 
 
 def forward(

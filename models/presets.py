@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.llama import SMOLLM2_135M, Llama, LlamaConfig
+from paged_jax.checks import check_int
 
 PRESETS: dict[str, LlamaConfig] = {
     "smollm2-135m": SMOLLM2_135M,
@@ -48,11 +49,12 @@ def random_model(name: str, *, param_dtype=jnp.bfloat16, seed: int = 0) -> Llama
       seed: the weights' random seed.
 
     Raises:
-      ValueError: an unknown ``name`` (the message lists the presets) or a
-        non-float ``param_dtype``.
+      ValueError: an unknown ``name`` (the message lists the presets), a
+        non-float ``param_dtype``, or a ``seed`` that is not an int >= 0.
     """
-    if name not in PRESETS:
+    if not isinstance(name, str) or name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+    check_int("seed", seed, 0)
     if not jnp.issubdtype(jnp.dtype(param_dtype), jnp.floating):
         raise ValueError(f"param_dtype must be a float dtype, got {jnp.dtype(param_dtype)}")
     return Llama(PRESETS[name], rngs=nnx.Rngs(seed), param_dtype=param_dtype)

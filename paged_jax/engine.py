@@ -569,6 +569,8 @@ class Engine:
         Returns the requests that finished in it.
 
         Raises:
+          FloatingPointError: the model's logits for a request were NaN or
+            inf (no token is drawn from them; the engine is then failed).
           RuntimeError: an earlier step failed (an exception, or an
             interrupt, inside a device call leaves the host's plan and the
             device's state apart, and tokens in flight lost): the engine
@@ -787,7 +789,8 @@ class Engine:
         fresh = self.pool.take_free(len(needed))
         self._num_free -= len(needed)
         new_page = dict(zip(needed, fresh))
-        self.kv = scatter_pages(self.kv, fresh, swapped.pages, source=needed)
+        if fresh:
+            self.kv = scatter_pages(self.kv, fresh, swapped.pages, source=needed)
         for seq in members:
             table = [new_page[i] for i in swapped.tables[seq.index]]
             seq.num_computed = swapped.num_tokens[seq.index]
@@ -996,6 +999,12 @@ class Engine:
         st.calls.append(rec)
         now = time.perf_counter() - self._t0
         beam_groups: list[_Group] = []
+        bad = [seq.request.request_id for seq, slot in zip(call.samplers, call.sampler_slots)
+               if not seq.done and (np.isnan(top_lps[slot]).any() if seq.group.beam else sampled[slot] < 0)]
+        if bad:  # a token drawn from NaN would look valid: stop instead (the engine is then failed)
+            raise FloatingPointError(
+                f"the model's logits are not finite (NaN or inf) for requests {bad}: a corrupt KV pool, "
+                "weights or inputs; no token was taken from them")
         for seq, slot in zip(call.samplers, call.sampler_slots):
             seq.pending -= 1
             if seq.done:  # it stopped on the token before: this one was never wanted

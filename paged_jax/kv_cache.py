@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from paged_jax.checks import check_int
@@ -152,6 +153,28 @@ def write_layer_pages(pool: jax.Array, layer: jax.Array, new: jax.Array, slots: 
     return pool.at[layer, :, page, offset].set(new.astype(pool.dtype), mode="drop")
 
 
+def check_pool(kv: KVPool) -> None:
+    """Raises ValueError unless ``kv`` is a well-formed pool: K and V of one
+    shape ``[layers, K, P, L, H]`` and one dtype, float without scales or
+    int8 with f32 scales ``k.shape[:-1]`` (an int8 pool without scales
+    would store truncated K/V; a float one with scales, integers). Static
+    facts only, so it runs under ``jit``."""
+    if getattr(kv.k, "ndim", None) != 5 or getattr(kv.v, "shape", None) != kv.k.shape:
+        raise ValueError(f"kv pool K and V must both be [layers, K, P, L, H] of one shape, got "
+                         f"{getattr(kv.k, 'shape', kv.k)} and {getattr(kv.v, 'shape', kv.v)}")
+    int8 = kv.k.dtype == jnp.int8
+    if kv.v.dtype != kv.k.dtype or not (int8 or jnp.issubdtype(kv.k.dtype, jnp.floating)):
+        raise ValueError(f"kv pool K and V must share a float or int8 dtype, got {kv.k.dtype} and {kv.v.dtype}")
+    if int8 != (kv.k_scale is not None) or int8 != (kv.v_scale is not None):
+        raise ValueError(f"an int8 kv pool needs k_scale and v_scale and a float one has none; got {kv.k.dtype} "
+                         f"pages with k_scale {'set' if kv.k_scale is not None else 'None'}, v_scale "
+                         f"{'set' if kv.v_scale is not None else 'None'}")
+    for name, x in (("k_scale", kv.k_scale), ("v_scale", kv.v_scale)):
+        if x is not None and (getattr(x, "shape", None) != kv.k.shape[:-1] or x.dtype != jnp.float32):
+            raise ValueError(f"kv pool {name} must be f32{list(kv.k.shape[:-1])}, got "
+                             f"{getattr(x, 'dtype', type(x).__name__)}{list(getattr(x, 'shape', ()))}")
+
+
 def write_layer_kv(pool: KVPool, layer: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> KVPool:
     """Writes new tokens' K and V into one layer of the pool, in place
     (:func:`write_layer_pages`); an int8 pool stores them quantized per
@@ -166,7 +189,17 @@ def write_layer_kv(pool: KVPool, layer: jax.Array, k: jax.Array, v: jax.Array, s
 
     Returns:
       The updated pool.
+
+    Raises:
+      ValueError: a malformed pool (:func:`check_pool`), or (eager) a
+        ``layer`` outside ``[0, layers)`` (under ``jit`` such a write is
+        dropped).
     """
+    check_pool(pool)
+    if not isinstance(layer, jax.core.Tracer):
+        value = int(np.asarray(layer))
+        if isinstance(layer, bool) or not 0 <= value < pool.num_layers:
+            raise ValueError(f"layer must be in [0, num_layers={pool.num_layers}), got layer={layer!r}")
     if not pool.quantized:
         return KVPool(k=write_layer_pages(pool.k, layer, k, slots), v=write_layer_pages(pool.v, layer, v, slots))
     from pallas_kernels.common import quantize_kv
@@ -197,7 +230,19 @@ def copy_pages(pool: KVPool, src: jax.Array, dst: jax.Array) -> KVPool:
     Args:
       pool: the pool.
       src, dst: i32[n] page ids; ``NO_PAGE`` (-1) entries are skipped.
+
+    Raises:
+      ValueError: ``src`` and ``dst`` of different shapes, or (eager) an
+        entry outside ``[-1, num_pages)``.
     """
+    if jnp.shape(src) != jnp.shape(dst) or jnp.ndim(src) != 1:
+        raise ValueError(f"src and dst must be i32[n] of one shape, got {jnp.shape(src)} and {jnp.shape(dst)}")
+    for name, ids in (("src", src), ("dst", dst)):
+        if not isinstance(ids, jax.core.Tracer):
+            bad = np.asarray(ids)[(np.asarray(ids) < NO_PAGE) | (np.asarray(ids) >= pool.num_pages)]
+            if bad.size:
+                raise ValueError(f"{name} must be page ids in [0, num_pages={pool.num_pages}) or -1, "
+                                 f"got {bad.tolist()}")
     skip = (src == NO_PAGE) | (dst == NO_PAGE)
     dst = jnp.where(skip, pool.num_pages, dst)
     src = jnp.where(skip, 0, src)

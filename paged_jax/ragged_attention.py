@@ -161,6 +161,7 @@ def ragged_paged_attention(
     _validate(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, num_tiles=num_tiles, tile_q=tile_q,
               pages_per_block=pages_per_block, work_chunk=work_chunk, sliding_window=sliding_window)
     _validate_scales(k_pool, k_scales, v_scales)
+    layer = common.checked_layer(layer, k_pool.shape[0])[0]  # an integer scalar, in range (clamped under jit)
     common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
     t_total, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_pool.shape[1], k_pool.shape[3]
@@ -301,9 +302,6 @@ def _validate(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens,
     concrete = not any(isinstance(x, jax.core.Tracer) for x in (layer, q_starts, q_lens, kv_lens))
     if not concrete:
         return
-    layer = int(layer)
-    if not 0 <= layer < k_pool.shape[0]:
-        raise ValueError(f"layer must be in [0, {k_pool.shape[0]}), got layer={layer}")
     common.checked_lengths(block_tables, k_pool.shape[2], k_pool.shape[3], kv_lens, q_lens)  # ranges, named
     ql, kl, qs = np.asarray(q_lens), np.asarray(kv_lens), np.asarray(q_starts)
     live = np.flatnonzero(ql > 0)

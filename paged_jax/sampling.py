@@ -149,8 +149,13 @@ def sample(
       i32[B] token ids.
     """
     logits = logits.astype(jnp.float32)
+    if logits.ndim != 2 or any(x.shape != logits.shape[:1] for x in (temperature, top_p, seeds, streams, steps)):
+        raise ValueError(f"sample takes logits [B, V] and [B] temperature, top_p, seeds, streams and steps, got "
+                         f"{logits.shape}, {[x.shape for x in (temperature, top_p, seeds, streams, steps)]}")
     safe_t = jnp.where(temperature > 0, temperature, 1.0)
-    scaled = logits / safe_t[:, None]
+    # Shifted by the row's max first: a tiny temperature then sends the others to -inf, never the max to +inf
+    # (ties of +inf would pick the first index). Gumbel-max and the nucleus do not change under a shift.
+    scaled = (logits - jnp.max(logits, axis=-1, keepdims=True)) / safe_t[:, None]
     keep = jax.lax.cond(jnp.all(top_p >= 1.0), lambda: jnp.ones(scaled.shape, bool),
                         lambda: top_p_mask(scaled, top_p))
 

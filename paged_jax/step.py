@@ -78,7 +78,8 @@ def device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array,
     """Free, share, grow, fork, forward, sample: one iteration's device work, one program
     per (model, shape, greedy_only, top_k). ``prev``: i32[S] the previous
     call's sampled token per page-state row (inputs marked ``from_prev``
-    take it). Returns ``(state, kv, sampled i32[S] per row, (top ids
+    take it; a row whose logits are not finite samples -1 and gets NaN
+    log-probs, which the engine refuses). Returns ``(state, kv, sampled i32[S] per row, (top ids
     i32[S, k], top log-probs f32[S, k]) per row with ``k = min(top_k, V)``,
     ok, num_free_pages)``."""
     _TRACES[id(model)] += 1  # runs at trace time only
@@ -113,12 +114,17 @@ def device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array,
         new = greedy(logits)
     else:
         new = sample(logits, inp.temperature, inp.top_p, inp.seeds, inp.streams, inp.steps)
+    # A row whose logits hold NaN or inf has no token: -1 (NaN log-probs for beams), which the host refuses
+    # (an argmax over NaN would otherwise return a valid-looking id).
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)  # [R]
+    new = jnp.where(finite, new, -1)
     dest = jnp.where(inp.logits_slots < 0, prev.shape[0], inp.logits_slots)  # -1: dropped
     by_row = jnp.zeros_like(prev).at[dest].set(new, mode="drop")
     k = min(top_k, logits.shape[-1])
     top = (jnp.zeros((prev.shape[0], k), jnp.int32), jnp.zeros((prev.shape[0], k), jnp.float32))
     if k:  # beam search: each row's k most likely tokens
         top_lp, top_ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)  # [R, k]
+        top_lp = jnp.where(finite[:, None], top_lp, jnp.nan)
         top = (top[0].at[dest].set(top_ids, mode="drop"), top[1].at[dest].set(top_lp, mode="drop"))
     return state, kv, by_row, top, ok, state.num_free_pages
 

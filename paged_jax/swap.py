@@ -62,6 +62,9 @@ def gather_pages(kv: KVPool, pages: list[int], host=None) -> KVPool:
       of two; entries past ``len(pages)`` copy the null page): K and V
       ``[layers, K, n, L, H]``, and the scales of an int8 pool.
     """
+    _check_pages("pages", pages, kv.num_pages)
+    if not pages:
+        raise ValueError("pages is empty: nothing to copy")
     copied = _gather(kv, jnp.asarray(_padded(pages)))
     host = host or jax.devices("cpu")[0]
     return jax.device_put(copied, host)
@@ -80,9 +83,14 @@ def scatter_pages(kv: KVPool, pages: list[int], copied: KVPool, source: list[int
         ``0, 1, ...``).
 
     Raises:
-      ValueError: ``source`` naming a page that was not copied, or copied
-        pages of another pool's layout (float vs int8).
+      ValueError: ``pages`` naming a page outside the pool (or none),
+        ``source`` naming a page that was not copied, or copied pages of
+        another pool's layout (float vs int8, or other shapes than the
+        pool's but for the page axis).
     """
+    _check_pages("pages", pages, kv.num_pages)
+    if not pages:
+        raise ValueError("pages is empty: nothing to write")
     n = copied.k.shape[2]
     source = list(range(len(pages))) if source is None else list(source)
     if len(source) != len(pages) or (source and not 0 <= min(source) <= max(source) < n):
@@ -90,6 +98,10 @@ def scatter_pages(kv: KVPool, pages: list[int], copied: KVPool, source: list[int
     if copied.quantized != kv.quantized:
         raise ValueError(f"copied pages are {'int8' if copied.quantized else 'float'} but the pool is "
                          f"{'int8' if kv.quantized else 'float'}")
+    for name, c, x in zip(("k", "v", "k_scale", "v_scale"), jax.tree.leaves(copied), jax.tree.leaves(kv)):
+        if c.shape[:2] + c.shape[3:] != x.shape[:2] + x.shape[3:] or c.dtype != x.dtype:
+            raise ValueError(f"copied {name} {c.dtype}{list(c.shape)} does not fit the pool's {x.dtype}"
+                             f"{list(x.shape)} (they may differ only in the page axis, 2)")
     target = _padded(pages)
     src = np.zeros(len(target), np.int32)
     src[: len(source)] = source
@@ -97,6 +109,14 @@ def scatter_pages(kv: KVPool, pages: list[int], copied: KVPool, source: list[int
         copied = jax.tree.map(lambda x: x[:, :, src], copied)  # on the host, before the copy in
     device = next(iter(kv.k.devices()))
     return _scatter(kv, jnp.asarray(target), jax.device_put(copied, device))
+
+
+def _check_pages(name: str, pages, num_pages: int) -> None:
+    """Raises ValueError unless ``pages`` is a list of int page ids in
+    ``[0, num_pages)``."""
+    bad = [p for p in pages if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or not 0 <= p < num_pages]
+    if bad:
+        raise ValueError(f"{name} must be page ids in [0, num_pages={num_pages}), got {bad}")
 
 
 @dataclasses.dataclass

@@ -117,10 +117,7 @@ def validate_inputs(
         if k_pages.ndim != 5:
             raise ValueError(f"with layer={layer!r}, k_pages must be the stacked pool [num_layers, num_kv_heads, "
                              f"num_pages, page_size, head_dim], got shape {k_pages.shape}")
-        layer_dtype = jnp.result_type(layer) if not isinstance(layer, bool) else jnp.dtype(bool)
-        if jnp.ndim(layer) != 0 or not jnp.issubdtype(layer_dtype, jnp.integer):
-            raise ValueError(f"layer must be an integer scalar, got {type(layer).__name__} of dtype {layer_dtype} "
-                             f"and shape {jnp.shape(layer)}")
+        _check_layer_type(layer)
     if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
         raise ValueError(
             f"v_pages {v_pages.dtype}{list(v_pages.shape)} must match k_pages {k_pages.dtype}{list(k_pages.shape)}"
@@ -213,6 +210,19 @@ def checked_lengths(block_tables: jax.Array, num_pages: int, page_size: int, kv_
     return kv_lens, jnp.clip(q_lens, 0, high)
 
 
+def _check_layer_type(layer) -> None:
+    """Raises ValueError unless ``layer`` is an integer scalar (a Python or
+    NumPy int, or an integer array of shape ())."""
+    try:
+        dtype = jnp.dtype(bool) if isinstance(layer, bool) else jnp.result_type(layer)
+        ok = jnp.ndim(layer) == 0 and jnp.issubdtype(dtype, jnp.integer)
+    except TypeError:
+        dtype, ok = None, False
+    if not ok:
+        raise ValueError(f"layer must be an integer scalar, got {layer!r} ({type(layer).__name__}"
+                         f"{'' if dtype is None else f' of dtype {dtype}'}, shape {jnp.shape(layer) if dtype else '?'})")
+
+
 def checked_layer(layer: int | jax.Array | None, num_layers: int) -> jax.Array:
     """The layer index a kernel reads the stacked pool at, as i32[1].
 
@@ -231,6 +241,7 @@ def checked_layer(layer: int | jax.Array | None, num_layers: int) -> jax.Array:
     """
     if layer is None:
         return jnp.zeros((1,), jnp.int32)
+    _check_layer_type(layer)
     if not isinstance(layer, jax.core.Tracer):
         value = int(np.asarray(layer))
         if not 0 <= value < num_layers:

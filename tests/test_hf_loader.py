@@ -34,7 +34,7 @@ from flax import nnx
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported
 
-from models.hf_loader import load_hf, load_hf_model, read_hf_config  # noqa: E402
+from models.hf_loader import load_hf, load_hf_model, load_hf_tokenizer, read_hf_config  # noqa: E402
 from models.llama import Llama, RaggedModel, forward_dense, make_step_fn  # noqa: E402
 from paged_jax.engine import Engine, EngineConfig, Request  # noqa: E402
 
@@ -267,6 +267,8 @@ def test_bad_config_field_names_file_field_and_value(tmp_path, mistral_folder, f
      r"field 'max_window_layers' is 1; a sliding window on some layers only"),
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=4,
           layer_types=["full_attention", "sliding_attention"]), r"field 'layer_types' is"),
+    (dict(model_type="qwen2", layer_types=["full_attention", "chunked_attention"]),
+     r"unknown layer types \['chunked_attention'\]"),
 ])
 def test_unsupported_features_are_refused(tmp_path, mistral_folder, fields, match):
     with pytest.raises(ValueError, match=match):
@@ -314,6 +316,26 @@ def test_missing_shard_names_index_and_shard(tmp_path):
     (folder / "model.safetensors.index.json").unlink()
     with pytest.raises(FileNotFoundError, match=r"has neither model\.safetensors nor model\.safetensors\.index\.json"):
         load_hf_model(folder)
+
+
+def test_shards_outside_the_folder_and_string_eos_ids_are_refused(tmp_path, mistral_folder):
+    folder = tmp_path / "ckpt"
+    write_checkpoint(folder, "llama")
+    index = folder / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    name = next(iter(data["weight_map"]))
+    shutil.copy(folder / data["weight_map"][name], tmp_path / "elsewhere.safetensors")
+    data["weight_map"][name] = "../elsewhere.safetensors"
+    index.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"names shard files outside the checkpoint folder: \['\.\./elsewhere"):
+        load_hf_model(folder)
+    tok_folder = tmp_path / "tok"
+    shutil.copytree(mistral_folder, tok_folder)
+    cfg = json.loads((tok_folder / "config.json").read_text())
+    cfg["eos_token_id"] = ["2"]  # a string would be dropped, and generation not stop there
+    (tok_folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"config\.json': field 'eos_token_id' must be a token id"):
+        load_hf_tokenizer(tok_folder)
 
 
 def test_serve_sharegpt_model_flag(tmp_path, mistral_folder):

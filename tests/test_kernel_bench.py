@@ -149,3 +149,23 @@ def test_bad_preset_stops_main_before_any_work(tmp_path):
     with pytest.raises(SystemExit):
         kernel_bench.main(["--heads", "no-such-model", "--out", str(tmp_path / "kb")])
     assert not list(tmp_path.iterdir())
+
+
+def test_device_summary_reads_back_what_the_check_wrote(tmp_path, capsys):
+    from experiments import device_summary, provenance
+
+    record = provenance.collect("test", [], seeds={})
+    provenance.write_markdown(tmp_path / "kernel_bench.md", "# t\n\n## Summary\n\n- smollm2 uniform: 1.0x dense\n",
+                              record)
+    serve = tmp_path / "serve_smollm2-135m"
+    serve.mkdir()
+    cols = ["mode", "tokens_per_s", "wall_s", "compile_s", "programs", "model_over_floor", "host_s", "kv_dtype"]
+    rows = [dict(zip(cols, (m, t, 1.0, 2.0, 3, 1.5, 0.1, "bfloat16"))) for m, t in (("paged", 300.0), ("contiguous", 100.0))]
+    provenance.write_csv(serve / "serve_sharegpt.csv", rows, cols, record)
+    assert device_summary.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "kernel_bench: - smollm2 uniform: 1.0x dense" in out and "(3.00x)" in out
+    provenance.write_csv(serve / "serve_sharegpt.csv", rows[:1], cols, record)
+    assert device_summary.main([str(tmp_path)]) == 1
+    assert "unreadable" in capsys.readouterr().out
+    assert device_summary.main([str(tmp_path / "missing")]) == 2

@@ -477,3 +477,50 @@ def test_int8_pool_stores_quantized_kv_and_refuses_half_pools():
     half = KVPool(k=kv.k, v=kv.v)  # int8 pages without scales would store truncated K/V
     with pytest.raises(ValueError, match="an int8 kv pool needs k_scale and v_scale"):
         RaggedModel(tiny_model()).check_kv_pool(half)
+
+
+@pytest.mark.parametrize("beam", [False, True])
+def test_non_finite_logits_stop_the_engine_instead_of_giving_a_token(beam):
+    """NaN weights make NaN logits; an argmax over them would return a
+    valid-looking id. The engine refuses and names the requests."""
+    from flax import nnx as _nnx
+
+    from paged_jax.engine import Engine, EngineConfig, Request
+    from paged_jax.sampling import SamplingParams
+
+    model = Llama(LlamaConfig(**TINY), rngs=_nnx.Rngs(0))
+    model.final_norm.scale.set_value(jnp.full_like(model.final_norm.scale[...], jnp.nan))
+    sampling = SamplingParams(beam_width=2) if beam else SamplingParams(temperature=1.0, top_p=0.9)
+    engine = Engine(RaggedModel(model), model.config.make_kv_pool(20, 4),
+                    EngineConfig(max_seqs=4, max_seq_len=32, max_num_batched_tokens=16))
+    engine.add_request(Request(request_id="r0", prompt_ids=[1, 2, 3], max_new_tokens=3, sampling=sampling))
+    with pytest.raises(FloatingPointError, match=r"not finite .* for requests \['r0'\]"):
+        while engine.has_unfinished():
+            engine.step()
+    with pytest.raises(RuntimeError, match="failed in an earlier step"):
+        engine.step()
+
+
+def test_write_layer_kv_refuses_malformed_pools_and_layers():
+    from paged_jax.kv_cache import KVPool, write_layer_kv
+
+    config = LlamaConfig(**TINY)
+    kv = config.make_kv_pool(num_pages=5, page_size=4, dtype=jnp.int8)
+    k = v = jnp.ones((1, 1, 16), jnp.float32)
+    slots = jnp.asarray([0], jnp.int32)
+    cases = [
+        (KVPool(k=kv.k, v=kv.v), "an int8 kv pool needs k_scale and v_scale"),
+        (KVPool(k=kv.k.astype(jnp.float32), v=kv.v.astype(jnp.float32), k_scale=kv.k_scale, v_scale=kv.v_scale),
+         "a float one has none"),
+        (KVPool(k=kv.k, v=kv.v, k_scale=kv.k_scale.astype(jnp.bfloat16), v_scale=kv.v_scale),
+         r"k_scale must be f32\[2, 1, 5, 4\], got bfloat16"),
+        (KVPool(k=kv.k, v=kv.v[:, :, :4], k_scale=kv.k_scale, v_scale=kv.v_scale), "of one shape"),
+    ]
+    for pool, match in cases:
+        with pytest.raises(ValueError, match=match):
+            write_layer_kv(pool, jnp.int32(0), k, v, slots)
+        with pytest.raises(ValueError, match=match):
+            RaggedModel(tiny_model()).check_kv_pool(pool)
+    for layer in (2, -1, True):
+        with pytest.raises(ValueError, match=r"layer must be in \[0, num_layers=2\)"):
+            write_layer_kv(kv, layer, k, v, slots)

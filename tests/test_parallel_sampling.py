@@ -185,3 +185,24 @@ def test_abort_a_swapped_group_empties_its_swap_space():
     assert victim not in engine.swap and engine.swap.used == used - pages
     engine.run()
     assert engine.swap.used == 0 and engine.accounting()["used"] == 0
+
+
+def test_swap_copies_refuse_bad_pages_and_shapes():
+    pool = KVPool(k=jnp.zeros((2, 1, 4, 4, 8)), v=jnp.zeros((2, 1, 4, 4, 8)))
+    copied = gather_pages(pool, [1, 2])
+    for bad in ([9], [-2], [1.5]):
+        with pytest.raises(ValueError, match=r"pages must be page ids in \[0, num_pages=4\)"):
+            gather_pages(pool, bad)
+        with pytest.raises(ValueError, match=r"pages must be page ids in \[0, num_pages=4\)"):
+            scatter_pages(pool, bad, copied, source=[0])
+    with pytest.raises(ValueError, match="pages is empty"):
+        scatter_pages(pool, [], copied, source=[])
+    one_layer = gather_pages(KVPool(k=jnp.zeros((1, 1, 4, 4, 8)), v=jnp.zeros((1, 1, 4, 4, 8))), [1])
+    with pytest.raises(ValueError, match=r"copied k float32\[1, 1, 1, 4, 8\] does not fit the pool's"):
+        scatter_pages(pool, [2], one_layer, source=[0])
+    from paged_jax.kv_cache import copy_pages
+
+    with pytest.raises(ValueError, match=r"dst must be page ids in \[0, num_pages=4\) or -1, got \[9\]"):
+        copy_pages(pool, jnp.asarray([1]), jnp.asarray([9]))
+    with pytest.raises(ValueError, match="src and dst must be i32"):
+        copy_pages(pool, jnp.asarray([1, 2]), jnp.asarray([3]))

@@ -48,10 +48,13 @@ def test_packaged_requests_keep_the_lengths_and_the_template():
         assert prompt_len + output_len <= serve_sharegpt.MAX_SEQ_LEN
     again = serve_sharegpt.packaged_requests(50, 64, vocab_size=49152)
     assert [r.prompt_ids for r in again] == [r.prompt_ids for r in requests]  # seeded
-    small = serve_sharegpt.packaged_requests(5, 8, vocab_size=100)
-    assert all(0 <= t < 100 for r in small for t in r.prompt_ids)
+    assert all(0 <= t < 49152 for r in requests for t in r.prompt_ids)
+    with pytest.raises(ValueError, match=r"vocab_size=100 cannot hold the chat template's token ids"):
+        serve_sharegpt.packaged_requests(5, 8, vocab_size=100)
+    with pytest.raises(ValueError, match="seed must be an int >= 0"):
+        serve_sharegpt.packaged_requests(5, 8, vocab_size=49152, seed=-1)
     with pytest.raises(ValueError, match="num_requests=1001 exceeds the 1000 packaged requests"):
-        serve_sharegpt.packaged_requests(1001, 8, vocab_size=100)
+        serve_sharegpt.packaged_requests(1001, 8, vocab_size=49152)
     with pytest.raises(ValueError, match="vocab_size must be an int >= 1, got vocab_size=0"):
         serve_sharegpt.packaged_requests(5, 8, vocab_size=0)
 
@@ -70,7 +73,7 @@ def test_serve_cli_with_a_preset(monkeypatch, tmp_path):
     """The whole CLI on a (tiny, test-only) preset: packaged requests, no
     tokenizer, bf16 weights and K/V, both modes, table written."""
     monkeypatch.setitem(PRESETS, "tiny-test", LlamaConfig(
-        vocab_size=512, model_dim=32, mlp_dim=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=8))
+        vocab_size=35000, model_dim=32, mlp_dim=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=8))
     results = serve_sharegpt.main(["--model", "tiny-test", "--num-requests", "3", "--max-output-len", "2",
                                    "--dtype", "bfloat16", "--kv-dtype", "bfloat16", "--kv-budget-tokens", "4096",
                                    "--no-compile-cache", "--out", str(tmp_path)])

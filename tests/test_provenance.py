@@ -206,3 +206,13 @@ def test_tree_edited_between_runs_is_a_note(tmp_path):
                                      (b / name).read_text()))
     result = check_reproducible.compare_dirs(a, b)
     assert result.differences == [] and len(result.notes) == 2
+
+
+def test_check_refuses_empty_folders_and_unwritable_keep(tmp_path, capsys):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    assert check_reproducible.main(["--compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    assert "no .md or .csv files to compare" in capsys.readouterr().out
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit):
+        check_reproducible.parse_args(["--keep", str(tmp_path / "file" / "sub")])

@@ -75,3 +75,10 @@ def test_streams_and_steps_draw_independently():
                         jnp.full(1, t, jnp.int32))[0]) for s in range(4) for t in range(4)}
     assert len(picks) >= 14
     jax.clear_caches()
+
+
+def test_tiny_temperature_is_greedy_not_an_overflow():
+    logits = jnp.asarray([[10.0, 20.0, 30.0, 5.0], [3e38, 1e38, -3e38, 0.0]], jnp.float32)
+    picks = sample(logits, jnp.full(2, 2e-38), jnp.ones(2), jnp.zeros(2, jnp.uint32), jnp.zeros(2, jnp.int32),
+                   jnp.zeros(2, jnp.int32))
+    assert picks.tolist() == [2, 0]

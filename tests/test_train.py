@@ -350,3 +350,5 @@ def test_checkpoint_errors_name_the_file_and_field(trained, tmp_path):
         load_checkpoint(bad)
     with pytest.raises(ValueError, match="metadata key 'format' is reserved"):
         save_checkpoint(model, tmp_path / "x.safetensors", metadata={"format": "mine"})
+    with pytest.raises(ValueError, match=r"is a folder; give the checkpoint file to write"):
+        save_checkpoint(model, tmp_path)
