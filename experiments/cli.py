@@ -24,6 +24,25 @@ def require_positive(p: argparse.ArgumentParser, args, *names: str) -> None:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
+def available_memory_bytes() -> int | None:
+    """Memory a new array can take: the default device's ``bytes_limit``
+    less what it has in use (GPU, TPU), else the host's ``MemAvailable``
+    (``/proc/meminfo``); None when neither can be read."""
+    try:
+        stats = jax.devices()[0].memory_stats()
+        if stats and "bytes_limit" in stats:
+            return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    except Exception:  # backends without memory stats  # noqa: BLE001
+        pass
+    try:
+        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` says."""
     try:

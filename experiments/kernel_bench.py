@@ -35,8 +35,8 @@ second; ``% peak`` = that over the *peak* read bandwidth: one large
 device-to-device copy (``--peak-copy-gb``, default 1 GB on accelerators and
 0.25 GB on CPU) measured once per run, as bytes read per second (the copy
 also writes as many bytes, so a call that only reads may pass 100 %, and on
-CPU so does KV small enough to stay in cache). This is the figure issue 11's
-targets refer to. ``% copy`` = the same bandwidth over the read rate of a
+CPU so does KV small enough to stay in cache). This is the figure the
+project's performance targets (:data:`TARGETS`) refer to. ``% copy`` = the same bandwidth over the read rate of a
 copy of the row's own KV size (``copy GB/s (read)``): small copies are
 launch-bound (and on CPU cache-resident), so it is not a fraction of what the
 memory can do. Writes
@@ -118,11 +118,12 @@ class BenchConfig:
 
 HEAD_PRESETS: dict[str, BenchConfig] = {
     name: BenchConfig(name=name, num_kv_heads=c.num_kv_heads, group=c.group_size, head_dim=c.head_dim)
-    for name, c in (("smollm2", MODEL_PRESETS["smollm2-135m"]), ("llama-3-8b", MODEL_PRESETS["llama-3-8b"]),
-                    ("qwen2.5-7b", MODEL_PRESETS["qwen2.5-7b"]))
+    for name, c in (("smollm2", MODEL_PRESETS["smollm2-135m"]), ("smollm2-135m", MODEL_PRESETS["smollm2-135m"]),
+                    ("llama-3-8b", MODEL_PRESETS["llama-3-8b"]), ("qwen2.5-7b", MODEL_PRESETS["qwen2.5-7b"]))
 }
 """Attention shapes of real models (``models.presets.PRESETS``, from their
-config.json), by ``--heads`` name."""
+config.json), by ``--heads`` name (``smollm2`` is ``smollm2-135m``, the
+name ``serve_sharegpt --model`` uses)."""
 
 
 def machine() -> str:
@@ -356,7 +357,7 @@ def _case_key(r: dict) -> tuple:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Target:
-    """One of issue 11's targets: on ``backends``, in every case (one batch at
+    """A performance target of the project (issue 11 of its tracker): on ``backends``, in every case (one batch at
     one heads preset) that ``applies`` selects, the fastest of ``impls``
     (None: any paged implementation) must take at most ``max_ratio`` times
     dense attention's time and read KV at ``min_pct_peak`` % or more of the
@@ -386,7 +387,14 @@ TARGETS = (
            backends=("cpu",), impls=("xla_loop",), max_ratio=0.55,
            applies=lambda r: r["workload"] == "sharegpt"),
 )
-"""Issue 11's targets, checked in the summary where this run measured them."""
+"""The project's targets for paged decode attention (issue 11 of its
+tracker), checked in the summary where this run measured them."""
+
+
+def _span(values: list[float], fmt: str) -> str:
+    """``"a-b"`` over ``values``, or ``"a"`` when they are all one."""
+    lo, hi = format(min(values), fmt), format(max(values), fmt)
+    return lo if lo == hi else f"{lo}-{hi}"
 
 
 def summary_lines(rows: list[dict], backend: str) -> list[str]:
@@ -408,9 +416,10 @@ def summary_lines(rows: list[dict], backend: str) -> list[str]:
         impl = min(geomeans, key=geomeans.get)
         ratios = [r["ratio"] for r in by_impl[impl]]
         peaks = [r["pct_peak"] for r in by_impl[impl]]
-        lines.append(f"- {heads} {workload} ({cases} case{'s' * (cases != 1)}): {impl}, {geomeans[impl]:.2f}x dense "
-                     f"(range {min(ratios):.2f}-{max(ratios):.2f}x), {min(peaks):.3g}-{max(peaks):.3g} % of peak")
-    lines += ["", "Issue 11's targets:", ""]
+        spread = f" (range {_span(ratios, '.2f')}x)" if cases > 1 else ""
+        lines.append(f"- {heads} {workload} ({cases} case{'s' * (cases != 1)}): {impl}, {geomeans[impl]:.2f}x dense"
+                     f"{spread}, {_span(peaks, '.3g')} % of peak")
+    lines += ["", "Targets (each case this run measured; see the module docstring):", ""]
     for target in TARGETS:
         if backend not in target.backends:
             lines.append(f"- {target.name}: not applicable on {backend}")
@@ -459,11 +468,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     at_least_1 = _int_at_least(1)
     parser.add_argument("--heads", nargs="+", action="extend", choices=sorted(HEAD_PRESETS), metavar="PRESET",
                         help=f"attention shapes, repeatable: {', '.join(HEAD_PRESETS)} (default smollm2)")
-    parser.add_argument("--batches", type=at_least_1, nargs="+", default=[1, 8, 32], help="uniform batch sizes")
+    parser.add_argument("--batches", type=at_least_1, nargs="+", default=[1, 8, 32],
+                        help="uniform batch sizes (default 1 8 32)")
     parser.add_argument("--contexts", type=at_least_1, nargs="+", default=[256, 1024, 2048],
-                        help="uniform context lengths, tokens")
+                        help="uniform context lengths, tokens (default 256 1024 2048)")
     parser.add_argument("--ragged-batches", type=at_least_1, nargs="+", default=[8, 32, 64],
-                        help="ShareGPT-like ragged batch sizes")
+                        help="ShareGPT-like ragged batch sizes (default 8 32 64)")
     parser.add_argument("--sizes", choices=("small", "large"), default="small",
                         help=f"large adds uniform batches {LARGE_BATCHES} x contexts {LARGE_CONTEXTS} "
                              "(>= 1 GB of KV per call at llama-3-8b heads in bf16; on CPU it needs about 4x "
@@ -479,7 +489,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "smaller is quicker and noisier)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="default: float32 on CPU, bfloat16 elsewhere")
-    parser.add_argument("--out", default=str(RESULTS / "kernel_bench"), help="path stem for .md and .csv")
+    parser.add_argument("--out", default=str(RESULTS / "kernel_bench"),
+                        help="path stem: writes STEM.md and STEM.csv (default results/kernel_bench)")
     args = parser.parse_args(argv)
     args.heads = list(dict.fromkeys(args.heads or ["smollm2"]))
     if args.peak_copy_gb is not None and args.peak_copy_gb < 1e-3:
@@ -517,7 +528,7 @@ def main(argv=None) -> None:
               "(and writes as much).\n\n"
               "`KV GB` = KV bytes the call needs (sum of lengths, K and V), 1e9 bytes; `x dense` = time / dense "
               "time; `GB/s` = KV GB per second; `% peak` = that over the peak copy's read rate: the figure to "
-              "compare with issue 11's targets (a call that only reads may pass 100 %, and on CPU so does KV "
+              "compare with the targets (a call that only reads may pass 100 %, and on CPU so does KV "
               "that fits in cache); `% copy` = that over the read rate of a copy of the row's own size "
               "(`copy GB/s (read)`), which small sizes leave launch-bound (on CPU, cache-resident): not a "
               "fraction of the memory's bandwidth.")

@@ -1,4 +1,4 @@
-"""Serve ShareGPT requests with SmolLM2: paged KV versus contiguous reservation.
+"""Serve ShareGPT requests: paged KV versus contiguous reservation.
 
 The same requests are served twice in one process, on the same KV budget
 (tokens of K/V the pool can hold):
@@ -74,6 +74,7 @@ CSV_COLUMNS = (
     "compile_s",
     "programs",
     "compiled",
+    "weights_dtype",
     "kv_dtype",
 )
 MODES = ("paged", "contiguous")
@@ -113,6 +114,7 @@ class ServeResult:
     compile_s: float
     programs: int
     compiled: int
+    weights_dtype: str
     kv_dtype: str
     prefill_tokens: int
     page_size: int
@@ -304,6 +306,7 @@ def serve(
         compile_s=round(compiles.counts.seconds, 1),
         programs=st.num_programs,
         compiled=compiles.counts.compiled,
+        weights_dtype=jnp.dtype(model.embed[...].dtype).name,
         kv_dtype=kv_dtype.name,
         prefill_tokens=st.prefill_tokens,
         page_size=page_size,
@@ -393,7 +396,8 @@ def parse_args(argv=None):
                    help="serve over a device mesh, e.g. 'data=2,model=4': one engine per data shard, each tensor "
                         "parallel over its model devices and with its own --kv-budget-tokens pool (default: one "
                         "device). Multi-host: set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID")
-    p.add_argument("--seed", type=int, default=0, help="ShareGPT shuffle seed (default 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="ShareGPT shuffle seed; with a preset, the seed of the random prompt ids (default 0)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
                    help="how a preempted request gives back its pages (default recompute)")
@@ -409,6 +413,16 @@ def parse_args(argv=None):
         )
     if args.model in PRESETS and args.num_requests > PACKAGED_LIMIT:
         p.error(f"--num-requests {args.num_requests}: a preset serves the {PACKAGED_LIMIT} packaged requests at most")
+    if args.model in PRESETS:  # refuse now what would run out of memory while building the weights
+        from experiments.cli import available_memory_bytes
+        from models.presets import bytes_to_build
+
+        dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+        need, have = bytes_to_build(args.model, dtype), available_memory_bytes()
+        if have is not None and need > have:
+            p.error(f"--model {args.model} in {dtype} needs about {need / 1e9:.1f} GB to build its weights, and "
+                    f"{jax.default_backend()} has {have / 1e9:.1f} GB available (try --dtype bfloat16, a smaller "
+                    "preset, or an accelerator)")
     if args.model != "smollm2" and args.model not in PRESETS:  # fail now, not after loading: reads config.json only
         from models.hf_loader import read_hf_config
 
@@ -457,7 +471,9 @@ def load_model(spec: str, dtype=jnp.float32):
 def main(argv=None) -> list[ServeResult]:
     args = parse_args(argv)
     mesh = None
-    record = provenance.collect("experiments.serve_sharegpt", argv, seeds={"sharegpt_shuffle": args.seed})
+    seeds = {"sharegpt_shuffle": args.seed} if args.model not in PRESETS else {
+        "random_weights": 0, "prompt_ids": args.seed}  # packaged_requests draws prompt ids from --seed
+    record = provenance.collect("experiments.serve_sharegpt", argv, seeds=seeds)
     from models.llama import RaggedModel
 
     print(f"machine: {machine()}")

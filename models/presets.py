@@ -35,6 +35,21 @@ PRESETS: dict[str, LlamaConfig] = {
 """Architecture presets by name (see the module docstring for the sources)."""
 
 
+def bytes_to_build(name: str, param_dtype) -> int:
+    """Bytes :func:`random_model` needs at its peak: the weights in
+    ``param_dtype`` plus the f32 draw of the largest stacked tensor.
+
+    Raises:
+      ValueError: an unknown ``name``.
+    """
+    if not isinstance(name, str) or name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+    c = PRESETS[name]
+    largest = max(c.vocab_size * c.model_dim, c.num_layers * c.model_dim * c.mlp_dim,
+                  c.num_layers * c.model_dim * c.num_q_heads * c.head_dim)
+    return c.num_params * jnp.dtype(param_dtype).itemsize + 4 * largest
+
+
 def random_model(name: str, *, param_dtype=jnp.bfloat16, seed: int = 0) -> Llama:
     """A :class:`models.llama.Llama` of preset ``name`` with random weights.
 

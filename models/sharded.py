@@ -38,7 +38,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -90,9 +90,11 @@ def _spec(path: tuple[str, ...], ndim: int) -> P:
     return P(*[MODEL if i == axis else None for i in range(ndim)])
 
 
-def _map_with_names(fn, tree: dict, prefix=()):
-    return {k: _map_with_names(fn, v, prefix + (k,)) if isinstance(v, dict) else fn(prefix + (k,), v)
-            for k, v in tree.items()}
+def _map_with_names(fn, tree: dict) -> dict:
+    """``fn(path, leaf)`` over a nested dict's leaves (``path`` a tuple of
+    keys), same nesting out."""
+    flat = traverse_util.flatten_dict(tree)
+    return traverse_util.unflatten_dict({path: fn(path, leaf) for path, leaf in flat.items()})
 
 
 class ShardedLlama:

@@ -597,7 +597,7 @@ class Engine:
             return []
         if self._t0 is None:
             self._t0 = time.perf_counter()
-        t_start = time.perf_counter()
+        t_start, c_start = time.perf_counter(), _compile_seconds()
         scheduled = self._schedule()
         prev, self._inflight = self._inflight, None
         current = self._dispatch(scheduled, prev) if scheduled else None
@@ -633,6 +633,7 @@ class Engine:
         st.used_pages_sum += used
         st.peak_pages_used = max(st.peak_pages_used, used)
         st.busy_s += dt
+        st.compile_s += _compile_seconds() - c_start  # in the model call or not: host_s must exclude it all
         st.peak_concurrency = max(st.peak_concurrency, len(self.running) + len(finished))
         st.concurrency_s += (len(self.running) + len(finished)) * dt
         if held:
@@ -993,7 +994,6 @@ class Engine:
         st = self.stats
         st.model_calls += 1
         st.model_s += rec.seconds
-        st.compile_s += rec.compile_s
         st.decode_tokens += rec.decode_tokens
         st.prefill_tokens += rec.tokens - rec.decode_tokens
         st.calls.append(rec)

@@ -31,10 +31,12 @@ class EngineStats:
     share of allocated KV slots (pages held x page size) that hold a token.
     ``model_s`` is the time the host spends in the jitted step calls
     (page-state update, forward and sampling): dispatching them and waiting
-    for their results, compilation excluded; ``compile_s`` the compilation
-    inside them; ``host_s`` everything else an iteration spends (scheduling,
-    building the batch), which with ``async_scheduling`` overlaps the
-    device's work on the previous call.
+    for their results, compilation excluded; ``compile_s`` all compilation
+    (and loading from the persistent cache) during iterations, inside the
+    calls or not (the page-state frees, swap copies); ``host_s`` everything
+    else an iteration spends (scheduling, building the batch), which with
+    ``async_scheduling`` overlaps the device's work on the previous call:
+    ``model_s + compile_s + host_s = busy_s``.
 
     Prefix caching: ``prompt_tokens`` counts the prompt tokens of requests
     at their first admission and ``prefix_hit_tokens`` those of them served

@@ -88,7 +88,7 @@ def test_gpu_kernels_lower_to_triton_at_preset_heads(name):
 
 def test_presets_are_the_models_heads():
     assert {n: (c.num_q_heads, c.num_kv_heads, c.head_dim) for n, c in kernel_bench.HEAD_PRESETS.items()} == {
-        "smollm2": (9, 3, 64), "llama-3-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128)}
+        "smollm2": (9, 3, 64), "smollm2-135m": (9, 3, 64), "llama-3-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128)}
     for name, model in (("smollm2", "smollm2-135m"), ("llama-3-8b", "llama-3-8b"), ("qwen2.5-7b", "qwen2.5-7b")):
         cfg, preset = kernel_bench.HEAD_PRESETS[name], memory.get_preset(model)
         assert (cfg.num_kv_heads, cfg.head_dim) == (preset.num_kv_heads, preset.head_dim)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments import serve_sharegpt
+from experiments import provenance, serve_sharegpt
 from models.llama import LlamaConfig
 from models.presets import PRESETS, random_model
 
@@ -78,8 +78,13 @@ def test_serve_cli_with_a_preset(monkeypatch, tmp_path):
                                    "--dtype", "bfloat16", "--kv-dtype", "bfloat16", "--kv-budget-tokens", "4096",
                                    "--no-compile-cache", "--out", str(tmp_path)])
     assert [r.mode for r in results] == ["paged", "contiguous"]
-    assert all(r.kv_dtype == "bfloat16" and r.generated_tokens == results[0].generated_tokens for r in results)
+    assert all(r.kv_dtype == r.weights_dtype == "bfloat16" and r.generated_tokens == results[0].generated_tokens
+               for r in results)
+    for r in results:  # the parts of the engine's time are disjoint: compilation is in none of them
+        assert r.model_s + r.host_s <= r.wall_s + 0.02, r
     text = (tmp_path / "serve_sharegpt.md").read_text()
+    prov, rows = provenance.read_csv(tmp_path / "serve_sharegpt.csv")
+    assert rows[0]["weights_dtype"] == "bfloat16" and prov["seeds"] == "random_weights=0, prompt_ids=0"
     assert "tiny-test (random weights)" in text and "weights bfloat16, K/V bfloat16" in text
     with pytest.raises(SystemExit):
         serve_sharegpt.parse_args(["--model", "tiny-test", "--num-requests", "1001", "--out", str(tmp_path)])
