@@ -139,7 +139,7 @@ def test_reference_generation_matches_a_no_cache_loop(budget):
     assert engine.stats.model_calls == len(engine.stats.calls) <= engine.stats.iterations  # one call at most each
 
 
-@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("sampled", [pytest.param(False, marks=pytest.mark.slow), True])  # greedy: a slow extra
 def test_preemption_does_not_change_outputs(sampled):
     sampling = (lambda i: SamplingParams(temperature=0.8, top_p=0.9, seed=i)) if sampled else None
     reqs = toy_requests(12, sampling=sampling)

@@ -2,6 +2,8 @@
 pages after prefill, copy-on-write when they diverge, gang preemption.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,6 +93,12 @@ def test_samples_share_the_prompt_pages_then_copy_on_write():
     assert engine.accounting()["used"] == 0
 
 
+@functools.cache
+def _unpressured_samples():
+    """The large pool's samples, shared by every preemption variant."""
+    return run_checked(make_engine(400, max_seqs=16), group_requests(8, n=4, seed=4))
+
+
 @pytest.mark.parametrize("mode,prefix_caching,swap_pages", [
     ("recompute", True, None), ("recompute", False, None), ("swap", True, None), ("swap", False, None),
     ("swap", True, 6),  # a swap space too small for some groups: they are recomputed
@@ -100,7 +108,7 @@ def test_gang_preemption_keeps_every_sample(mode, prefix_caching, swap_pages):
     time, by recompute or swap) give the samples of a pool large enough for
     all of them."""
     reqs = group_requests(8, n=4, seed=4)
-    big = run_checked(make_engine(400, max_seqs=16), reqs)
+    big = _unpressured_samples()
     small_engine = make_engine(45, max_seqs=16, prefix_caching=prefix_caching,  # 40 tokens: 10 pages a sequence
                                preemption_mode=mode, swap_space_pages=swap_pages)
     small = run_checked(small_engine, reqs)

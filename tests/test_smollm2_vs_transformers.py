@@ -80,6 +80,7 @@ def test_logits_match_transformers(ours, hf, prompts):
         assert (got_all.argmax(-1) == want.argmax(-1)).all()
 
 
+@pytest.mark.slow  # ~25 s; the logits test above checks the same forward at every position
 def test_greedy_continuation_matches_transformers(ours, hf, prompts):
     model, tok, step, _ = ours
     for text in prompts:
