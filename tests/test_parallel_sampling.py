@@ -100,7 +100,8 @@ def _unpressured_samples():
 
 
 @pytest.mark.parametrize("mode,prefix_caching,swap_pages", [
-    ("recompute", True, None), ("recompute", False, None), ("swap", True, None), ("swap", False, None),
+    ("recompute", True, None), pytest.param("recompute", False, None, marks=pytest.mark.slow), ("swap", True, None),
+    pytest.param("swap", False, None, marks=pytest.mark.slow),  # without prefix caching: slow extras
     ("swap", True, 6),  # a swap space too small for some groups: they are recomputed
 ])
 def test_gang_preemption_keeps_every_sample(mode, prefix_caching, swap_pages):

@@ -170,7 +170,7 @@ def test_preempted_sequences_recompute_from_the_cache():
         assert small[i].output_ids == big[i].output_ids
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", [True, pytest.param(False, marks=pytest.mark.slow)])  # sync: a slow extra
 def test_abort_soak_leaks_nothing_and_keeps_other_outputs(overlap):
     """A few hundred requests (many sharing prefixes) with random aborts of
     waiting and running ones: the rest give the outputs of a run without

@@ -216,6 +216,7 @@ def sharegpt_requests():
             for i, r in enumerate(sampled)]
 
 
+@pytest.mark.slow  # ~45 s; the two-process test below serves over a mesh in the default run
 def test_engine_on_a_2x4_mesh_serves_sharegpt_like_one_device(sharegpt_requests):
     """24 ShareGPT requests through one engine per data shard (each tensor
     parallel over 4 devices, its own pool of 16 usable pages: one 64-token
