@@ -193,13 +193,22 @@ def write_layer_kv(pool: KVPool, layer: jax.Array, k: jax.Array, v: jax.Array, s
     Raises:
       ValueError: a malformed pool (:func:`check_pool`), or (eager) a
         ``layer`` outside ``[0, layers)`` (under ``jit`` such a write is
-        dropped).
+        dropped), or ``slots`` that are not distinct slots of the pool or
+        -1, one per token.
     """
     check_pool(pool)
     if not isinstance(layer, jax.core.Tracer):
         value = int(np.asarray(layer))
         if isinstance(layer, bool) or not 0 <= value < pool.num_layers:
             raise ValueError(f"layer must be in [0, num_layers={pool.num_layers}), got layer={layer!r}")
+    if not isinstance(slots, jax.core.Tracer):  # eager calls: slots are checked, not silently dropped
+        ids = np.asarray(slots)
+        limit = pool.num_pages * pool.page_size
+        if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.shape[0] != k.shape[0]:
+            raise ValueError(f"slots must be an integer [N_tok={k.shape[0]}] array, got {ids.dtype}{list(ids.shape)}")
+        real = ids[ids != -1]
+        if ((real < 0) | (real >= limit)).any() or len(set(real.tolist())) != real.size:
+            raise ValueError(f"slots must be distinct flat slots in [0, {limit}) or -1 (padding), got {ids.tolist()}")
     if not pool.quantized:
         return KVPool(k=write_layer_pages(pool.k, layer, k, slots), v=write_layer_pages(pool.v, layer, v, slots))
     from pallas_kernels.common import quantize_kv
@@ -232,13 +241,17 @@ def copy_pages(pool: KVPool, src: jax.Array, dst: jax.Array) -> KVPool:
       src, dst: i32[n] page ids; ``NO_PAGE`` (-1) entries are skipped.
 
     Raises:
-      ValueError: ``src`` and ``dst`` of different shapes, or (eager) an
-        entry outside ``[-1, num_pages)``.
+      ValueError: a malformed pool (:func:`check_pool`), ``src`` and
+        ``dst`` of different shapes, or (eager) ids that are not integers
+        in ``[-1, num_pages)``.
     """
+    check_pool(pool)
     if jnp.shape(src) != jnp.shape(dst) or jnp.ndim(src) != 1:
         raise ValueError(f"src and dst must be i32[n] of one shape, got {jnp.shape(src)} and {jnp.shape(dst)}")
     for name, ids in (("src", src), ("dst", dst)):
         if not isinstance(ids, jax.core.Tracer):
+            if np.asarray(ids).dtype.kind not in "iu":
+                raise ValueError(f"{name} must be integer page ids, got dtype {np.asarray(ids).dtype}")
             bad = np.asarray(ids)[(np.asarray(ids) < NO_PAGE) | (np.asarray(ids) >= pool.num_pages)]
             if bad.size:
                 raise ValueError(f"{name} must be page ids in [0, num_pages={pool.num_pages}) or -1, "

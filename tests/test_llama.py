@@ -524,3 +524,9 @@ def test_write_layer_kv_refuses_malformed_pools_and_layers():
     for layer in (2, -1, True):
         with pytest.raises(ValueError, match=r"layer must be in \[0, num_layers=2\)"):
             write_layer_kv(kv, layer, k, v, slots)
+    two = jnp.ones((2, 1, 16), jnp.float32)
+    for bad in ([0, 99], [-2, 1], [3, 3]):  # past the pool, negative but not padding, twice
+        with pytest.raises(ValueError, match=r"slots must be distinct flat slots in \[0, 20\) or -1"):
+            write_layer_kv(kv, 0, two, two, jnp.asarray(bad, jnp.int32))
+    with pytest.raises(ValueError, match=r"slots must be an integer \[N_tok=2\] array"):
+        write_layer_kv(kv, 0, two, two, jnp.asarray([0], jnp.int32))

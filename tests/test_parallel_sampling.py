@@ -215,3 +215,7 @@ def test_swap_copies_refuse_bad_pages_and_shapes():
         copy_pages(pool, jnp.asarray([1]), jnp.asarray([9]))
     with pytest.raises(ValueError, match="src and dst must be i32"):
         copy_pages(pool, jnp.asarray([1, 2]), jnp.asarray([3]))
+    with pytest.raises(ValueError, match="src must be integer page ids, got dtype bool"):
+        copy_pages(pool, jnp.asarray([True]), jnp.asarray([2]))
+    with pytest.raises(ValueError, match="an int8 kv pool needs k_scale"):
+        copy_pages(KVPool(k=pool.k.astype(jnp.int8), v=pool.v.astype(jnp.int8)), jnp.asarray([1]), jnp.asarray([2]))
