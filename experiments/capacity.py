@@ -15,15 +15,15 @@ import math
 
 import numpy as np
 
+from experiments.cli import add_flag, check_flags, require_positive
+from experiments.sharegpt import load_conversations, sample_requests
+from models.tokenizer import load_tokenizer
 from paged_jax.memory import DTYPE_BYTES, GB, KiB, PRESETS, CapacityPlan, get_preset, plan_capacity
 
 
 def sharegpt_final_lengths(num_requests: int = 1000, *, seed: int = 0) -> np.ndarray:
     """Final lengths (prompt + output tokens) of ``num_requests`` ShareGPT
     requests sampled with vLLM's rules and the SmolLM2 tokenizer: i64[R]."""
-    from experiments.sharegpt import load_conversations, sample_requests
-    from models.tokenizer import load_tokenizer
-
     conversations, _ = load_conversations()
     requests = sample_requests(conversations, load_tokenizer().encode_batch, num_requests, seed=seed)
     return np.array([r.prompt_len + r.output_len for r in requests], np.int64)
@@ -60,22 +60,21 @@ def parse_args(argv=None):
     p.add_argument("--num-devices", type=int, default=1)
     p.add_argument("--cache-fraction", type=float, default=0.9,
                    help="share of all device memory for weights + KV (vLLM's gpu_memory_utilization)")
-    p.add_argument("--page-size", type=int, default=16)
+    add_flag(p, "page_size")
     p.add_argument("--kv-dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
     p.add_argument("--weight-dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
     p.add_argument("--max-seq-len", type=int, default=2048, help="contiguous reservation, tokens")
     p.add_argument("--fixed-length", type=int, default=None,
                    help="every request has this final length (default: ShareGPT lengths)")
-    p.add_argument("--num-requests", type=int, default=1000, help="ShareGPT requests to sample")
+    add_flag(p, "num_requests", default=1000, help="ShareGPT requests to sample (default %(default)s)")
     args = p.parse_args(argv)
     # Named as flags, before any data is loaded.
     if not 0 < args.device_memory_gb < math.inf:
         p.error(f"--device-memory-gb must be a positive finite number, got {args.device_memory_gb}")
     if not 0 < args.cache_fraction <= 1:
         p.error(f"--cache-fraction must be in (0, 1], got {args.cache_fraction}")
-    for flag in ("num_devices", "page_size", "max_seq_len", "num_requests"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    check_flags(p, args)
+    require_positive(p, args, "num_devices", "max_seq_len")
     if args.fixed_length is not None and args.fixed_length < 1:
         p.error(f"--fixed-length must be >= 1, got {args.fixed_length}")
     if args.kv_dtype == "int4":

@@ -34,6 +34,7 @@ import tempfile
 from collections.abc import Sequence
 
 from experiments import provenance
+from experiments.cli import check_out_dir
 
 SMALL = ("--sim-requests", "20", "--pool-tokens", "2048", "--skip-serving")
 """Default arguments of the twice-run ``experiments.reproduce``: two
@@ -246,8 +247,6 @@ def parse_args(argv=None):
         if not folder.is_dir():
             p.error(f"--compare: {str(folder)!r} is not a folder")
     if args.keep is not None:
-        from experiments.cli import check_out_dir
-
         check_out_dir(p, args.keep, "--keep")
     args.reproduce_args = args.reproduce_args or list(SMALL)
     return args

@@ -1,6 +1,7 @@
-"""What the experiment scripts' command lines share: argument checks that
-fail before any work, the results and compile-cache folders, the machine
-line of every table.
+"""What the experiment scripts' command lines share: the flags several
+scripts take (:data:`FLAGS`, added by :func:`add_flag`, one definition and
+one default each), argument checks that fail before any work, the results
+and compile-cache folders, the machine line of every table.
 """
 
 from __future__ import annotations
@@ -11,8 +12,66 @@ import pathlib
 import platform
 
 import jax
+import jax.numpy as jnp
 
+from experiments.provenance import REPO
 from paged_jax.jit_stats import enable_persistent_cache
+
+RESULTS = REPO / "results"
+"""Where the scripts write their tables by default (``--out``)."""
+
+FLAGS: dict[str, dict] = {
+    "out": dict(type=pathlib.Path, default=RESULTS,
+                help="results folder (default: the repository's results/, replacing the tables committed there)"),
+    "seed": dict(type=int, default=0, help="ShareGPT shuffle seed (default %(default)s)"),
+    "num_requests": dict(type=int, default=48, help="ShareGPT requests to serve (default %(default)s)"),
+    "max_output_len": dict(type=int, default=48, help="cap on each request's output tokens (default %(default)s)"),
+    "page_size": dict(type=int, default=16, help="tokens per KV page (default %(default)s)"),
+    "max_seqs": dict(type=int, default=64, help="most sequences running at once (default %(default)s)"),
+    "dtype": dict(choices=("float32", "bfloat16"), default=None,
+                  help="weight dtype (default float32 on CPU, bfloat16 on GPU and TPU)"),
+}
+"""The flags several scripts take, by ``args`` attribute: the keyword
+arguments of ``ArgumentParser.add_argument``. A script that needs another
+default for its experiment (``--num-requests 12``) says so where it adds
+the flag."""
+POSITIVE = frozenset({"num_requests", "max_output_len", "page_size", "max_seqs"})
+"""Flags of :data:`FLAGS` that :func:`check_flags` requires to be >= 1."""
+
+
+def add_flag(p: argparse.ArgumentParser, name: str, **overrides) -> None:
+    """Adds ``--<name>`` (underscores as dashes) as :data:`FLAGS` defines it;
+    ``overrides`` replace ``add_argument`` keywords (``default=12``)."""
+    p.add_argument("--" + name.replace("_", "-"), **{**FLAGS[name], **overrides})
+
+
+def add_flags(p: argparse.ArgumentParser, *names: str) -> None:
+    """Adds each of ``names`` as :data:`FLAGS` defines it."""
+    for name in names:
+        add_flag(p, name)
+
+
+def check_flags(p: argparse.ArgumentParser, args) -> None:
+    """Exits with an argparse error naming the flag unless every flag of
+    :data:`POSITIVE` that ``args`` holds is >= 1. Cheap and side-effect
+    free: run it before the script's own checks (which may divide by
+    ``--page-size``); :func:`check_outputs` comes last."""
+    require_positive(p, args, *sorted(POSITIVE & vars(args).keys()))
+
+
+def check_outputs(p: argparse.ArgumentParser, args) -> None:
+    """Fails now, not after minutes of work, when ``--out`` or the compile
+    cache (where ``args`` holds them) cannot be written."""
+    if "out" in vars(args):
+        check_out_dir(p, args.out)
+    if "compile_cache" in vars(args):
+        check_compile_cache(p, args)
+
+
+def resolve_dtype(name: str | None) -> jnp.dtype:
+    """``--dtype``'s dtype: ``name``, else (the flag's default, None) float32
+    on CPU and bfloat16 on GPU and TPU."""
+    return jnp.dtype(name or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
 
 
 def require_positive(p: argparse.ArgumentParser, args, *names: str) -> None:
@@ -59,7 +118,7 @@ def machine() -> str:
     return f"{cpu_model()}, {os.cpu_count()} cores, JAX {jax.__version__} on {jax.default_backend()}"
 
 
-DEFAULT_COMPILE_CACHE = pathlib.Path(__file__).resolve().parents[1] / ".jax_cache"
+DEFAULT_COMPILE_CACHE = REPO / ".jax_cache"
 
 
 def add_compile_cache_args(p: argparse.ArgumentParser) -> None:
@@ -94,5 +153,7 @@ def check_out_dir(p: argparse.ArgumentParser, out: pathlib.Path, flag: str = "--
 
 
 def check_compile_cache(p: argparse.ArgumentParser, args) -> None:
+    """Fails now when the compile cache (unless ``--no-compile-cache``)
+    cannot be written."""
     if not args.no_compile_cache:
         check_out_dir(p, args.compile_cache.expanduser(), "--compile-cache")

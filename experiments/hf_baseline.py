@@ -24,6 +24,16 @@ import pathlib
 import sys
 import time
 
+from experiments import provenance
+from experiments.cli import add_compile_cache_args, add_flags, check_flags, check_outputs, machine, require_positive
+from experiments.cli import setup_compile_cache
+from experiments.serving import serve
+from experiments.sharegpt import build_requests
+from experiments.tables import markdown_table, write_table
+from models.gguf_loader import smollm2_gguf_path
+from models.llama import RaggedModel
+from models.smollm2 import load_smollm2
+
 CSV_COLUMNS = ("system", "requests", "generated_tokens", "wall_s", "tokens_per_s", "batch", "compile_s")
 
 
@@ -34,11 +44,10 @@ def hf_generate(requests, *, batch_size: int, pad_id: int, threads: int = 2) -> 
       ``(wall seconds, output ids per request)``; each output has exactly
       the request's ``max_new_tokens`` tokens.
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it
+    # Imported here: torch and transformers are the baseline's alone, and heavy.
     import torch
     import transformers
-
-    from models.gguf_loader import smollm2_gguf_path
 
     torch.set_num_threads(threads)
     if not sys.stderr.isatty():  # no progress bars in logs
@@ -68,31 +77,20 @@ def hf_generate(requests, *, batch_size: int, pad_id: int, threads: int = 2) -> 
 
 
 def parse_args(argv=None):
-    from experiments.cli import add_compile_cache_args, check_compile_cache, check_out_dir, require_positive
-
     p = argparse.ArgumentParser(prog="python -m experiments.hf_baseline", description=__doc__.split("\n\n")[0].replace("``", ""))
-    p.add_argument("--num-requests", type=int, default=48, help="ShareGPT requests (default 48, as the demo)")
-    p.add_argument("--max-output-len", type=int, default=48, help="cap on output tokens (default 48, as the demo)")
+    add_flags(p, "num_requests", "max_output_len")  # the demo's defaults
     p.add_argument("--batch-size", type=int, default=8, help="static batch of transformers generate() (default 8)")
-    p.add_argument("--seed", type=int, default=0, help="ShareGPT shuffle seed (default 0)")
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).resolve().parent.parent / "results",
-                   help="results folder (default: the repository's results/)")
+    add_flags(p, "seed", "out")
     add_compile_cache_args(p)
     args = p.parse_args(argv)
-    require_positive(p, args, "num_requests", "max_output_len", "batch_size")
-    check_out_dir(p, args.out)
-    check_compile_cache(p, args)
+    check_flags(p, args)
+    require_positive(p, args, "batch_size")
+    check_outputs(p, args)
     return args
 
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    from experiments import provenance
-    from experiments.cli import machine, setup_compile_cache
-    from experiments.serve_sharegpt import build_requests, serve
-    from models.llama import RaggedModel
-    from models.smollm2 import load_smollm2
-
     record = provenance.collect("experiments.hf_baseline", argv, seeds={"sharegpt_shuffle": args.seed})
 
     print(f"machine: {machine()}")
@@ -115,10 +113,7 @@ def main(argv=None) -> list[dict]:
              compile_s=paged.compile_s),
     ]
     same = sum(o.output_ids == h for o, h in zip(outs, hf_out))
-    table = "\n".join(
-        ["| " + " | ".join(CSV_COLUMNS) + " |", "|" + "---|" * len(CSV_COLUMNS)]
-        + ["| " + " | ".join(str(r[c]) for c in CSV_COLUMNS) + " |" for r in rows]
-    )
+    table = markdown_table(rows, CSV_COLUMNS)
     summary = (
         f"paged/transformers throughput: {rows[1]['tokens_per_s'] / rows[0]['tokens_per_s']:.2f}x, "
         f"measured in one run on {machine()} (f32; torch {args.batch_size}-request static batches, 2 threads).\n"
@@ -126,13 +121,11 @@ def main(argv=None) -> list[dict]:
         f"near-tie, after which a continuation differs)."
     )
     print("\n" + table + "\n\n" + summary)
-    provenance.write_csv(args.out / "hf_baseline.csv", rows, CSV_COLUMNS, record)
-    provenance.write_markdown(
-        args.out / "hf_baseline.md",
-        "# transformers generate() vs the paged engine (the demo's requests)\n\n" + table + "\n\n" + summary + "\n",
-        record,
+    md, csv = write_table(
+        args.out, "hf_baseline", rows, CSV_COLUMNS,
+        "# transformers generate() vs the paged engine (the demo's requests)\n\n" + table + "\n\n" + summary, record,
     )
-    print(f"\nwrote {args.out / 'hf_baseline.md'} and {args.out / 'hf_baseline.csv'}")
+    print(f"\nwrote {md} and {csv}")
     return rows
 
 

@@ -62,14 +62,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import provenance
-from experiments.cli import check_out_dir, cpu_model
+from experiments.cli import RESULTS, add_flag, check_out_dir, cpu_model, resolve_dtype
+from experiments.tables import markdown_table, write_table
 from models.presets import PRESETS as MODEL_PRESETS
 from paged_jax import attention
 
 # Axis alphabet: B batch, S key tokens, N query heads, K KV heads, G queries
 # per KV head, H head dim, P pages, L page size.
 
-RESULTS = pathlib.Path(__file__).resolve().parent.parent / "results"
 SEED = 0
 """Seed of the benchmark's random K/V, queries, page order and ShareGPT-like lengths."""
 SHAREGPT_MAX_LEN = 2048
@@ -250,9 +250,62 @@ def _stack_in_nan_pool(pages: jax.Array, *, layers: int, layer: int) -> jax.Arra
     return jnp.full((layers, *pages.shape), jnp.nan, pages.dtype).at[layer].set(pages)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Case:
+    """One batch's decode inputs, paged and dense (:func:`make_case`)."""
+
+    q: jax.Array  # [B, N, H]
+    k_pages: jax.Array  # [K, P, L, H], or [layers, K, P, L, H] with every layer but ``layer`` NaN
+    v_pages: jax.Array  # as k_pages
+    block_tables: jax.Array  # i32[B, pages_per_seq]; entries past a sequence's pages: the null page 0
+    kv_lens: jax.Array  # i32[B]
+    q_lens: jax.Array  # i32[B], all 1 (decode)
+    layer: jax.Array | None  # i32[]: the layer the calls read; None without a stacked pool
+    k_dense: jax.Array  # [B, K, S, H]: the same tokens, contiguous, padded to the longest
+    v_dense: jax.Array  # [B, K, S, H]
+
+    @property
+    def paged_args(self) -> tuple:
+        """The arguments of a :func:`paged_decode` call, in order."""
+        return self.q, self.k_pages, self.v_pages, self.block_tables, self.kv_lens, self.q_lens, self.layer
+
+
+def make_case(cfg: BenchConfig, lengths: np.ndarray, dtype, rng: np.random.Generator) -> Case:
+    """A batch of ``lengths`` (i32[B], each >= 1) context tokens at ``cfg``'s
+    heads: standard normal K/V and queries in ``dtype``, pages dealt from a
+    random permutation of the pool (a fragmented pool, as after churn), page
+    0 the null page (no sequence's)."""
+    batch = len(lengths)
+    num_kv, head_dim, page_size = cfg.num_kv_heads, cfg.head_dim, cfg.page_size
+    pages_per_seq = math.ceil(int(lengths.max()) / page_size)
+    needed = [math.ceil(int(n) / page_size) for n in lengths]
+    num_pages = 1 + sum(needed)  # page 0: the null page
+    perm = 1 + rng.permutation(num_pages - 1)
+    tables = np.zeros((batch, pages_per_seq), np.int32)
+    start = 0
+    for b, n in enumerate(needed):
+        tables[b, :n] = perm[start:start + n]
+        start += n
+    # rbg keys: XLA's own generator, compiled in a third of threefry's time on CPU.
+    k_pages, v_pages, q = _random_kv_q(jax.random.key(int(rng.integers(2**31)), impl="rbg"), pages_shape=(
+        num_kv, num_pages, page_size, head_dim), q_shape=(batch, cfg.num_q_heads, head_dim), dtype=jnp.dtype(dtype))
+    block_tables = jnp.asarray(tables)
+    k_dense = attention.gather_pages(k_pages, block_tables).transpose(1, 0, 2, 3)
+    v_dense = attention.gather_pages(v_pages, block_tables).transpose(1, 0, 2, 3)
+    layer = None
+    if cfg.layer is not None:
+        k_pages = _stack_in_nan_pool(k_pages, layers=cfg.layers, layer=cfg.layer)  # [layers, K, P, L, H]
+        v_pages = _stack_in_nan_pool(v_pages, layers=cfg.layers, layer=cfg.layer)
+        layer = jnp.int32(cfg.layer)
+    return Case(q=q, k_pages=k_pages, v_pages=v_pages, block_tables=block_tables,
+                kv_lens=jnp.asarray(lengths, jnp.int32), q_lens=jnp.ones((batch,), jnp.int32), layer=layer,
+                k_dense=k_dense, v_dense=v_dense)
+
+
 def run_case(cfg: BenchConfig, lengths: np.ndarray, dtype, impls: list[str], rng: np.random.Generator,
              label: str, peak_read_gbs: float, min_seconds: float = 0.2) -> list[dict]:
-    """Times dense and each paged implementation on one batch; one row each.
+    """Times dense and each paged implementation on one batch
+    (:func:`make_case`); one row each.
 
     Args:
       cfg: heads, page size and pool layers.
@@ -266,36 +319,12 @@ def run_case(cfg: BenchConfig, lengths: np.ndarray, dtype, impls: list[str], rng
 
     Raises:
       AssertionError: a paged implementation's output differs from dense
-        attention's (1e-3 in float32, 5e-2 in 16-bit dtypes).
+        attention's (1e-3 in float32, 5e-2 in 16-bit dtypes): a fast wrong
+        kernel gives no row.
     """
-    batch = len(lengths)
-    num_kv, head_dim, page_size = cfg.num_kv_heads, cfg.head_dim, cfg.page_size
-    longest = int(lengths.max())
-    pages_per_seq = math.ceil(longest / page_size)
-    needed = [math.ceil(int(n) / page_size) for n in lengths]
-    num_pages = 1 + sum(needed)  # page 0: the null page
-    # Pages dealt from a random permutation: a fragmented pool, as after churn.
-    perm = 1 + rng.permutation(num_pages - 1)
-    tables = np.zeros((batch, pages_per_seq), np.int32)
-    start = 0
-    for b, n in enumerate(needed):
-        tables[b, :n] = perm[start:start + n]
-        start += n
-    # rbg keys: XLA's own generator, compiled in a third of threefry's time on CPU.
-    k_pages, v_pages, q = _random_kv_q(jax.random.key(int(rng.integers(2**31)), impl="rbg"), pages_shape=(
-        num_kv, num_pages, page_size, head_dim), q_shape=(batch, cfg.num_q_heads, head_dim), dtype=jnp.dtype(dtype))
-    block_tables = jnp.asarray(tables)
-    kv_lens = jnp.asarray(lengths, jnp.int32)
-    q_lens = jnp.ones((batch,), jnp.int32)
-
-    # Dense K/V: the same tokens, contiguous, padded to the longest: [B, K, S, H].
-    k_dense = attention.gather_pages(k_pages, block_tables).transpose(1, 0, 2, 3)
-    v_dense = attention.gather_pages(v_pages, block_tables).transpose(1, 0, 2, 3)
-    layer = None
-    if cfg.layer is not None:
-        k_pages = _stack_in_nan_pool(k_pages, layers=cfg.layers, layer=cfg.layer)  # [layers, K, P, L, H]
-        v_pages = _stack_in_nan_pool(v_pages, layers=cfg.layers, layer=cfg.layer)
-        layer = jnp.int32(cfg.layer)
+    batch, num_kv, head_dim = len(lengths), cfg.num_kv_heads, cfg.head_dim
+    case = make_case(cfg, lengths, dtype, rng)
+    q, k_dense, v_dense, kv_lens = case.q, case.k_dense, case.v_dense, case.kv_lens
 
     itemsize = jnp.dtype(dtype).itemsize
     kv_bytes = int(lengths.sum()) * num_kv * head_dim * itemsize * 2
@@ -304,9 +333,9 @@ def run_case(cfg: BenchConfig, lengths: np.ndarray, dtype, impls: list[str], rng
     dense_fn = jax.jit(dense_attention)
     dense_s = time_call(dense_fn, q, k_dense, v_dense, kv_lens, min_seconds=min_seconds)
     expected = dense_fn(q, k_dense, v_dense, kv_lens)
-    common = dict(heads=cfg.name, workload=label, batch=batch, mean_len=float(lengths.mean()), max_len=longest,
-                  dtype=jnp.dtype(dtype).name, kv_gb=kv_bytes / 1e9, copy_read_gbs=same_size_gbs,
-                  peak_read_gbs=peak_read_gbs)
+    common = dict(heads=cfg.name, workload=label, batch=batch, mean_len=float(lengths.mean()),
+                  max_len=int(lengths.max()), dtype=jnp.dtype(dtype).name, kv_gb=kv_bytes / 1e9,
+                  copy_read_gbs=same_size_gbs, peak_read_gbs=peak_read_gbs)
 
     def row(impl: str, seconds: float) -> dict:
         gbs = kv_bytes / seconds / 1e9
@@ -316,11 +345,11 @@ def run_case(cfg: BenchConfig, lengths: np.ndarray, dtype, impls: list[str], rng
     rows = [row("dense", dense_s)]
     for impl in impls:
         fn = paged_decode(impl)
-        out = fn(q, k_pages, v_pages, block_tables, kv_lens, q_lens, layer)
+        out = fn(*case.paged_args)
         err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - expected.astype(jnp.float32))))
         if not err < (1e-3 if itemsize == 4 else 5e-2):
             raise AssertionError(f"{impl} differs from dense attention by {err} on {cfg.name} {label} batch {batch}")
-        seconds = time_call(fn, q, k_pages, v_pages, block_tables, kv_lens, q_lens, layer, min_seconds=min_seconds)
+        seconds = time_call(fn, *case.paged_args, min_seconds=min_seconds)
         rows.append(row(impl, seconds))
     return rows
 
@@ -339,9 +368,7 @@ def to_markdown(rows: list[dict], header: str) -> str:
             return f"{value:.0f}" if key in ("mean_len",) else f"{value:.3g}" if key != "ratio" else f"{value:.2f}"
         return str(value)
 
-    lines = [header, "", "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
-    lines += ["| " + " | ".join(fmt(c, r[c]) for c in COLUMNS) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    return header + "\n\n" + markdown_table(rows, COLUMNS, headers=HEADERS, cell=fmt) + "\n"
 
 
 def describe_case(r: dict) -> str:
@@ -487,8 +514,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--min-seconds", type=_positive_number, default=0.2,
                         help="length of each timed loop, s; each figure is the best of 5 loops (default 0.2; "
                              "smaller is quicker and noisier)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                        help="default: float32 on CPU, bfloat16 elsewhere")
+    add_flag(parser, "dtype", choices=("float32", "bfloat16", "float16"),
+             help="K/V and query dtype (default float32 on CPU, bfloat16 on GPU and TPU)")
     parser.add_argument("--out", default=str(RESULTS / "kernel_bench"),
                         help="path stem: writes STEM.md and STEM.csv (default results/kernel_bench)")
     args = parser.parse_args(argv)
@@ -505,7 +532,7 @@ def main(argv=None) -> None:
     record = provenance.collect("experiments.kernel_bench", argv, seeds={"data": SEED})
 
     backend = jax.default_backend()
-    dtype = jnp.dtype(args.dtype or ("float32" if backend == "cpu" else "bfloat16"))
+    dtype = resolve_dtype(args.dtype)
     impls = native_impls()
     configs = [dataclasses.replace(HEAD_PRESETS[name], layers=args.layers) for name in args.heads]
     uniform = list(dict.fromkeys(itertools.product(args.batches, args.contexts)))
@@ -547,12 +574,9 @@ def main(argv=None) -> None:
     table = to_markdown(rows, header) + "\n" + "\n".join(summary_lines(rows, backend)) + "\n"
     print("\n" + table)
     out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    provenance.write_markdown(out.with_suffix(".md"), table, record)
-    provenance.write_csv(out.with_suffix(".csv"),
-                         [{c: (f"{r[c]:.6g}" if isinstance(r[c], float) else r[c]) for c in CSV_COLUMNS} for r in rows],
-                         CSV_COLUMNS, record)
-    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.csv')}")
+    md, csv = write_table(out.parent, out.stem, [{c: (f"{r[c]:.6g}" if isinstance(r[c], float) else r[c])
+                                                  for c in CSV_COLUMNS} for r in rows], CSV_COLUMNS, table, record)
+    print(f"wrote {md} and {csv}")
 
 
 if __name__ == "__main__":

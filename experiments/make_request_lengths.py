@@ -5,13 +5,13 @@ network) serves the same request lengths.
 
 Made by ``python -m experiments.make_request_lengths``: the first
 ``--num-requests`` (default 1,000) requests that
-:func:`experiments.serve_sharegpt.build_requests` samples (vLLM's ShareGPT
+:func:`experiments.sharegpt.build_requests` samples (vLLM's ShareGPT
 benchmark rules, shuffle seed 0; a run of N requests takes the first N),
 with prompts wrapped in SmolLM2's chat template and tokenized by the SmolLM2
 tokenizer. Stored per request: the templated prompt length and the dataset's
 output length (tokens); plus the template's token ids before and after the
 user's text, which every prompt shares (what prefix caching sees).
-:func:`experiments.serve_sharegpt.packaged_requests` rebuilds prompts of
+:func:`experiments.sharegpt.packaged_requests` rebuilds prompts of
 these lengths from the template ids and seeded random ids in between.
 """
 
@@ -21,9 +21,9 @@ import argparse
 import json
 import pathlib
 
-from experiments.cli import check_out_dir, require_positive
-
-DATA = pathlib.Path(__file__).resolve().parent / "data" / "sharegpt_requests.json"
+from experiments.cli import add_flag, check_flags, check_out_dir
+from experiments.sharegpt import PACKAGED_LIMIT, PACKAGED_REQUESTS, build_requests
+from models.smollm2 import load_smollm2
 
 
 def template_ids(tokenizer) -> tuple[list[int], list[int]]:
@@ -38,14 +38,12 @@ def template_ids(tokenizer) -> tuple[list[int], list[int]]:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m experiments.make_request_lengths", description=__doc__.split("\n\n")[0])
-    p.add_argument("--num-requests", type=int, default=1000, help="requests to store (default 1000)")
-    p.add_argument("--out", type=pathlib.Path, default=DATA, help=f"output file (default {DATA})")
+    add_flag(p, "num_requests", default=PACKAGED_LIMIT, help="requests to store (default %(default)s)")
+    p.add_argument("--out", type=pathlib.Path, default=PACKAGED_REQUESTS,
+                   help=f"output file (default {PACKAGED_REQUESTS})")
     args = p.parse_args(argv)
-    require_positive(p, args, "num_requests")
+    check_flags(p, args)
     check_out_dir(p, args.out.parent, "--out")  # before tokenizing ShareGPT
-    from experiments.serve_sharegpt import build_requests
-    from models.smollm2 import load_smollm2
-
     _, tokenizer = load_smollm2()
     requests, _, report = build_requests(tokenizer, args.num_requests, max_output_len=10**9, seed=0)
     prefix, suffix = template_ids(tokenizer)

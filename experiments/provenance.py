@@ -18,8 +18,9 @@ Markdown files end with the block (after a ``<!-- provenance -->`` marker,
 as ``- key: value`` lines); CSV files begin with it as ``# key: value``
 comment lines, so the rows stay loadable: ``read_csv`` here, or
 ``pandas.read_csv(path, comment="#")`` where no cell holds a ``#``. :func:`render` is the one function
-that writes the block; :func:`write_markdown` and :func:`write_csv` are what
-the scripts call.
+that writes the block; :func:`write_markdown` and :func:`write_csv` write a
+file with it, and :func:`experiments.tables.write_table`, which the scripts
+call, writes a table's two.
 """
 
 from __future__ import annotations
@@ -232,6 +233,7 @@ def _version(dist: str) -> str:
 
 def _devices() -> tuple[str, str, str]:
     try:
+        # Imported here, inside the try: a JAX that fails to import still leaves a record saying so.
         import jax
 
         devices = jax.devices()

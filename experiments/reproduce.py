@@ -23,9 +23,15 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from experiments import figures, provenance
-from experiments.cli import require_positive
+from experiments import plots, provenance
+from experiments.cli import add_flag, require_positive
+from experiments.serving import serve
+from experiments.sharegpt import build_requests, load_conversations, sample_requests
+from experiments.tables import markdown_table, write_table
 from experiments.waste_sim import PAPER_TOKEN_SHARE, SCHEMES, SimConfig, simulate
+from models.llama import RaggedModel
+from models.smollm2 import load_smollm2
+from models.tokenizer import load_tokenizer
 from paged_jax.memory import GB, KiB, PRESETS, get_preset, paged_slots, plan_capacity
 
 PAPER = "Kwon et al., SOSP 2023"
@@ -62,17 +68,12 @@ class Table:
     note: str = ""
 
     def markdown(self) -> str:
-        cols = list(self.rows[0])
-        lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-        for row in self.rows:
-            lines.append("| " + " | ".join(_fmt(row[c]) for c in cols) + " |")
-        body = "\n".join(lines)
+        body = markdown_table(self.rows, list(self.rows[0]), cell=lambda column, value: _fmt(value))
         return f"## {self.title}\n\n{body}\n" + (f"\n{self.note}\n" if self.note else "")
 
     def write(self, out: pathlib.Path, record: provenance.Provenance) -> None:
         """Writes ``<out>/<name>.md`` and ``<out>/<name>.csv``."""
-        provenance.write_markdown(out / f"{self.name}.md", self.markdown(), record)
-        provenance.write_csv(out / f"{self.name}.csv", self.rows, list(self.rows[0]), record)
+        write_table(out, self.name, self.rows, list(self.rows[0]), self.markdown(), record)
 
 
 def _fmt(v) -> str:
@@ -103,9 +104,6 @@ class Workload:
 
 def load_workload(num_requests: int) -> Workload:
     """ShareGPT lengths, vLLM sampling, SmolLM2 tokenizer."""
-    from experiments.sharegpt import load_conversations, sample_requests
-    from models.tokenizer import load_tokenizer
-
     conversations, report = load_conversations()
     reqs = sample_requests(conversations, load_tokenizer().encode_batch, num_requests, seed=SHAREGPT_SEED)
     return Workload(
@@ -266,10 +264,6 @@ def serving_rows(
     ``block_requests`` requests, KV budget 8,192 tokens), and paged vs
     contiguous at three KV budgets (``num_requests`` requests). Returns
     ``(block_rows, budget_rows)``."""
-    from experiments.serve_sharegpt import build_requests, serve
-    from models.llama import RaggedModel
-    from models.smollm2 import load_smollm2
-
     model, tokenizer = load_smollm2()
     requests, _, _ = build_requests(tokenizer, num_requests, max_output_len, seed=SHAREGPT_SEED)
     paged_model = RaggedModel(model)
@@ -351,7 +345,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="python -m experiments.reproduce", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
+    add_flag(p, "out")
     p.add_argument("--sim-requests", type=int, default=2000, help="ShareGPT requests in the simulation")
     p.add_argument("--pool-tokens", type=int, default=32_768, help="simulated KV pool, slots")
     p.add_argument("--arrival-rate", type=float, default=1.0, help="simulated requests per iteration")
@@ -391,7 +385,7 @@ def main(argv=None) -> list[Table]:
     bar.update(1)
 
     waste, waste_plot = waste_breakdown(work, args.pool_tokens, args.arrival_rate, step("waste breakdown"))
-    figures.plot_waste_breakdown(out / "waste_breakdown.png", waste_plot)
+    plots.plot_waste_breakdown(out / "waste_breakdown.png", waste_plot)
     sim_rows = block_size_sim(work, args.pool_tokens, args.arrival_rate, step("block sizes (simulation)"))
 
     serve_block, serve_budget = None, None
@@ -408,15 +402,15 @@ def main(argv=None) -> list[Table]:
             "(compile time excluded)."
         )
     block = block_size_table(sim_rows, serve_block, serve_note)
-    figures.plot_block_size(
+    plots.plot_block_size(
         out / "block_size.png",
         [{**s, "tokens/s": (None if serve_block is None else serve_block[i].tokens_per_s)}
          for i, s in enumerate(sim_rows)],
     )
     step("figures")
-    figures.plot_layout(out / "layout.png", declared_max=args.declared_max)
+    plots.plot_layout(out / "layout.png", declared_max=args.declared_max)
     bar.update(1)
-    figures.plot_declared_max_sweep(out / "declared_max_sweep.png")
+    plots.plot_declared_max_sweep(out / "declared_max_sweep.png")
     bar.update(1)
     bar.close()
 

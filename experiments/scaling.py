@@ -33,15 +33,22 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
-import time
 
+# Before JAX is imported (by any module below): fake 8 CPU devices unless the caller chose otherwise.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-from experiments import provenance  # noqa: E402
-from experiments.cli import check_out_dir, machine, require_positive  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent.parent / "results"
+from experiments import provenance  # noqa: E402
+from experiments.cli import add_flag, add_flags, check_flags, check_outputs, machine, require_positive  # noqa: E402
+from experiments.serving import make_engine, run_timed  # noqa: E402
+from experiments.sharegpt import build_requests  # noqa: E402
+from experiments.tables import markdown_table, write_table  # noqa: E402
+from models.smollm2 import load_smollm2  # noqa: E402
+from paged_jax.data_parallel import gather_outputs  # noqa: E402
+from paged_jax.sharding import head_layout, init_distributed, make_mesh  # noqa: E402
+
 COLUMNS = ["devices", "mesh", "kv_heads_per_device", "q_slots_per_device", "pages_per_device",
            "max_concurrent_seqs", "wall_s", "iterations", "ms_per_iteration", "tokens_per_s", "same_outputs"]
 
@@ -54,36 +61,25 @@ def meshes(device_counts) -> list[tuple[int, int]]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", default="1,2,4,8", help="device counts, comma-separated")
-    parser.add_argument("--num-requests", type=int, default=16, help="ShareGPT requests served per mesh")
-    parser.add_argument("--max-output-len", type=int, default=16, help="output cap per request (tokens)")
+    add_flag(parser, "num_requests", default=16, help="ShareGPT requests served per mesh (default %(default)s)")
+    add_flag(parser, "max_output_len", default=16)
     parser.add_argument("--max-prompt-len", type=int, default=256, help="requests with longer prompts are skipped")
     parser.add_argument("--kv-budget-mib", type=float, default=32.0, help="KV pool bytes per device (MiB)")
     parser.add_argument("--capacity-len", type=int, default=512, help="sequence length of the capacity column")
-    parser.add_argument("--page-size", type=int, default=16, help="tokens per page")
-    parser.add_argument("--max-seqs", type=int, default=8, help="running sequences per data shard")
-    parser.add_argument("--seed", type=int, default=0, help="ShareGPT sampling seed")
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for scaling.md and .csv")
+    add_flag(parser, "page_size")
+    add_flag(parser, "max_seqs", default=8, help="running sequences per data shard (default %(default)s)")
+    add_flags(parser, "seed", "out")
     args = parser.parse_args(argv)
     try:
         counts = [int(x) for x in args.devices.split(",")]
     except ValueError:
         parser.error(f"--devices must be comma-separated integers, got {args.devices!r}")
-    require_positive(parser, args, "num_requests", "max_output_len", "page_size", "max_seqs", "capacity_len",
-                     "max_prompt_len")
+    check_flags(parser, args)
+    require_positive(parser, args, "capacity_len", "max_prompt_len")
     if not (args.kv_budget_mib > 0 and args.kv_budget_mib < float("inf")):
         parser.error(f"--kv-budget-mib must be a finite number > 0, got {args.kv_budget_mib}")
-    check_out_dir(parser, args.out)
+    check_outputs(parser, args)
     record = provenance.collect("experiments.scaling", argv, seeds={"sharegpt_shuffle": args.seed})
-
-    import jax
-
-    from experiments.serve_sharegpt import build_requests
-    from models.sharded import make_data_parallel_engine
-    from models.smollm2 import load_smollm2
-    from paged_jax.data_parallel import gather_outputs
-    from paged_jax.engine import EngineConfig
-    from paged_jax.jit_stats import CompileMonitor
-    from paged_jax.sharding import head_layout, init_distributed, make_mesh
 
     init_distributed()
     available = jax.device_count()
@@ -102,8 +98,8 @@ def main(argv=None) -> None:
     rows, reference = [], None
     for data, m in meshes(counts):
         layout = head_layout(cfg.num_q_heads, cfg.num_kv_heads, m)
-        page_bytes = 2 * cfg.num_layers * layout.kv_heads_per_device * args.page_size * cfg.head_dim * 4
-        pages = int(args.kv_budget_mib * 2**20 // page_bytes)
+        page_bytes = 2 * cfg.num_layers * layout.kv_heads_per_device * args.page_size * cfg.head_dim * 4  # f32
+        pages = int(args.kv_budget_mib * 2**20 // page_bytes)  # the null page included
         per_seq = -(-args.capacity_len // args.page_size)
         if (pages - 1) * args.page_size < max_seq_len:
             print(f"mesh {data}x{m}: {pages} pages per device cannot hold one {max_seq_len}-token sequence; skipped")
@@ -115,14 +111,10 @@ def main(argv=None) -> None:
         if not any(dev.process_index == jax.process_index() for dev in mesh.devices.flat):
             print(f"mesh {data}x{m}: none of this host's devices; skipped")
             continue
-        engine = make_data_parallel_engine(
-            model, mesh, EngineConfig(max_seqs=args.max_seqs, max_seq_len=max_seq_len,
-                                      max_num_batched_tokens=max(256, args.max_seqs)),
-            pages_per_shard=pages, page_size=args.page_size, stop_ids=tokenizer.stop_ids)
-        with CompileMonitor() as compiles:
-            t0 = time.perf_counter()
-            local = engine.run(requests)
-            wall = time.perf_counter() - t0 - compiles.counts.seconds
+        engine = make_engine(model, kv_tokens=(pages - 1) * args.page_size, page_size=args.page_size,
+                             max_seqs=args.max_seqs, max_seq_len=max_seq_len, mesh=mesh, stop_ids=tokenizer.stop_ids,
+                             kv_dtype=jnp.float32)
+        local, wall, _ = run_timed(engine, requests)
         # every host's outputs on every host (one process: just this one's)
         outputs = gather_outputs(local, [r.request_id for r in requests], args.max_output_len)
         reference = reference or outputs
@@ -139,8 +131,7 @@ def main(argv=None) -> None:
         print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
         del engine
 
-    header = "| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n"
-    table = header + "\n".join("| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows)
+    table = markdown_table(rows, COLUMNS)
     note = (f"SmolLM2-135M (f32) serving {len(requests)} ShareGPT requests (prompts <= {args.max_prompt_len} "
             f"tokens, outputs <= {args.max_output_len}); {args.kv_budget_mib:g} MiB of KV per device, page size "
             f"{args.page_size}, capacity at {args.capacity_len} tokens per sequence; {machine()}, "
@@ -148,11 +139,9 @@ def main(argv=None) -> None:
     print("\n" + table + "\n\n" + note)
     if jax.process_index() != 0:
         return  # process 0 writes the files
-    args.out.mkdir(parents=True, exist_ok=True)
-    provenance.write_markdown(args.out / "scaling.md",
-                              "# Serving over 1-8 devices (data x model meshes)\n\n" + table + "\n\n" + note, record)
-    provenance.write_csv(args.out / "scaling.csv", rows, COLUMNS, record)
-    print(f"\nwrote {args.out / 'scaling.md'} and {args.out / 'scaling.csv'}")
+    md, csv = write_table(args.out, "scaling", rows, COLUMNS,
+                          "# Serving over 1-8 devices (data x model meshes)\n\n" + table + "\n\n" + note, record)
+    print(f"\nwrote {md} and {csv}")
 
 
 if __name__ == "__main__":

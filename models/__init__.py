@@ -8,14 +8,21 @@ dense forward's loss and an optax train step), ``checkpoint`` (weights and
 config in one safetensors file), ``hf_loader`` (Hugging Face Llama / Mistral /
 Qwen2 folders: safetensors weights, ``tokenizer.json``, chat template).
 
-Axis alphabet, used in every einsum and shape comment under ``models/``:
+Axis alphabet, stated here once and used in every einsum and shape comment
+of ``models/``, ``paged_jax/`` and ``pallas_kernels/``:
 
-  B batch (sequences)        T query tokens per sequence
+  B batch (sequences)        T query tokens per sequence (flat: of the call)
   S key tokens               N query heads
   K KV heads                 G query heads per KV head (N = K * G)
   H head dim                 P pages in the KV pool
   L page size (tokens)       D model dim
   F MLP hidden dim           V vocabulary
+  E sequence rows of a flat batch (the page state's rows, empty ones
+    included: ``block_tables`` is i32[E, pages_per_seq])
+  R rows whose logits a flat batch returns
+
+A module that tiles work adds its own letters and says so
+(``paged_jax.ragged_attention``: U, Q, M, W, J, C).
 
 Imports run one way: ``models -> paged_jax``, never back.
 """

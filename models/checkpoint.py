@@ -31,6 +31,7 @@ import safetensors.numpy
 from flax import nnx, traverse_util
 
 from models.llama import Llama, LlamaConfig
+from paged_jax.checks import check_instance
 
 FORMAT = "paged-jax-llama/1"
 """The ``format`` metadata value this module writes and accepts."""
@@ -81,8 +82,7 @@ def save_checkpoint(model: Llama, path: str | os.PathLike, *, metadata: dict[str
         ``paged_jax.config``), or ``path`` is a folder.
       OSError: the file cannot be written (the message names it).
     """
-    if not isinstance(model, Llama):
-        raise ValueError(f"model must be a models.llama.Llama, got a {type(model).__name__}")
+    check_instance("model", model, Llama, what="models.llama.Llama")
     metadata = dict(metadata or {})
     for key, value in metadata.items():
         if not isinstance(key, str) or not isinstance(value, str):

@@ -65,6 +65,7 @@ from flax import nnx
 from models.checkpoint import assign_params
 from models.llama import Llama, LlamaConfig
 from models.tokenizer import Tokenizer
+from paged_jax.checks import is_float, is_int
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 WEIGHT_DTYPES = ("BF16", "F16", "F32")
@@ -130,13 +131,13 @@ def config_from_hf(cfg: dict[str, Any], path: str = CONFIG) -> LlamaConfig:
 
     def integer(name, default=_MISSING):
         value = get(name, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int(value, 1):
             raise bad(name, value, "expected an int >= 1")
         return value
 
     def number(name, value):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise bad(name, value, "expected a number > 0")
+        if not is_float(value, 0, low_open=True):
+            raise bad(name, value, "expected a finite number > 0")
         return float(value)
 
     def flag(name, default):
@@ -199,7 +200,7 @@ def config_from_hf(cfg: dict[str, Any], path: str = CONFIG) -> LlamaConfig:
         types = get("layer_types", None)
         if types is None:
             first = get("max_window_layers", 28) if window is not None else layers
-            if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            if not is_int(first, 0):
                 raise bad("max_window_layers", first, "expected an int >= 0")
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
         if not isinstance(types, list) or len(types) != layers:
@@ -439,7 +440,7 @@ def _id_list(value, path: pathlib.Path, field: str) -> list[int]:
         return []
     values = value if isinstance(value, list) else [value]
     for v in values:
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        if not is_int(v, 0):
             raise ValueError(f"{str(path)!r}: field {field!r} must be a token id (an int >= 0) or a list of them, "
                              f"got {value!r}")
     return list(values)

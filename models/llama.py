@@ -9,7 +9,14 @@ The KV cache is never module state. :func:`forward` takes a
 :class:`paged_jax.kv_cache.KVPool` and returns the updated one; the pool
 rides in the scan carry and each layer scatters its new K/V into its own
 slice in place, then attends over its pages with
-:func:`paged_jax.attention.paged_attention`.
+:func:`paged_jax.attention.paged_attention` (:func:`forward`) or
+:func:`paged_jax.ragged_attention.attend` (:func:`forward_ragged`).
+
+Validated at the door: :func:`forward` and :func:`forward_ragged` check their
+arguments once per call (the attention's checks included:
+``check_paged_attention``, ``check_attend``, ``kv_cache.check_slots``), and
+the layers under them call the ``unchecked_*`` attention and KV writes, which
+trust their inputs.
 
 Batch convention ("padded ragged", see :mod:`paged_jax.attention`): tokens
 ``[B, T]``; sequence ``b`` has ``q_lens[b] <= T`` real tokens at positions
@@ -29,9 +36,10 @@ from flax import nnx
 from paged_jax import attention as paged_attn
 from paged_jax import ragged_attention
 from paged_jax.batch import RaggedBatch
-from paged_jax.checks import check_int
-from paged_jax.kv_cache import KVPool, check_pool, default_kv_dtype, init_kv_pool, write_layer_kv
+from paged_jax.checks import check_choice, check_int
+from paged_jax.kv_cache import KVPool, check_pool, check_slots, default_kv_dtype, init_kv_pool, unchecked_write_layer_kv
 from paged_jax.page_state import slot_mapping
+from pallas_kernels import common
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -123,9 +131,7 @@ class LlamaConfig:
     def kv_bytes_per_token(self, dtype=jnp.float32) -> int:
         """KV-pool bytes one token occupies across all layers (K and V; an
         int8 pool's f32 scales included)."""
-        from pallas_kernels.common import kv_bytes_per_token
-
-        return 2 * self.num_layers * self.num_kv_heads * kv_bytes_per_token(self.head_dim, dtype)
+        return 2 * self.num_layers * self.num_kv_heads * common.kv_bytes_per_token(self.head_dim, dtype)
 
     def make_kv_pool(self, num_pages: int, page_size: int, dtype=None) -> KVPool:
         """A zeroed KV pool shaped for this model: ``[num_layers, K, P, L, H]``.
@@ -330,19 +336,24 @@ class Llama(nnx.Module):
 
 
 def _validate(config: LlamaConfig, tokens, kv: KVPool, block_tables, kv_lens, q_lens) -> None:
+    """What :func:`forward` checks before the attention's own door checks
+    (``check_paged_attention``): integer ids (cast to int32 after) and a pool
+    that fits the model."""
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [batch, q_tokens], got shape {tokens.shape}")
-    batch = tokens.shape[0]
     for name, x in (("tokens", tokens), ("block_tables", block_tables), ("kv_lens", kv_lens),
                     ("q_lens", q_lens)):
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"{name} must be an integer array, got dtype {x.dtype}")
-    if block_tables.ndim != 2 or block_tables.shape[0] != batch:
-        raise ValueError(f"block_tables must be [batch={batch}, pages_per_seq], got shape {block_tables.shape}")
-    for name, x in (("kv_lens", kv_lens), ("q_lens", q_lens)):
-        if x.shape != (batch,):
-            raise ValueError(f"{name} must have shape ({batch},), got {x.shape}")
     _check_pool(config, kv)
+
+
+def _query_struct(model: Llama, *tokens: int) -> jax.ShapeDtypeStruct:
+    """The shape ``[*tokens, N, H]`` and dtype of a layer's queries (from
+    the weights, so a tensor-parallel shard's own heads), for checking the
+    attention once at the door rather than once per layer."""
+    wq = model.blocks.attn.wq[...]  # [layers, D, N, H]
+    return jax.ShapeDtypeStruct((*tokens, *wq.shape[-2:]), jnp.result_type(model.embed[...].dtype, wq.dtype))
 
 
 def _run_layers(model: Llama, x, cos, sin, cache, attend, reduce=None):
@@ -367,12 +378,13 @@ def _run_layers(model: Llama, x, cos, sin, cache, attend, reduce=None):
 def _paged(slots: jax.Array, attend_pages):
     """An ``attend`` for :func:`_run_layers` over a paged pool: writes the
     layer's new K/V (``[B, T, K, H]``, flattened to one row per token slot)
-    at ``slots`` (i32[B * T]; quantized for an int8 pool), then
-    ``attend_pages(q, kv, layer)``."""
+    at ``slots`` (i32[B * T], checked at the door; quantized for an int8
+    pool), then ``attend_pages(q, kv, layer)``."""
 
     def attend(q, k, v, kv: KVPool, layer):
         rows = k.shape[0] * k.shape[1]
-        kv = write_layer_kv(kv, layer, k.reshape(rows, *k.shape[2:]), v.reshape(rows, *v.shape[2:]), slots)
+        kv = unchecked_write_layer_kv(kv, layer, k.reshape(rows, *k.shape[2:]), v.reshape(rows, *v.shape[2:]),
+                                      slots)
         return attend_pages(q, kv, layer), kv
 
     return attend
@@ -434,16 +446,20 @@ def forward(
       K/V written at slots ``slot_mapping(block_tables, positions)``.
 
     Raises:
-      ValueError: shapes or dtypes that do not fit each other or the model
-        (static checks; lengths are not range-checked, the caller's page
-        state guarantees them).
+      ValueError: shapes or dtypes that do not fit each other or the model,
+        an unknown ``impl`` (``paged_jax.attention.check_paged_attention``,
+        which also clamps the lengths under ``jit``); (eager calls) lengths
+        outside their ranges.
     """
     config = model.config
     _validate(config, tokens, kv, block_tables, kv_lens, q_lens)
     batch, num_q_tokens = tokens.shape
-    kv_lens = kv_lens.astype(jnp.int32)
-    q_lens = q_lens.astype(jnp.int32)
     block_tables = block_tables.astype(jnp.int32)
+    impl, kv_lens, q_lens, _ = paged_attn.check_paged_attention(
+        _query_struct(model, batch, num_q_tokens), kv.k, kv.v, block_tables, kv_lens.astype(jnp.int32),
+        q_lens.astype(jnp.int32), impl=impl, k_scales=kv.k_scale, v_scales=kv.v_scale,
+        sliding_window=config.sliding_window,
+        layer=0)  # the scan's layers are the pool's (_check_pool): the layer's type and rank are what is checked
 
     positions = paged_attn.query_positions(kv_lens, q_lens, num_q_tokens)  # [B, T]
     real = jnp.arange(num_q_tokens, dtype=jnp.int32)[None, :] < q_lens[:, None]  # [B, T]
@@ -453,9 +469,9 @@ def forward(
     x = model.embed[...][tokens]  # [B, T, D]
 
     def attend_pages(q, kv, layer):
-        return paged_attn.paged_attention(q, kv.k, kv.v, block_tables, kv_lens, q_lens, impl=impl, layer=layer,
-                                          k_scales=kv.k_scale, v_scales=kv.v_scale,
-                                          sliding_window=config.sliding_window)
+        return paged_attn.unchecked_paged_attention(q, kv.k, kv.v, block_tables, kv_lens, q_lens, impl=impl,
+                                                    layer=layer, k_scales=kv.k_scale, v_scales=kv.v_scale,
+                                                    sliding_window=config.sliding_window)
 
     x, kv = _run_layers(model, x, cos, sin, kv, _paged(slots, attend_pages), reduce)
 
@@ -492,17 +508,25 @@ def forward_ragged(model: Llama, batch: RaggedBatch, kv: KVPool, *, impl: str = 
       ``(logits f32[R, V] at batch.logits_rows, kv)``.
 
     Raises:
-      ValueError: a pool that does not fit the model; an unknown ``impl``.
+      ValueError: a pool that does not fit the model; an unknown ``impl``;
+        a batch the attention refuses
+        (:func:`paged_jax.ragged_attention.check_attend`, which also clamps
+        its lengths under ``jit``); (eager calls) slots that are not
+        distinct slots of the pool (``kv_cache.check_slots``).
     """
     config = model.config
     _check_pool(config, kv)
+    check_slots(kv, batch.slots, batch.tokens.shape[0])
+    impl, _, checked = ragged_attention.check_attend(
+        _query_struct(model, batch.tokens.shape[0]), kv.k, kv.v, 0, batch, impl=impl, k_scales=kv.k_scale,
+        v_scales=kv.v_scale, sliding_window=config.sliding_window)  # layer 0: the scan's layers are the pool's
     positions = batch.positions[None, :]  # [1, T]
     cos, sin = rope_angles(positions, config.head_dim, config.rope_theta)  # [1, T, H/2]
     x = model.embed[...][batch.tokens][None]  # [1, T, D]
 
     def attend_pages(q, kv, layer):
-        return ragged_attention.attend(q[0], kv.k, kv.v, layer, batch, impl=impl, k_scales=kv.k_scale,
-                                       v_scales=kv.v_scale, sliding_window=config.sliding_window)[None]
+        return ragged_attention.unchecked_attend(q[0], kv.k, kv.v, layer, checked, impl=impl, k_scales=kv.k_scale,
+                                                 v_scales=kv.v_scale, sliding_window=config.sliding_window)[None]
 
     x, kv = _run_layers(model, x, cos, sin, kv, _paged(batch.slots, attend_pages), reduce)
     return _logits(model, x[0, batch.logits_rows]), kv  # [R, V]
@@ -569,8 +593,7 @@ class RaggedModel:
     def __init__(self, model: Llama, *, impl: str = "auto"):
         if not isinstance(model, Llama):
             raise ValueError(f"model must be a models.llama.Llama, got a {type(model).__name__}")
-        if impl not in paged_attn.IMPLS:
-            raise ValueError(f"impl must be one of {paged_attn.IMPLS}, got {impl=!r}")
+        check_choice("impl", impl, paged_attn.IMPLS)
         self.config: LlamaConfig = model.config
         self.vocab_size = model.config.vocab_size
         self.impl = impl
@@ -631,8 +654,7 @@ class StepFn:
     """
 
     def __init__(self, model: Llama, *, impl: str = "auto", all_logits: bool = False):
-        if impl not in paged_attn.IMPLS:
-            raise ValueError(f"impl must be one of {paged_attn.IMPLS}, got {impl=!r}")
+        check_choice("impl", impl, paged_attn.IMPLS)
         graphdef, params = nnx.split(model)
         self.config: LlamaConfig = model.config
         self.vocab_size = model.config.vocab_size  # the engine checks prompt ids against it

@@ -35,6 +35,12 @@ PRESETS: dict[str, LlamaConfig] = {
 """Architecture presets by name (see the module docstring for the sources)."""
 
 
+def _preset(name: str) -> LlamaConfig:
+    if not isinstance(name, str) or name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+    return PRESETS[name]
+
+
 def bytes_to_build(name: str, param_dtype) -> int:
     """Bytes :func:`random_model` needs at its peak: the weights in
     ``param_dtype`` plus the f32 draw of the largest stacked tensor.
@@ -42,9 +48,7 @@ def bytes_to_build(name: str, param_dtype) -> int:
     Raises:
       ValueError: an unknown ``name``.
     """
-    if not isinstance(name, str) or name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
-    c = PRESETS[name]
+    c = _preset(name)
     largest = max(c.vocab_size * c.model_dim, c.num_layers * c.model_dim * c.mlp_dim,
                   c.num_layers * c.model_dim * c.num_q_heads * c.head_dim)
     return c.num_params * jnp.dtype(param_dtype).itemsize + 4 * largest
@@ -67,9 +71,8 @@ def random_model(name: str, *, param_dtype=jnp.bfloat16, seed: int = 0) -> Llama
       ValueError: an unknown ``name`` (the message lists the presets), a
         non-float ``param_dtype``, or a ``seed`` that is not an int >= 0.
     """
-    if not isinstance(name, str) or name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+    config = _preset(name)
     check_int("seed", seed, 0)
     if not jnp.issubdtype(jnp.dtype(param_dtype), jnp.floating):
         raise ValueError(f"param_dtype must be a float dtype, got {jnp.dtype(param_dtype)}")
-    return Llama(PRESETS[name], rngs=nnx.Rngs(seed), param_dtype=param_dtype)
+    return Llama(config, rngs=nnx.Rngs(seed), param_dtype=param_dtype)

@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 from models.llama import Llama, LlamaConfig, forward, forward_ragged
 from paged_jax import attention as paged_attn
 from paged_jax.batch import RaggedBatch
+from paged_jax.checks import check_choice, check_instance
 from paged_jax.kv_cache import KVPool, init_kv_pool
 from paged_jax.sharding import DATA, MODEL, HeadLayout, head_layout, split_evenly
 from pallas_kernels import common
@@ -117,13 +118,11 @@ class ShardedLlama:
     """
 
     def __init__(self, model: Llama, mesh: Mesh, *, impl: str = "auto"):
-        if not isinstance(model, Llama):
-            raise ValueError(f"model must be a models.llama.Llama, got a {type(model).__name__}")
+        check_instance("model", model, Llama, what="models.llama.Llama")
         if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != (DATA, MODEL):
             raise ValueError(f"mesh must be a jax.sharding.Mesh with axes ('data', 'model') "
                              f"(paged_jax.sharding.make_mesh), got {mesh!r}")
-        if impl not in paged_attn.IMPLS:
-            raise ValueError(f"impl must be one of {paged_attn.IMPLS}, got {impl=!r}")
+        check_choice("impl", impl, paged_attn.IMPLS)
         base = model.config
         m = mesh.shape[MODEL]
         self.mesh, self.impl = mesh, impl

@@ -20,6 +20,7 @@ from models.gguf_loader import load_gguf
 from models.llama import Llama, LlamaConfig, StepFn, make_step_fn
 from models.tokenizer import Tokenizer, load_tokenizer
 from paged_jax import page_state as ps
+from paged_jax.checks import check_int
 
 
 def _stacked(weights: dict[str, np.ndarray], config: LlamaConfig, name: str, path: str) -> np.ndarray:
@@ -153,7 +154,8 @@ def generate_greedy(
 
     Raises:
       ValueError: empty prompt, text without tokenizer, a token id outside
-        the vocabulary, or ``max_new_tokens``, ``page_size`` or a bucket < 1.
+        the vocabulary, or ``max_new_tokens``, ``page_size`` or a bucket
+        that is not an int >= 1.
     """
     if isinstance(prompt, str):
         if tokenizer is None:
@@ -165,12 +167,9 @@ def generate_greedy(
         raise ValueError("prompt must hold at least one token, got 0")
     if not all(0 <= t < vocab for t in prompt):
         raise ValueError(f"prompt token ids must be in [0, {vocab}), got min={min(prompt)} max={max(prompt)}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens=}")
-    for name, value in (("page_size", page_size), ("prefill_bucket", prefill_bucket),
-                        ("length_bucket", length_bucket)):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {name}={value}")
+    for name, value in (("max_new_tokens", max_new_tokens), ("page_size", page_size),
+                        ("prefill_bucket", prefill_bucket), ("length_bucket", length_bucket)):
+        check_int(name, value)
     if stop_ids is None:
         stop_ids = tokenizer.stop_ids if tokenizer is not None else ()
     step = make_step_fn(model) if step is None else step

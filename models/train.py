@@ -22,7 +22,6 @@ once (``Trainer.num_compilations``).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable, Sequence
 
 import flax.struct
@@ -33,7 +32,7 @@ import optax
 from flax import nnx
 
 from models.llama import Llama, forward_dense
-from paged_jax.checks import check_int
+from paged_jax.checks import check_float, check_instance, check_int, is_int
 
 PAD_SEGMENT = 0
 """The segment id of padding tokens: never a prediction target."""
@@ -81,20 +80,10 @@ class TrainConfig:
             raise ValueError(f"warmup_steps must be < total_steps (or 0), got warmup_steps={self.warmup_steps} "
                              f"total_steps={self.total_steps}")
 
-        def number(value) -> bool:
-            return (isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-                    and math.isfinite(value))
-
-        for name, lo, hi in (("learning_rate", 0.0, None), ("clip_norm", 0.0, None), ("eps", 0.0, None),
-                             ("b1", 0.0, 1.0), ("b2", 0.0, 1.0)):
-            value = getattr(self, name)
-            if not (number(value) and value > lo and (hi is None or value < hi)):
-                raise ValueError(f"{name} must be a finite number in ({lo}, {hi if hi is not None else 'inf'}), "
-                                 f"got {name}={value!r}")
+        for name, high in (("learning_rate", None), ("clip_norm", None), ("eps", None), ("b1", 1), ("b2", 1)):
+            check_float(name, getattr(self, name), 0, high, low_open=True, high_open=True)
         for name in ("final_lr_ratio", "weight_decay"):
-            value = getattr(self, name)
-            if not (number(value) and 0.0 <= value <= 1.0):
-                raise ValueError(f"{name} must be a number in [0, 1], got {name}={value!r}")
+            check_float(name, getattr(self, name), 0, 1)
 
     def schedule(self) -> optax.Schedule:
         """Learning rate at step ``s`` (0-based): linear warmup, then cosine
@@ -226,7 +215,7 @@ def pack_documents(documents: Iterable[Sequence[int]], seq_len: int) -> tuple[np
     tokens, segments = [], []
     for i, doc in enumerate(documents):
         doc = list(doc)
-        bad = [t for t in doc if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < 2**31]
+        bad = [t for t in doc if not is_int(t, 0, 2**31)]
         if bad:
             raise ValueError(f"documents[{i}] must hold int token ids in [0, 2**31), got {bad[0]!r}")
         tokens.extend(int(t) for t in doc)
@@ -301,10 +290,8 @@ class Trainer:
     """
 
     def __init__(self, model: Llama, config: TrainConfig = TrainConfig()):
-        if not isinstance(model, Llama):
-            raise ValueError(f"model must be a models.llama.Llama, got a {type(model).__name__}")
-        if not isinstance(config, TrainConfig):
-            raise ValueError(f"config must be a TrainConfig, got a {type(config).__name__}")
+        check_instance("model", model, Llama, what="models.llama.Llama")
+        check_instance("config", config, TrainConfig)
         self.config = config
         self.optimizer = config.optimizer()
         self.schedule = config.schedule()
@@ -343,8 +330,7 @@ class Trainer:
         """Host-side checks the jitted step cannot make: ids inside the
         vocabulary (the embedding lookup would clamp them, a silent wrong
         answer) and at least one target."""
-        if not isinstance(batch, TrainBatch):
-            raise ValueError(f"batch must be a TrainBatch (models.train.make_batch), got a {type(batch).__name__}")
+        check_instance("batch", batch, TrainBatch, what="TrainBatch (models.train.make_batch)")
         tokens = np.asarray(batch.tokens)
         bad = np.argwhere((tokens < 0) | (tokens >= self.vocab_size))
         if bad.size:

@@ -1,10 +1,21 @@
-"""XLA reference paged attention (GQA), for decode, prefill and mixed batches.
+"""Paged attention (GQA) over a padded ``[B, T]`` batch: the dispatcher to
+the Pallas kernels, and the XLA path that serves CPUs.
 
-This is the truth every Pallas kernel is tested against and the path the
-decoder takes on CPU. It gathers each sequence's pages through its block
+:func:`paged_attention` is the door: it validates its arguments once and
+dispatches to an implementation (:data:`IMPLS`). :func:`xla_paged_attention`
+is the XLA implementation, the gather-everything path the decoder takes on
+CPU for the padded batch: it gathers each sequence's pages through its block
 table, then attends with a mask built from lengths (PagedAttention, Kwon et
 al., SOSP 2023, section 4.1, equation 4: the attention over a sequence is a
-sum over its KV blocks).
+sum over its KV blocks). It is a production path, not a reference: the
+references the kernels and this path are tested against are the per-sequence
+loops ``pallas_kernels.*.ref_*`` (``pallas_kernels.common.ref_ragged_loop``).
+
+Two tiers, as in :mod:`paged_jax.page_state`: the public functions check
+shapes, dtypes and (when eager) values at the door and clamp what a traced
+call cannot check (``pallas_kernels.common.checked_lengths``); their
+``unchecked_*`` twins trust their inputs, for callers that validated at their
+own door (:mod:`paged_jax.ragged_attention`, :func:`models.llama.forward`).
 
 Batch convention ("padded ragged"): ``q`` is ``[B, T, N, H]``. Sequence ``b``
 has ``q_lens[b] <= T`` real query tokens (the rest is padding) and
@@ -15,10 +26,14 @@ must already be written. Query ``t`` sits at position
 chunked prefill and mixed batches are anything in between.
 
 Scaling: logits are ``(q . k) * scale`` with ``scale = 1 / sqrt(head_dim)``
-unless given; this is the one place the scale is applied. Padding query rows
-and sequences with ``kv_lens = 0`` give zeros. Masked keys are removed from
-both the logits and the values, so NaN in a slot no query may see (the null
-page, a freed page) never reaches the output.
+unless given; each implementation applies it exactly once. Padding query rows
+and sequences with ``kv_lens = 0`` give zeros (they see no key). Masked keys
+are removed from both the logits and the values, so NaN in a slot no query
+may see (the null page, a freed page) never reaches the output; a NaN or inf
+in a logit or value a row does see makes that row's output non-finite, so a
+corrupt weight or cache shows instead of being served as tokens.
+
+Axis letters: the alphabet of ``models/__init__.py``.
 """
 
 from __future__ import annotations
@@ -29,17 +44,52 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import common
+from paged_jax.checks import check_choice
+from pallas_kernels import common, paged_attention_cpu, paged_attention_gpu, paged_attention_tpu
+from pallas_kernels import ragged_paged_attention as pallas_ragged
 
-# Axis alphabet: B batch, T query tokens, S key tokens, N query heads,
-# K KV heads, G queries per KV head, H head dim, P pages, L page size.
+IMPLS = ("auto", "xla", "xla_loop", "pallas_gpu", "pallas_tpu", "pallas_ragged")
+"""Implementations :func:`paged_attention` can dispatch to.
+
+* ``"auto"``: ``"pallas_tpu"`` on a TPU, ``"pallas_gpu"`` on a GPU, ``"xla"``
+  elsewhere (CPU).
+* ``"xla"``: :func:`xla_paged_attention`, any ``T``.
+* ``"xla_loop"``: ``pallas_kernels.paged_attention_cpu`` for decode (XLA
+  loops over sequences and their page blocks, stopping at each length; the
+  fast CPU decode path, see ``experiments/kernel_bench``); the XLA path
+  for ``T > 1``.
+* ``"pallas_gpu"``: ``pallas_kernels.paged_attention_gpu`` (Triton lowering)
+  for decode (``T == 1``), ``pallas_kernels.ragged_paged_attention`` for
+  ``T > 1``. Page size times pages per compute block must be a power of two
+  >= 16.
+* ``"pallas_tpu"``: ``pallas_kernels.paged_attention_tpu`` for decode; for
+  ``T > 1`` the XLA path (there is no TPU ragged kernel).
+* ``"pallas_ragged"``: ``pallas_kernels.ragged_paged_attention`` for every
+  ``T`` (what chunked prefill uses).
+
+A Pallas kernel forced on a backend it was not written for runs in Pallas
+interpret mode (TPU interpret mode for ``"pallas_tpu"``): slow, for tests.
+"""
+
+
+def resolve_impl(impl: str) -> str:
+    """``impl`` checked against :data:`IMPLS`, with ``"auto"`` resolved for
+    the default backend.
+
+    Raises:
+      ValueError: ``impl`` is not in :data:`IMPLS`.
+    """
+    check_choice("impl", impl, IMPLS)
+    if impl == "auto":
+        return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "xla")
+    return impl
 
 
 def validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales=None, v_scales=None,
                     layer=None) -> None:
     """Checks shapes and dtypes of a paged-attention call (static facts
     only, so it runs under ``jit``): ``pallas_kernels.common.validate_inputs``,
-    the one validator the reference and every kernel share.
+    the one validator the references and every kernel share.
 
     Raises:
       ValueError: a rank, shape or dtype mismatch; the message names the
@@ -48,6 +98,49 @@ def validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales
     if getattr(q, "ndim", None) != 4:
         raise ValueError(f"q must be [batch, q_tokens, num_q_heads, head_dim], got shape {getattr(q, 'shape', q)}")
     common.validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales, layer)
+
+
+def check_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, impl: str = "auto",
+                          scale=None, soft_cap=None, sliding_window=None, k_scales=None, v_scales=None,
+                          layer=None):
+    """The door's checks of :func:`paged_attention`, for a caller that
+    validates once and then calls :func:`unchecked_paged_attention` (for
+    example once per model call rather than once per layer). Same arguments;
+    ``q`` may be a ``jax.ShapeDtypeStruct`` (only its shape and dtype are
+    read).
+
+    Returns:
+      ``(impl, kv_lens, q_lens, layer)``: the implementation with ``"auto"``
+      resolved, the lengths clamped to their ranges
+      (``pallas_kernels.common.checked_lengths``) and the layer as an
+      i32[] clamped to the pool (None without a stacked pool): what the
+      unchecked call may trust, even under ``jit``.
+
+    Raises:
+      ValueError: unknown ``impl``, inputs that fail :func:`validate_inputs`,
+        options that are not positive, a page size the chosen kernel cannot
+        tile; (eager calls) lengths past a row's block table, ``q_lens >
+        kv_lens``, or a layer outside the pool.
+    """
+    impl = resolve_impl(impl)
+    validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales, layer)
+    common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    kv_lens, q_lens = common.checked_lengths(block_tables, k_pages.shape[-3], k_pages.shape[-2], kv_lens, q_lens,
+                                             q.shape[1])
+    layer = None if layer is None else common.checked_layer(layer, k_pages.shape[0])[0]
+    check_tiling(impl, q.shape[1], k_pages.shape[-2])
+    return impl, kv_lens, q_lens, layer
+
+
+def check_tiling(impl: str, num_q_tokens: int, page_size: int) -> None:
+    """Raises ValueError unless the kernel :func:`unchecked_paged_attention`
+    picks for ``impl`` (resolved), ``T = num_q_tokens`` and this page size
+    can tile it (Triton needs compute blocks of a power of two >= 16 keys)."""
+    sizes = _block_sizes(impl, num_q_tokens, page_size)  # __post_init__ checks them
+    if isinstance(sizes, paged_attention_gpu.GPUBlockSizes):
+        sizes.keys_per_block(page_size)
+    elif isinstance(sizes, pallas_ragged.RaggedBlockSizes):
+        sizes.check_page_size(page_size)
 
 
 def query_positions(kv_lens: jax.Array, q_lens: jax.Array, num_q_tokens: int) -> jax.Array:
@@ -68,7 +161,7 @@ def gather_pages(pages: jax.Array, block_tables: jax.Array, layer: jax.Array | N
     return picked.reshape(num_kv_heads, batch, pages_per_seq * page_size, head_dim)
 
 
-def ref_paged_attention(
+def xla_paged_attention(
     q: jax.Array,  # [B, T, N, H]
     k_pages: jax.Array,  # [K, P, L, H]
     v_pages: jax.Array,  # [K, P, L, H]
@@ -81,28 +174,27 @@ def ref_paged_attention(
     sliding_window: int | None = None,
     layer: int | jax.Array | None = None,
 ) -> jax.Array:
-    """Causal GQA attention of ``q`` over each sequence's paged K/V; see
-    :func:`_ref_paged_attention` for the arguments and result. With
-    ``layer``, the pages are the stacked pool ``[layers, K, P, L, H]`` and
-    layer ``layer`` is read in place.
+    """Causal GQA attention of ``q`` over each sequence's paged K/V, in XLA
+    (``impl="xla"``); see :func:`unchecked_xla_paged_attention` for the
+    arguments and result. With ``layer``, the pages are the stacked pool
+    ``[layers, K, P, L, H]`` and layer ``layer`` is read in place.
 
     Raises:
       ValueError: inputs failing :func:`validate_inputs`, or options that
         are not positive (``pallas_kernels.common.validate_options``);
         (eager) lengths past a row's table or a layer outside the pool.
     """
-    validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens, layer=layer)
-    common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    kv_lens, q_lens = common.checked_lengths(block_tables, k_pages.shape[-3], k_pages.shape[-2], kv_lens, q_lens, q.shape[1])
-    layer = None if layer is None else common.checked_layer(layer, k_pages.shape[0])[0]
-    return _ref_paged_attention(
+    _, kv_lens, q_lens, layer = check_paged_attention(
+        q, k_pages, v_pages, block_tables, kv_lens, q_lens, impl="xla", scale=scale, soft_cap=soft_cap,
+        sliding_window=sliding_window, layer=layer)
+    return unchecked_xla_paged_attention(
         q, k_pages, v_pages, block_tables, kv_lens, q_lens, layer,
         scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
     )
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window"))
-def _ref_paged_attention(
+def unchecked_xla_paged_attention(
     q: jax.Array,  # [B, T, N, H]
     k_pages: jax.Array,  # [K, P, L, H]
     v_pages: jax.Array,  # [K, P, L, H]
@@ -115,7 +207,8 @@ def _ref_paged_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
 ) -> jax.Array:
-    """Causal GQA attention of ``q`` over each sequence's paged K/V.
+    """Causal GQA attention of ``q`` over each sequence's paged K/V, trusting
+    its inputs (checked by :func:`check_paged_attention`).
 
     Args:
       q: [B, T, N, H] queries, ``q_lens[b]`` real rows per sequence.
@@ -124,7 +217,8 @@ def _ref_paged_attention(
       block_tables: i32[B, pages_per_seq] page ids; entries past a
         sequence's length may point anywhere in the pool (usually the null
         page).
-      kv_lens: i32[B] tokens in the cache per sequence, query tokens included.
+      kv_lens: i32[B] tokens in the cache per sequence, query tokens
+        included, ``<= pages_per_seq * L``.
       q_lens: i32[B] real query tokens per sequence, ``<= min(T, kv_lens)``.
       layer: i32[] the stacked pool's layer (in range), or None.
       scale: logit scale, default ``1 / sqrt(H)``.
@@ -134,8 +228,9 @@ def _ref_paged_attention(
         ``(p - sliding_window, p]``.
 
     Returns:
-      [B, T, N, H] in ``q.dtype``; zeros for padding rows and empty sequences.
-      Computed in f32.
+      [B, T, N, H] in ``q.dtype``; zeros for padding rows and empty
+      sequences, non-finite where a logit or value a row sees is. Computed
+      in f32.
     """
     batch, num_q_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[-4]
@@ -178,14 +273,16 @@ def _ref_paged_attention(
     out = jnp.einsum(
         "KBMS,KBSH->KBMH", probs.reshape(num_kv_heads, batch, group * num_q_tokens, num_keys), v
     ).reshape(num_kv_heads, batch, group, num_q_tokens, head_dim)
-    # Rows that see no key give zeros; a NaN in a key the row does see stays
-    # NaN (a corrupt cache must show, not turn into a silent zero).
-    out = jnp.where(denom == 0, 0.0, out / jnp.where(denom == 0, 1.0, denom))
+    # Rows that see no key give zeros, chosen by the mask: a row that sees a
+    # key with a NaN (or all -inf) logit has a NaN (or 0) denominator, and its
+    # output must be NaN (a corrupt cache must show, not turn into a zero).
+    seen = q_real[None, :, None, :, None]  # [1, B, 1, T, 1]: every real row sees its own key
+    out = jnp.where(seen, out / jnp.where(seen, denom, 1.0), 0.0)
     out = out.transpose(1, 3, 0, 2, 4)  # [B, T, K, G, H]
     return out.reshape(batch, num_q_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
-def ref_paged_decode_attention(
+def xla_paged_decode_attention(
     q: jax.Array,  # [B, N, H]
     k_pages: jax.Array,  # [K, P, L, H]
     v_pages: jax.Array,  # [K, P, L, H]
@@ -195,33 +292,9 @@ def ref_paged_decode_attention(
 ) -> jax.Array:
     """Decode: one query per sequence attending to its ``lengths[b]`` cached
     tokens (the query's own K/V included). Returns [B, N, H]; zeros where
-    ``lengths == 0``. Keyword options as :func:`ref_paged_attention`."""
+    ``lengths == 0``. Keyword options as :func:`xla_paged_attention`."""
     q_lens = jnp.minimum(lengths, 1).astype(jnp.int32)
-    return ref_paged_attention(q[:, None], k_pages, v_pages, block_tables, lengths, q_lens, **kwargs)[:, 0]
-
-
-IMPLS = ("auto", "xla", "xla_loop", "pallas_gpu", "pallas_tpu", "pallas_ragged")
-"""Implementations :func:`paged_attention` can dispatch to.
-
-* ``"auto"``: ``"pallas_tpu"`` on a TPU, ``"pallas_gpu"`` on a GPU, ``"xla"``
-  elsewhere (CPU).
-* ``"xla"``: :func:`ref_paged_attention`, any ``T``.
-* ``"xla_loop"``: ``pallas_kernels.paged_attention_cpu`` for decode (XLA
-  loops over sequences and their page blocks, stopping at each length; the
-  fast CPU decode path, see ``experiments/kernel_bench``); the XLA reference
-  for ``T > 1``.
-* ``"pallas_gpu"``: ``pallas_kernels.paged_attention_gpu`` (Triton lowering)
-  for decode (``T == 1``), ``pallas_kernels.ragged_paged_attention`` for
-  ``T > 1``. Page size times pages per compute block must be a power of two
-  >= 16.
-* ``"pallas_tpu"``: ``pallas_kernels.paged_attention_tpu`` for decode; for
-  ``T > 1`` the XLA path (there is no TPU ragged kernel).
-* ``"pallas_ragged"``: ``pallas_kernels.ragged_paged_attention`` for every
-  ``T`` (what chunked prefill uses).
-
-A Pallas kernel forced on a backend it was not written for runs in Pallas
-interpret mode (TPU interpret mode for ``"pallas_tpu"``): slow, for tests.
-"""
+    return xla_paged_attention(q[:, None], k_pages, v_pages, block_tables, lengths, q_lens, **kwargs)[:, 0]
 
 
 def paged_attention(
@@ -242,7 +315,7 @@ def paged_attention(
 ) -> jax.Array:
     """Paged attention with a choice of implementation (see :data:`IMPLS`).
 
-    Same arguments and result as :func:`ref_paged_attention`, plus ``impl``
+    Same arguments and result as :func:`xla_paged_attention`, plus ``impl``
     and per-token scales for int8 pages (``pallas_kernels.common``; the XLA
     path dequantizes the pages first, the kernels never do). Queries are
     unscaled: every implementation applies ``scale`` (default
@@ -252,6 +325,10 @@ def paged_attention(
     (scales ``[layers, K, P, L]``) and every implementation reads layer
     ``layer``'s pages where they sit: no layer slice is copied per call.
 
+    The one place this call is validated (:func:`check_paged_attention`);
+    the implementation under it trusts its inputs
+    (:func:`unchecked_paged_attention`).
+
     Raises:
       ValueError: unknown ``impl``, or inputs that fail
         :func:`validate_inputs` / ``pallas_kernels.common.validate_inputs``;
@@ -260,53 +337,58 @@ def paged_attention(
         they are clamped, so no row reads another's pages), or a layer
         outside the pool (clamped under ``jit``).
     """
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl=!r}")
-    validate_inputs(q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales, layer)
-    common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    kv_lens, q_lens = common.checked_lengths(block_tables, k_pages.shape[-3], k_pages.shape[-2], kv_lens, q_lens, q.shape[1])
-    if layer is not None:
-        common.checked_layer(layer, k_pages.shape[0])  # the eager range check, named
-    if impl == "auto":
-        impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "xla")
     options = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    num_q_tokens, page_size = q.shape[1], k_pages.shape[-2]
+    impl, kv_lens, q_lens, layer = check_paged_attention(
+        q, k_pages, v_pages, block_tables, kv_lens, q_lens, impl=impl, k_scales=k_scales, v_scales=v_scales,
+        layer=layer, **options)
+    return unchecked_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_lens, impl=impl,
+                                     k_scales=k_scales, v_scales=v_scales, layer=layer, **options)
+
+
+def _block_sizes(impl: str, num_q_tokens: int, page_size: int):
+    """The kernel tiling :func:`unchecked_paged_attention` uses for ``impl``
+    (resolved) and this call's static sizes; None on the XLA path."""
     if impl == "xla" or (impl in ("pallas_tpu", "xla_loop") and num_q_tokens > 1):
-        if k_scales is not None:
-            if layer is not None:  # the reference dequantizes one layer, not the pool
-                index = common.checked_layer(layer, k_pages.shape[0])[0]
-                k_pages, v_pages, k_scales, v_scales = (x[index] for x in (k_pages, v_pages, k_scales, v_scales))
-                layer = None
-            k_pages, v_pages = common.dequantize_kv(k_pages, k_scales), common.dequantize_kv(v_pages, v_scales)
-        return ref_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_lens, layer=layer, **options)
-
-    from pallas_kernels import paged_attention_cpu, paged_attention_gpu, paged_attention_tpu, ragged_paged_attention
-
+        return None
     if impl == "xla_loop":
-        lengths = jnp.where(q_lens > 0, kv_lens, 0)  # a padding row attends to nothing
-        sizes = paged_attention_cpu.CPUBlockSizes(pages_per_compute_block=max(1, 128 // page_size))
-        out = paged_attention_cpu.paged_attention_cpu(
-            q[:, 0], k_pages, v_pages, block_tables, lengths, k_scales, v_scales, block_sizes=sizes, layer=layer,
-            **options)
-        return out[:, None]
+        return paged_attention_cpu.CPUBlockSizes(pages_per_compute_block=max(1, 128 // page_size))
     # At least 64 keys per compute block: fewer loop steps, and Triton's >= 16.
     ppcb = max(1, 64 // page_size)
-    if num_q_tokens == 1 and impl in ("pallas_gpu", "pallas_tpu"):
-        lengths = jnp.where(q_lens > 0, kv_lens, 0)  # a padding row attends to nothing
-        if impl == "pallas_gpu":
-            sizes = paged_attention_gpu.GPUBlockSizes(pages_per_compute_block=ppcb)
-            kernel = paged_attention_gpu.paged_attention_gpu
-        else:
-            sizes = paged_attention_tpu.TPUBlockSizes(pages_per_compute_block=ppcb)
-            kernel = paged_attention_tpu.paged_attention_tpu
-        out = kernel(q[:, 0], k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
-                     block_sizes=sizes, layer=layer, **options)
-        return out[:, None]
-    sizes = ragged_paged_attention.RaggedBlockSizes(pages_per_compute_block=ppcb)
-    return ragged_paged_attention.ragged_paged_attention(
-        q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales, block_sizes=sizes, layer=layer,
-        **options
-    )
+    if num_q_tokens == 1 and impl == "pallas_gpu":
+        return paged_attention_gpu.GPUBlockSizes(pages_per_compute_block=ppcb)
+    if num_q_tokens == 1 and impl == "pallas_tpu":
+        return paged_attention_tpu.TPUBlockSizes(pages_per_compute_block=ppcb)
+    return pallas_ragged.RaggedBlockSizes(pages_per_compute_block=ppcb)
+
+
+def unchecked_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_lens, *, impl: str, scale=None,
+                              soft_cap=None, sliding_window=None, k_scales=None, v_scales=None,
+                              layer=None) -> jax.Array:
+    """:func:`paged_attention` trusting its inputs: the same arguments and
+    result, as :func:`check_paged_attention` returns them (``impl``
+    resolved, lengths in range, ``layer`` an i32[] in the pool or None). No
+    check here nor in the kernel under it (its ``unchecked_<name>``)."""
+    options = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    num_q_tokens = q.shape[1]
+    sizes = _block_sizes(impl, num_q_tokens, k_pages.shape[-2])
+    if sizes is None:  # the XLA path
+        if k_scales is not None:
+            if layer is not None:  # the XLA path dequantizes one layer, not the pool
+                k_pages, v_pages, k_scales, v_scales = (x[layer] for x in (k_pages, v_pages, k_scales, v_scales))
+                layer = None
+            k_pages, v_pages = common.dequantize_kv(k_pages, k_scales), common.dequantize_kv(v_pages, v_scales)
+        return unchecked_xla_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_lens, layer, **options)
+    if impl == "pallas_ragged" or num_q_tokens > 1:
+        return pallas_ragged.unchecked_ragged_paged_attention(
+            q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales, block_sizes=sizes,
+            layer=layer, **options)
+    kernel = {"xla_loop": paged_attention_cpu.unchecked_paged_attention_cpu,
+              "pallas_gpu": paged_attention_gpu.unchecked_paged_attention_gpu,
+              "pallas_tpu": paged_attention_tpu.unchecked_paged_attention_tpu}[impl]
+    lengths = jnp.where(q_lens > 0, kv_lens, 0)  # a padding row attends to nothing
+    out = kernel(q[:, 0], k_pages, v_pages, block_tables, lengths, k_scales, v_scales, block_sizes=sizes,
+                 layer=layer, **options)
+    return out[:, None]
 
 
 def segment_positions(segment_ids: jax.Array) -> jax.Array:
@@ -345,7 +427,7 @@ def causal_attention(
     ``t - s < sliding_window``). Padding is a segment of its own (for
     example id 0): its rows attend among themselves and their outputs are
     finite and meaningless; the loss masks them. Same scale, soft cap and
-    masking semantics as :func:`ref_paged_attention`, so a model trained
+    masking semantics as :func:`xla_paged_attention`, so a model trained
     through it decodes identically through the paged cache.
 
     Args:

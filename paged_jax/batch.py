@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from flax import struct
 
-from paged_jax.checks import check_int
+from paged_jax.checks import check_instance, check_int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -97,8 +97,7 @@ class BatchShape:
         check_int("num_logits", self.num_logits)
         check_int("decode_tiles", self.decode_tiles, 0)
         check_int("prefill_tiles", self.prefill_tiles, 0)
-        if not isinstance(self.tiling, Tiling):
-            raise ValueError(f"tiling must be a Tiling, got tiling={self.tiling!r}")
+        check_instance("tiling", self.tiling, Tiling)
 
 
 @struct.dataclass
@@ -157,8 +156,7 @@ def batch_shape(q_lens, *, num_seq_rows: int, tiling: Tiling = Tiling(), num_sam
     check_int("num_samples", num_samples, 0)
     if num_samples > num_seq_rows:
         raise ValueError(f"num_samples={num_samples} exceeds num_seq_rows={num_seq_rows}")
-    if not isinstance(tiling, Tiling):
-        raise ValueError(f"tiling must be a Tiling, got tiling={tiling!r}")
+    check_instance("tiling", tiling, Tiling)
     q_lens = np.asarray(q_lens)
     if q_lens.ndim != 1 or not (np.issubdtype(q_lens.dtype, np.integer) or q_lens.size == 0):
         raise ValueError(f"q_lens must be a 1-D array of integers, got shape {q_lens.shape} dtype {q_lens.dtype}")

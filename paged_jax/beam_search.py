@@ -20,6 +20,8 @@ best first.
 
 Everything here is host-side arithmetic on a few numbers per beam, in
 float64; the device only supplies the top-``K`` log-probabilities.
+:func:`advance` applies one step to a group's records and says what the
+queues must do (prune, fork); the engine's scheduler does it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import dataclasses
 from typing import Sequence
 
 import numpy as np
+
+from paged_jax.sequence import BeamHypothesis, Sequence, SequenceGroup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,3 +113,81 @@ def score(cum_logprob: float, num_generated: int, length_penalty: float) -> floa
     """A finished hypothesis' rank: ``cum_logprob / num_generated **
     length_penalty`` (higher is better)."""
     return cum_logprob / max(num_generated, 1) ** length_penalty
+
+
+@dataclasses.dataclass(frozen=True)
+class BeamStep:
+    """What one step of a group's beam search asks of the queues.
+
+    Attributes:
+      done: the search ended (``width`` hypotheses, or no beam left): every
+        live beam is finished.
+      pruned: beams with no continuation (finished as "pruned").
+      forks: ``(parent, child)`` new beams, each sharing its parent's pages.
+      num_tokens: tokens generated in the step (beams that go on and
+        hypotheses that end).
+    """
+
+    done: bool
+    pruned: list[Sequence]
+    forks: list[tuple[Sequence, Sequence]]
+    num_tokens: int
+
+
+def advance(group: SequenceGroup, live: list[Sequence], stop_ids: frozenset) -> BeamStep:
+    """One step of ``group``'s beam search from every live beam's
+    candidates (``group.candidates``): keeps finished hypotheses, extends
+    the beams that go on (the first continuation of each), creates the
+    others as new sequences of the group, and marks the rest finished.
+    Changes the group's records only; the caller moves the sequences.
+
+    Returns:
+      what the queues must do (:class:`BeamStep`).
+    """
+    sp = group.request.sampling
+    ids = np.stack([group.candidates[s.index].ids for s in live])
+    lps = np.stack([group.candidates[s.index].logprobs for s in live])
+    group.candidates.clear()
+    beams, ended = expand(
+        [s.cum_logprob for s in live], ids, lps, width=sp.beam_width, stop_ids=stop_ids,
+        at_max_len=live[0].num_generated + 1 >= group.request.max_new_tokens,
+    )
+    for c in ended:
+        out = live[c.parent].tokens[live[c.parent].num_prompt :] + [c.token]
+        group.hypotheses.append(BeamHypothesis(score(c.cum_logprob, len(out), sp.length_penalty), out, c.cum_logprob,
+                                               c.finish_reason))
+    if not beams or len(group.hypotheses) >= sp.beam_width:
+        group.beam_done = True
+        for seq in live:
+            seq.finish("length")
+        return BeamStep(done=True, pruned=[], forks=[], num_tokens=len(beams) + len(ended))
+    kids: dict[int, list[Continuation]] = {i: [] for i in range(len(live))}
+    for c in beams:
+        kids[c.parent].append(c)
+    pruned = [parent for i, parent in enumerate(live) if not kids[i]]
+    for parent in pruned:
+        parent.finish("pruned")
+    forks = []
+    for i, parent in enumerate(live):
+        for c in kids[i][1:]:
+            child = Sequence(group=group, index=len(group.seqs), tokens=parent.tokens + [c.token],
+                             num_prompt=parent.num_prompt, num_computed=parent.num_computed, keys=list(parent.keys),
+                             cum_logprob=c.cum_logprob)
+            group.seqs.append(child)
+            forks.append((parent, child))
+        if kids[i]:
+            parent.tokens.append(kids[i][0].token)
+            parent.cum_logprob = kids[i][0].cum_logprob
+    return BeamStep(done=False, pruned=pruned, forks=forks, num_tokens=len(beams) + len(ended))
+
+
+def best_hypotheses(group: SequenceGroup) -> list[BeamHypothesis]:
+    """The group's ``beam_width`` best hypotheses, best first; beams still
+    searching when it was aborted count as hypotheses."""
+    sp = group.request.sampling
+    hyps = group.hypotheses + [
+        BeamHypothesis(score(s.cum_logprob, s.num_generated, sp.length_penalty), s.tokens[s.num_prompt :],
+                       s.cum_logprob, s.finish_reason)
+        for s in group.seqs if s.finish_reason == "abort"
+    ]
+    return sorted(hyps, key=lambda h: -h.score)[: sp.beam_width]

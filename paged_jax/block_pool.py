@@ -27,9 +27,14 @@ so the prefix cache forgets what the page held.
 
 Releases are deferred, as on device: :meth:`BlockPool.release` drops the
 references at once (the scheduler plans with the new counts) and
-:meth:`BlockPool.flush` queues the pages that reached zero in ascending page
-id, which is what ``unchecked_free`` does for all the slots freed in one
-call.
+:meth:`BlockPool.flush` queues the pages that reached zero in the order
+``unchecked_free`` queues them for all the slots freed in one call: slots in
+ascending order, each one's pages tail first, a page several of them shared
+where its last holder puts it (:func:`paged_jax.page_state.free_order`).
+Tail first is what keeps a prefix cache's chains whole: eviction takes the
+least recently freed page, which is then a chain's last page, never its
+head, so the pages before it stay reachable (vLLM frees a request's blocks
+in reverse for the same reason; SGLang evicts radix-tree leaves first).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from paged_jax.page_state import NULL_PAGE, PageState, pages_for_tokens
+from paged_jax.page_state import NULL_PAGE, PageState, free_order, pages_for_tokens
 
 
 class BlockPool:
@@ -72,6 +77,7 @@ class BlockPool:
         self.ref_counts = np.zeros(num_pages, np.int64)
         self._queue: dict[int, None] = dict.fromkeys(range(1, num_pages))
         self._released: set[int] = set()  # reached zero references; queued by flush()
+        self._freed: list[tuple[int, list[int]]] = []  # (slot, its pages) released since the last flush
         self.on_evict = on_evict
 
     @property
@@ -86,8 +92,8 @@ class BlockPool:
 
     def free_pages(self) -> list[int]:
         """Pages with no reference, in the order new allocations take them
-        (the released ones after the queued ones, ascending)."""
-        return list(self._queue) + sorted(self._released)
+        (the released ones after the queued ones, in free order)."""
+        return list(self._queue) + self._release_order()
 
     # ------------------------------------------------------------ changes
 
@@ -95,6 +101,10 @@ class BlockPool:
         """Empties ``slot``; its pages lose a reference. Returns how many
         reached zero (they join the free queue at :meth:`flush`)."""
         freed = 0
+        if self.num_seq_pages[slot]:
+            if any(s == slot for s, _ in self._freed):
+                raise RuntimeError(f"internal: slot {slot} released twice before one flush")
+            self._freed.append((slot, self.pages(slot)))
         for p in self.pages(slot):
             self.ref_counts[p] -= 1
             if self.ref_counts[p] == 0:
@@ -105,11 +115,17 @@ class BlockPool:
         self.num_seq_pages[slot] = 0
         return freed
 
+    def _release_order(self) -> list[int]:
+        """The released pages in the order ``unchecked_free`` queues them."""
+        tables = [pages for _, pages in sorted(self._freed, key=lambda e: e[0])]
+        return [p for p in free_order(tables) if p in self._released]
+
     def flush(self) -> None:
-        """Queues the released pages, ascending (``unchecked_free``'s order)."""
-        for p in sorted(self._released):
+        """Queues the released pages in ``unchecked_free``'s order."""
+        for p in self._release_order():
             self._queue[p] = None
         self._released.clear()
+        self._freed.clear()
 
     def share(self, slot: int, pages: Sequence[int], num_tokens: int | None = None) -> int:
         """Gives empty ``slot`` ``pages`` holding ``num_tokens`` tokens
@@ -131,6 +147,16 @@ class BlockPool:
         self.num_seq_pages[slot] = len(pages)
         self.seq_lens[slot] = len(pages) * self.page_size if num_tokens is None else num_tokens
         return taken
+
+    def append_full_pages(self, slot: int, pages: Sequence[int]) -> None:
+        """Appends ``pages`` (from :meth:`take_free`) to ``slot``'s table
+        as full pages, as ``unchecked_share`` gives a slot its hits and then
+        these in one list."""
+        n = int(self.num_seq_pages[slot])
+        self.ref_counts[list(pages)] += 1
+        self.block_tables[slot, n : n + len(pages)] = pages
+        self.num_seq_pages[slot] = n + len(pages)
+        self.seq_lens[slot] = (n + len(pages)) * self.page_size
 
     def take_free(self, count: int) -> list[int]:
         """Takes ``count`` pages off the free queue's head for new content

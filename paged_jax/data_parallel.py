@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from paged_jax.checks import check_int
 from paged_jax.engine import Engine, Request, RequestOutput, drain
 
 
@@ -221,9 +222,9 @@ def gather_outputs(outputs: Sequence[RequestOutput], request_ids: Sequence, max_
     if len(index) != len(request_ids):
         raise ValueError("request_ids must be distinct")
     longest = max((len(o.output_ids) for o in outputs), default=0)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < longest:
-        raise ValueError(f"max_new_tokens must be an int >= the longest output ({longest} tokens), "
-                         f"got {max_new_tokens!r}")
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 0)
+    if max_new_tokens < longest:
+        raise ValueError(f"max_new_tokens must be >= the longest output ({longest} tokens), got {max_new_tokens=}")
     table = np.full((len(request_ids), max_new_tokens + 1), -1, np.int32)  # column 0: the output's length
     for out in outputs:
         if out.request_id not in index:

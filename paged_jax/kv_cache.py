@@ -21,6 +21,7 @@ from flax import struct
 
 from paged_jax.checks import check_int
 from paged_jax.page_state import NO_PAGE
+from pallas_kernels.common import quantize_kv
 
 
 @struct.dataclass
@@ -201,18 +202,37 @@ def write_layer_kv(pool: KVPool, layer: jax.Array, k: jax.Array, v: jax.Array, s
         value = int(np.asarray(layer))
         if isinstance(layer, bool) or not 0 <= value < pool.num_layers:
             raise ValueError(f"layer must be in [0, num_layers={pool.num_layers}), got layer={layer!r}")
-    if not isinstance(slots, jax.core.Tracer):  # eager calls: slots are checked, not silently dropped
-        ids = np.asarray(slots)
-        limit = pool.num_pages * pool.page_size
-        if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.shape[0] != k.shape[0]:
-            raise ValueError(f"slots must be an integer [N_tok={k.shape[0]}] array, got {ids.dtype}{list(ids.shape)}")
-        real = ids[ids != -1]
-        if ((real < 0) | (real >= limit)).any() or len(set(real.tolist())) != real.size:
-            raise ValueError(f"slots must be distinct flat slots in [0, {limit}) or -1 (padding), got {ids.tolist()}")
+    check_slots(pool, slots, k.shape[0])
+    return unchecked_write_layer_kv(pool, layer, k, v, slots)
+
+
+def check_slots(pool: KVPool, slots: jax.Array, num_tokens: int) -> None:
+    """The slot check of :func:`write_layer_kv`, for a caller that validates
+    once and then calls :func:`unchecked_write_layer_kv` (a decoder: once
+    per model call, not once per layer).
+
+    Raises:
+      ValueError: (eager ``slots`` only; under ``jit`` a slot outside the
+        pool is dropped) ``slots`` that are not an integer ``[num_tokens]``
+        array of distinct flat slots of the pool or -1.
+    """
+    if isinstance(slots, jax.core.Tracer):
+        return
+    ids = np.asarray(slots)
+    limit = pool.num_pages * pool.page_size
+    if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.shape[0] != num_tokens:
+        raise ValueError(f"slots must be an integer [N_tok={num_tokens}] array, got {ids.dtype}{list(ids.shape)}")
+    real = ids[ids != -1]
+    if ((real < 0) | (real >= limit)).any() or len(set(real.tolist())) != real.size:
+        raise ValueError(f"slots must be distinct flat slots in [0, {limit}) or -1 (padding), got {ids.tolist()}")
+
+
+def unchecked_write_layer_kv(pool: KVPool, layer: jax.Array, k: jax.Array, v: jax.Array,
+                             slots: jax.Array) -> KVPool:
+    """:func:`write_layer_kv` trusting its arguments (a well-formed pool,
+    checked slots); same result."""
     if not pool.quantized:
         return KVPool(k=write_layer_pages(pool.k, layer, k, slots), v=write_layer_pages(pool.v, layer, v, slots))
-    from pallas_kernels.common import quantize_kv
-
     (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)  # [N_tok, K, H] int8, f32[N_tok, K]
     return KVPool(k=write_layer_pages(pool.k, layer, kq, slots), v=write_layer_pages(pool.v, layer, vq, slots),
                   k_scale=write_layer_pages(pool.k_scale, layer, ks, slots),

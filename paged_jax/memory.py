@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from paged_jax.checks import check_int
+from paged_jax.checks import check_choice, check_float, check_int
 
 GB = 10**9
 KiB = 2**10
@@ -46,9 +46,7 @@ def dtype_bytes(dtype: str) -> float:
     Raises:
       ValueError: unknown dtype; the message lists the known ones.
     """
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got dtype={dtype!r}")
-    return DTYPE_BYTES[dtype]
+    return DTYPE_BYTES[check_choice("dtype", dtype, DTYPE_BYTES)]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -342,8 +340,7 @@ def plan_capacity(
     check_int("num_devices", num_devices, 1)
     check_int("page_size", page_size, 1)
     check_int("max_seq_len", max_seq_len, 1)
-    if not 0 < cache_fraction <= 1:
-        raise ValueError(f"cache_fraction must be in (0, 1], got {cache_fraction=}")
+    check_float("cache_fraction", cache_fraction, 0, 1, low_open=True)
     lengths = _lengths("lengths", lengths, low=1)
     if lengths.max() > max_seq_len:
         raise ValueError(

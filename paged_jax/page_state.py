@@ -21,8 +21,12 @@ The free queue. Free pages sit in a FIFO ring buffer: allocation takes pages
 from the head, freeing appends them at the tail, so the page freed longest ago
 is handed out first (the order vLLM's ``FreeKVCacheBlockQueue`` keeps so that
 a prefix cache evicts the least recently used page first). Pages freed in one
-call are appended in ascending page id, which makes page ids exact and
-testable.
+call are appended in :func:`free_order`: slots in ascending order, each
+slot's pages *tail first*, so a prefix cache loses a chain's last pages
+before its first ones and what is left of the chain stays reachable (vLLM
+frees a request's blocks in reverse). A page several freed slots shared
+goes where its last holder puts it, as if the slots were freed one by one.
+The order is exact and testable.
 
 Running out of pages is not an error: ``allocate`` and ``append`` return
 ``ok = False`` together with the *unchanged* state, and the caller (the
@@ -185,17 +189,38 @@ def _take_pages(state: PageState, need: jax.Array) -> tuple[PageState, jax.Array
     return _select(ok, new, state), ok
 
 
-def _release_pages(state: PageState, page_mask: jax.Array) -> PageState:
-    """Appends the pages in ``page_mask`` (bool[num_pages]) to the free queue's
-    tail in ascending page id."""
-    cap = state.free_queue.shape[0]
-    rank = jnp.cumsum(page_mask) - 1
+def free_order(tables) -> list[int]:
+    """The order in which :func:`unchecked_free` queues the pages of the
+    slots it frees in one call, given their page lists (``tables``, in slot
+    order, each in logical order): every slot's pages tail first, one slot
+    after another, a page that appears more than once at its last place.
+    Pages still referenced elsewhere are not freed; drop them from the result.
+    """
+    flat = [p for pages in tables for p in reversed(pages)]
+    last = {p: i for i, p in enumerate(flat)}
+    return [p for i, p in enumerate(flat) if last[p] == i]
+
+
+def _release_pages(state: PageState, held: jax.Array, released: jax.Array) -> PageState:
+    """Appends the pages in ``released`` (bool[num_pages]) to the free
+    queue's tail in :func:`free_order` over the entries ``held``
+    (bool[max_seqs, max_pages]) of the freed slots' block tables."""
+    cap, num_pages, max_pages = state.free_queue.shape[0], state.num_pages, state.max_pages_per_seq
+    # Each row's pages tail first: entry k of a row is its page n - 1 - k.
+    k = jnp.arange(max_pages)[None, :]
+    n = held.sum(axis=1, keepdims=True)
+    rev = jnp.take_along_axis(state.block_tables, jnp.clip(n - 1 - k, 0, max_pages - 1), axis=1)
+    pages = jnp.where(k < n, rev, num_pages).ravel()  # [S * max_pages], num_pages: no page
+    pos = jnp.arange(pages.shape[0], dtype=jnp.int32)
+    last = jnp.full((num_pages,), -1, jnp.int32).at[pages].max(pos, mode="drop")
+    first_free = (pages < num_pages) & released[jnp.minimum(pages, num_pages - 1)] & (
+        last[jnp.minimum(pages, num_pages - 1)] == pos)
+    rank = jnp.cumsum(first_free) - 1
     tail = (state.free_head + state.num_free_pages + rank) % cap
-    ids = jnp.arange(state.num_pages, dtype=jnp.int32)
-    free_queue = state.free_queue.at[jnp.where(page_mask, tail, cap)].set(ids, mode="drop")
+    free_queue = state.free_queue.at[jnp.where(first_free, tail, cap)].set(pages, mode="drop")
     return state.replace(
         free_queue=free_queue,
-        num_free_pages=state.num_free_pages + page_mask.sum(dtype=jnp.int32),
+        num_free_pages=state.num_free_pages + released.sum(dtype=jnp.int32),
     )
 
 
@@ -481,9 +506,9 @@ def unchecked_free(state: PageState, seq_mask: jax.Array) -> PageState:
     """Frees every sequence in ``seq_mask`` (bool[max_seqs]).
 
     Each of their pages loses one reference; a page whose count reaches zero
-    goes back to the free queue at once (ascending page id). The slots become
-    empty: length 0, no pages, block-table rows all ``NULL_PAGE``. Freeing an
-    empty slot is a no-op.
+    goes back to the free queue at once, in :func:`free_order` (each slot's
+    pages tail first). The slots become empty: length 0, no pages,
+    block-table rows all ``NULL_PAGE``. Freeing an empty slot is a no-op.
     """
     max_pages = state.max_pages_per_seq
     j = jnp.arange(max_pages)[None, :]
@@ -491,13 +516,13 @@ def unchecked_free(state: PageState, seq_mask: jax.Array) -> PageState:
     pages = jnp.where(held, state.block_tables, state.num_pages)
     ref_counts = state.ref_counts.at[pages].add(-1, mode="drop")
     released = (state.ref_counts > 0) & (ref_counts == 0)
-    state = state.replace(
+    queued = _release_pages(state, held, released)
+    return queued.replace(
         ref_counts=ref_counts,
         block_tables=jnp.where(seq_mask[:, None], NULL_PAGE, state.block_tables),
         seq_lens=jnp.where(seq_mask, 0, state.seq_lens),
         num_seq_pages=jnp.where(seq_mask, 0, state.num_seq_pages),
     )
-    return _release_pages(state, released)
 
 
 @jax.jit

@@ -8,7 +8,7 @@ tokens of one model call sit in one array, sequence ``s`` owning rows
 ``kv_lens[s]`` cached tokens. A decoding sequence has ``q_lens = 1``, a
 prefill chunk anything up to the whole prompt.
 
-Padding every sequence to the longest (the padded ``[B, T]`` reference in
+Padding every sequence to the longest (the padded ``[B, T]`` XLA path of
 :mod:`paged_jax.attention`) costs ``B x max_len`` per call. Here the work is
 split the way flash-decoding and FlashInfer split it, into a list of *work
 items*, each one query tile (up to ``tile_q`` consecutive query tokens of one
@@ -33,12 +33,22 @@ width, so no length can make a sequence read another's pages.
 
 Neighbour isolation: a tile's accumulators are only ever updated with its
 own items, so a sequence's output does not depend, to the bit, on other
-sequences' K/V contents.
+sequences' K/V contents. Non-finite values are not hidden: a NaN or inf in a
+logit or value a row sees makes its output non-finite; only rows that see no
+key (padding) are zeros.
 
-Axis alphabet: T flat query tokens, N query heads, K KV heads, G queries per
-KV head, H head dim, P pages, L page size, S sequence rows, W work items of a
-chunk, Q tile rows (``tile_q``), M = G * Q rows of a tile per KV head, C keys
-per work item (``pages_per_block * L``), U tiles.
+The door. :func:`attend` (the engine's attention, and what
+:func:`models.llama.forward_ragged` checks once per model call with
+:func:`check_attend`) and :func:`ragged_paged_attention` validate their
+arguments; :func:`unchecked_attend` and :func:`unchecked_ragged_paged_attention`
+under them trust theirs, and so does everything they call
+(``paged_jax.attention.unchecked_paged_attention`` and the kernels'
+``unchecked_<name>``).
+
+Axis letters: the alphabet of ``models/__init__.py`` (T flat query tokens,
+E sequence rows, ...); the work list adds U tiles, Q rows of a tile
+(``tile_q``), M = G * Q rows of a tile per KV head, W work items of a loop
+step, J pages of a work item and C = J * L keys of a work item.
 """
 
 from __future__ import annotations
@@ -49,6 +59,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax import attention
+from paged_jax.batch import RaggedBatch
 from paged_jax.checks import check_int
 from pallas_kernels import common
 
@@ -80,7 +92,7 @@ def count_work(q_lens, kv_lens, *, tile_q: int, block_tokens: int, sliding_windo
     :func:`ragged_paged_attention` must be at least the first.
 
     Args:
-      q_lens, kv_lens: i32[S] as in :func:`ragged_paged_attention`.
+      q_lens, kv_lens: i32[E] as in :func:`ragged_paged_attention`.
       tile_q: query tokens per tile.
       block_tokens: keys per work item.
       sliding_window: as in :func:`ragged_paged_attention`.
@@ -102,10 +114,10 @@ def ragged_paged_attention(
     k_pool: jax.Array,  # [layers, K, P, L, H]
     v_pool: jax.Array,  # [layers, K, P, L, H]
     layer: jax.Array,  # i32[]
-    block_tables: jax.Array,  # i32[S, pages_per_seq]
-    q_starts: jax.Array,  # i32[S]
-    q_lens: jax.Array,  # i32[S]
-    kv_lens: jax.Array,  # i32[S]
+    block_tables: jax.Array,  # i32[E, pages_per_seq]
+    q_starts: jax.Array,  # i32[E]
+    q_lens: jax.Array,  # i32[E]
+    kv_lens: jax.Array,  # i32[E]
     *,
     num_tiles: int,
     tile_q: int = 32,
@@ -126,10 +138,10 @@ def ragged_paged_attention(
       k_pool, v_pool: [layers, K, P, L, H] the stacked pool, float or int8;
         the new tokens' K/V already written.
       layer: i32[] which layer's pages to read.
-      block_tables: i32[S, pages_per_seq] each sequence's pages.
-      q_starts: i32[S] first flat row of each sequence's queries.
-      q_lens: i32[S] query tokens per sequence; 0 leaves the row out.
-      kv_lens: i32[S] cached tokens per sequence, queries included. Query
+      block_tables: i32[E, pages_per_seq] each sequence's pages.
+      q_starts: i32[E] first flat row of each sequence's queries.
+      q_lens: i32[E] query tokens per sequence; 0 leaves the row out.
+      kv_lens: i32[E] cached tokens per sequence, queries included. Query
         ``t`` of sequence ``s`` sits at position ``kv_lens[s] - q_lens[s] + t``
         and sees keys at positions ``<=`` its own. Lengths past the table
         width ``pages_per_seq * L`` are refused eagerly and clamped under
@@ -149,7 +161,8 @@ def ragged_paged_attention(
         item's gathered keys and values; None for a float pool.
 
     Returns:
-      [T, N, H] in ``q.dtype``, computed in f32; zeros in padding rows.
+      [T, N, H] in ``q.dtype``, computed in f32; zeros in padding rows,
+      non-finite where a logit or value a row sees is.
 
     Raises:
       ValueError: shapes that do not fit each other, a static size below 1,
@@ -158,11 +171,28 @@ def ragged_paged_attention(
         sequences whose rows overlap or pass ``T``, or ``num_tiles`` below
         :func:`count_work`'s (work would be dropped).
     """
-    _validate(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, num_tiles=num_tiles, tile_q=tile_q,
-              pages_per_block=pages_per_block, work_chunk=work_chunk, sliding_window=sliding_window)
-    _validate_scales(k_pool, k_scales, v_scales)
-    layer = common.checked_layer(layer, k_pool.shape[0])[0]  # an integer scalar, in range (clamped under jit)
+    for name, value in (("num_tiles", num_tiles), ("tile_q", tile_q), ("pages_per_block", pages_per_block),
+                        ("work_chunk", work_chunk)):
+        check_int(name, value)
     common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    layer, (q_starts, q_lens, kv_lens) = _check_flat(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens,
+                                                     kv_lens, k_scales, v_scales)
+    _check_tiles(q_lens, kv_lens, num_tiles=num_tiles, tile_q=tile_q,
+                 block_tokens=pages_per_block * k_pool.shape[3], sliding_window=sliding_window)
+    return unchecked_ragged_paged_attention(
+        q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, num_tiles=num_tiles, tile_q=tile_q,
+        pages_per_block=pages_per_block, work_chunk=work_chunk, scale=scale, soft_cap=soft_cap,
+        sliding_window=sliding_window, k_scales=k_scales, v_scales=v_scales)
+
+
+def unchecked_ragged_paged_attention(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, *,
+                                     num_tiles: int, tile_q: int = 32, pages_per_block: int = 4,
+                                     work_chunk: int = 32, scale=None, soft_cap=None, sliding_window=None,
+                                     k_scales=None, v_scales=None) -> jax.Array:
+    """:func:`ragged_paged_attention` trusting its inputs: the same arguments
+    and result, with i32 lengths in their ranges (as :func:`check_attend`
+    returns them), rows that do not overlap, ``num_tiles`` enough for the
+    lengths and ``layer`` an i32[] in the pool."""
     t_total, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_pool.shape[1], k_pool.shape[3]
     group = num_q_heads // num_kv_heads
@@ -173,10 +203,9 @@ def ragged_paged_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     i32 = jnp.int32
-    kv_lens, q_lens = common.checked_lengths(block_tables, k_pool.shape[2], page_size, kv_lens.astype(i32), q_lens.astype(i32))
 
     # --- tiles: U = num_tiles -> (sequence, first row within it)
-    tiles_per_seq = _cdiv(q_lens, tile_q)  # [S]
+    tiles_per_seq = _cdiv(q_lens, tile_q)  # [E]
     tile_end = jnp.cumsum(tiles_per_seq)
     tile_ids = jnp.arange(num_tiles, dtype=i32)
     tile_seq = jnp.minimum(jnp.searchsorted(tile_end, tile_ids, side="right"), num_seqs - 1).astype(i32)
@@ -193,7 +222,7 @@ def ragged_paged_attention(
 
     # --- queries per tile: [U, Q] flat rows -> [U, K, M, H] (m = g * Q + t)
     r = jnp.arange(tile_q, dtype=i32)
-    tile_rows = q_starts.astype(i32)[tile_seq][:, None] + row0[:, None] + r[None, :]  # [U, Q]
+    tile_rows = q_starts[tile_seq][:, None] + row0[:, None] + r[None, :]  # [U, Q]
     row_real = r[None, :] < rows_in_tile[:, None]
     q_tile = q[jnp.where(row_real, tile_rows, 0)].astype(jnp.float32) * scale  # [U, Q, N, H]
     q_tile = q_tile.reshape(num_tiles, tile_q, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
@@ -209,15 +238,15 @@ def ragged_paged_attention(
         w_tile = jnp.minimum(jnp.searchsorted(work_end, w, side="right"), num_tiles - 1).astype(i32)
         w_block = first_block[w_tile] + w - work_begin[w_tile]
         w_seq = tile_seq[w_tile]
-        col = w_block[:, None] * pages_per_block + j[None, :]  # [W, ppb] block-table columns
+        col = w_block[:, None] * pages_per_block + j[None, :]  # [W, J] block-table columns
         col_ok = (col < pages_per_seq) & w_real[:, None]
         pages = jnp.where(col_ok, block_tables[w_seq[:, None], jnp.minimum(col, pages_per_seq - 1)], 0)
         # One gather from the stacked pool; ``k_pool[layer]`` first would
         # copy the whole layer.
-        k = k_pool[layer, :, pages].astype(jnp.float32)  # [W, ppb, K, L, H]
+        k = k_pool[layer, :, pages].astype(jnp.float32)  # [W, J, K, L, H]
         v = v_pool[layer, :, pages].astype(jnp.float32)
         if k_scales is not None:  # int8: dequantize the gathered item, never the pool
-            k = k * k_scales[layer, :, pages][..., None]  # scales [W, ppb, K, L]
+            k = k * k_scales[layer, :, pages][..., None]  # scales [W, J, K, L]
             v = v * v_scales[layer, :, pages][..., None]
         logits = jnp.einsum("WKMH,WJKLH->WKMJL", q_tile[w_tile], k)
         logits = logits.reshape(work_chunk, num_kv_heads, rows_m, block_tokens)  # [W, K, M, C]
@@ -256,7 +285,11 @@ def ragged_paged_attention(
         jnp.zeros((num_tiles, num_kv_heads, rows_m, head_dim), jnp.float32),
     )
     _, l_acc, o_acc = jax.lax.fori_loop(0, _cdiv(total_work, work_chunk), chunk, acc)
-    o_tile = jnp.where(l_acc[..., None] > 0, o_acc / jnp.where(l_acc > 0, l_acc, 1.0)[..., None], 0.0)
+    # Only padding rows see no key (a real row sees its own): zeros by row,
+    # not by ``l_acc > 0``, which would also zero a NaN ``l_acc`` (a NaN
+    # logit or value the row sees: a corrupt weight served as tokens).
+    seen = jnp.tile(row_real, (1, group))[:, None, :]  # [U, 1, M]
+    o_tile = jnp.where(seen[..., None], o_acc / jnp.where(seen, l_acc, 1.0)[..., None], 0.0)
 
     # [U, K, G * Q, H] -> [U, Q, N, H] -> flat rows
     o_tile = o_tile.reshape(num_tiles, num_kv_heads, group, tile_q, head_dim).transpose(0, 3, 1, 2, 4)
@@ -278,11 +311,16 @@ def _validate_scales(k_pool, k_scales, v_scales) -> None:
             raise ValueError(f"{name} must be f32{list(k_pool.shape[:-1])}, got {x.dtype}{list(x.shape)}")
 
 
-def _validate(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, *, num_tiles, tile_q,
-              pages_per_block, work_chunk, sliding_window) -> None:
-    for name, value in (("num_tiles", num_tiles), ("tile_q", tile_q), ("pages_per_block", pages_per_block),
-                        ("work_chunk", work_chunk)):
-        check_int(name, value)
+def _check_flat(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, k_scales, v_scales):
+    """The checks every flat-batch door shares: shapes and dtypes; when the
+    values are concrete, lengths in range and sequences' rows inside ``T``
+    without overlap.
+
+    Returns:
+      ``(layer, (q_starts, q_lens, kv_lens))``: the layer as i32[] and the
+      lengths as i32, clamped to their ranges (under ``jit`` nothing can be
+      read, and no row may read past its block table).
+    """
     if getattr(q, "ndim", None) != 3:
         raise ValueError(f"q must be [T, num_q_heads, head_dim], got shape {getattr(q, 'shape', q)}")
     if getattr(k_pool, "ndim", None) != 5 or getattr(v_pool, "shape", None) != k_pool.shape:
@@ -296,24 +334,99 @@ def _validate(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens,
     num_seqs = getattr(q_lens, "shape", (None,))[0]
     for name, x in (("q_starts", q_starts), ("q_lens", q_lens), ("kv_lens", kv_lens)):
         if getattr(x, "shape", None) != (num_seqs,) or not jnp.issubdtype(x.dtype, jnp.integer):
-            raise ValueError(f"{name} must be an integer [S={num_seqs}] array, got {getattr(x, 'shape', x)}")
+            raise ValueError(f"{name} must be an integer [E={num_seqs}] array, got {getattr(x, 'shape', x)}")
     if getattr(block_tables, "ndim", None) != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables must be [S={num_seqs}, pages_per_seq], got {getattr(block_tables, 'shape', None)}")
-    concrete = not any(isinstance(x, jax.core.Tracer) for x in (layer, q_starts, q_lens, kv_lens))
-    if not concrete:
+        raise ValueError(f"block_tables must be [E={num_seqs}, pages_per_seq], got {getattr(block_tables, 'shape', None)}")
+    _validate_scales(k_pool, k_scales, v_scales)
+    layer = common.checked_layer(layer, k_pool.shape[0])[0]  # i32[], in range (clamped under jit)
+    i32 = jnp.int32
+    kv_lens, q_lens = common.checked_lengths(block_tables, k_pool.shape[2], k_pool.shape[3], kv_lens.astype(i32),
+                                             q_lens.astype(i32))  # ranges, named (eager); clamped
+    if not any(isinstance(x, jax.core.Tracer) for x in (q_starts, q_lens, kv_lens)):
+        ql, qs = np.asarray(q_lens), np.asarray(q_starts)
+        live = np.flatnonzero(ql > 0)
+        order = live[np.argsort(qs[live])]
+        ends = qs[order] + ql[order]
+        if live.size and (qs[order][0] < 0 or ends[-1] > q.shape[0] or (qs[order][1:] < ends[:-1]).any()):
+            raise ValueError(f"sequences' query rows overlap or pass T={q.shape[0]}: q_starts={qs.tolist()} "
+                             f"q_lens={ql.tolist()}")
+    return layer, (q_starts.astype(i32), q_lens, kv_lens)
+
+
+def _check_tiles(q_lens, kv_lens, *, num_tiles: int, tile_q: int, block_tokens: int,
+                 sliding_window: int | None, what: str = "num_tiles") -> None:
+    """Raises ValueError when the lengths are concrete and need more than
+    ``num_tiles`` tiles (the rest of the work would be dropped)."""
+    if any(isinstance(x, jax.core.Tracer) for x in (q_lens, kv_lens)):
         return
-    common.checked_lengths(block_tables, k_pool.shape[2], k_pool.shape[3], kv_lens, q_lens)  # ranges, named
-    ql, kl, qs = np.asarray(q_lens), np.asarray(kv_lens), np.asarray(q_starts)
-    live = np.flatnonzero(ql > 0)
-    order = live[np.argsort(qs[live])]
-    ends = qs[order] + ql[order]
-    if live.size and (qs[order][0] < 0 or ends[-1] > q.shape[0] or (qs[order][1:] < ends[:-1]).any()):
-        raise ValueError(f"sequences' query rows overlap or pass T={q.shape[0]}: q_starts={qs.tolist()} "
-                         f"q_lens={ql.tolist()}")
-    need, _ = count_work(ql, kl, tile_q=tile_q, block_tokens=pages_per_block * k_pool.shape[3],
-                         sliding_window=sliding_window)
+    need, _ = count_work(q_lens, kv_lens, tile_q=tile_q, block_tokens=block_tokens, sliding_window=sliding_window)
     if num_tiles < need:
-        raise ValueError(f"num_tiles={num_tiles} is below the {need} tiles these lengths need (work would be dropped)")
+        raise ValueError(f"{what}={num_tiles} is below the {need} tiles these lengths need (work would be dropped)")
+
+
+def check_attend(
+    q,  # [T, N, H] an array or a jax.ShapeDtypeStruct
+    k_pool: jax.Array,  # [layers, K, P, L, H]
+    v_pool: jax.Array,  # [layers, K, P, L, H]
+    layer,  # i32[] or int
+    batch: RaggedBatch,
+    *,
+    impl: str = "auto",
+    k_scales: jax.Array | None = None,  # f32[layers, K, P, L] with int8 pools
+    v_scales: jax.Array | None = None,
+    **options,
+) -> tuple[str, jax.Array, RaggedBatch]:
+    """The checks of :func:`attend`'s door, for a caller that validates once
+    and then calls :func:`unchecked_attend` (a decoder: once per model call,
+    not once per layer). Same arguments; only ``q``'s shape and dtype are
+    read.
+
+    Returns:
+      ``(impl, layer, batch)``: ``impl`` with ``"auto"`` resolved, ``layer``
+      as i32[] in the pool and ``batch`` with i32 lengths clamped to their
+      ranges: what :func:`unchecked_attend` may trust, even under ``jit``.
+
+    Raises:
+      ValueError: an unknown ``impl`` or option; options that are not
+        positive; shapes that do not fit each other; a page size the chosen
+        kernels cannot tile; (eager calls) lengths outside their ranges,
+        sequences whose rows overlap or pass ``T``, a layer outside the
+        pool, or a ``batch.shape`` that cannot hold the batch's classes
+        (work would be dropped).
+    """
+    impl = attention.resolve_impl(impl)
+    unknown = set(options) - {"scale", "soft_cap", "sliding_window"}
+    if unknown:
+        raise ValueError(f"unknown attention options {sorted(unknown)}; expected scale, soft_cap, sliding_window")
+    common.validate_options(scale=options.get("scale"), soft_cap=options.get("soft_cap"),
+                            sliding_window=options.get("sliding_window"))
+    layer, (q_starts, q_lens, kv_lens) = _check_flat(q, k_pool, v_pool, layer, batch.block_tables, batch.q_starts,
+                                                     batch.q_lens, batch.kv_lens, k_scales, v_scales)
+    shape, tiling = batch.shape, batch.shape.tiling
+    page_size = k_pool.shape[3]
+    if impl != "xla":  # the padded view's kernels: [E, 1] decode, [max_prefill_chunks, T] chunks
+        for tiles, width in ((shape.decode_tiles, 1), (shape.prefill_tiles, shape.num_tokens)):
+            if tiles:
+                attention.check_tiling(impl, width, page_size)
+    if not isinstance(q_lens, jax.core.Tracer):
+        ql, kl = np.asarray(q_lens), np.asarray(kv_lens)
+        chunks = int(np.sum(ql > 1))
+        if chunks > tiling.max_prefill_chunks or (chunks and not shape.prefill_tiles) or (
+                np.any(ql == 1) and not shape.decode_tiles):
+            raise ValueError(
+                f"batch.shape does not fit batch.q_lens: {chunks} chunks of 2+ tokens (max_prefill_chunks="
+                f"{tiling.max_prefill_chunks}), decode_tiles={shape.decode_tiles}, prefill_tiles="
+                f"{shape.prefill_tiles}; build it with paged_jax.batch.batch_shape"
+            )
+        if impl == "xla":
+            for rows, tiles, tile_q, ppb, what in (
+                (ql == 1, shape.decode_tiles, 1, tiling.decode_pages_per_block, "decode_tiles"),
+                (ql > 1, shape.prefill_tiles, tiling.prefill_tile_q, tiling.prefill_pages_per_block,
+                 "prefill_tiles"),
+            ):
+                _check_tiles(np.where(rows, ql, 0), np.where(rows, kl, 0), num_tiles=tiles, tile_q=tile_q,
+                             block_tokens=ppb * page_size, sliding_window=options.get("sliding_window"), what=what)
+    return impl, layer, batch.replace(q_starts=q_starts, q_lens=q_lens, kv_lens=kv_lens)
 
 
 def attend(
@@ -321,7 +434,7 @@ def attend(
     k_pool: jax.Array,  # [layers, K, P, L, H]
     v_pool: jax.Array,  # [layers, K, P, L, H]
     layer: jax.Array,  # i32[]
-    batch,
+    batch: RaggedBatch,
     *,
     impl: str = "auto",
     k_scales: jax.Array | None = None,  # f32[layers, K, P, L] with int8 pools
@@ -330,7 +443,8 @@ def attend(
 ) -> jax.Array:
     """Attention for a :class:`paged_jax.batch.RaggedBatch`: its one-token
     sequences (decode) and its longer chunks, each class in its own pass,
-    in one program.
+    in one program. Validated here (:func:`check_attend`), computed by
+    :func:`unchecked_attend`.
 
     Args:
       q: [T, N, H] the batch's queries.
@@ -340,42 +454,41 @@ def attend(
       impl: ``"xla"``: :func:`ragged_paged_attention` (decode with one-token
         tiles, chunks with ``batch.shape.tiling.prefill_tile_q``-token tiles);
         any other name of :data:`paged_jax.attention.IMPLS` (the Pallas
-        kernels): the flat batch is viewed as padded rows, ``[S, 1]`` for
+        kernels): the flat batch is viewed as padded rows, ``[E, 1]`` for
         decode and ``[max_prefill_chunks, T]`` for chunks, and handed to
-        :func:`paged_jax.attention.paged_attention`. ``"auto"``: ``"xla"`` on
-        CPU, the backend's kernels elsewhere.
+        :func:`paged_jax.attention.unchecked_paged_attention`. ``"auto"``:
+        ``"xla"`` on CPU, the backend's kernels elsewhere.
       k_scales, v_scales: the per-token scales of an int8 pool, else None.
       options: ``scale``, ``soft_cap``, ``sliding_window``.
 
     Returns:
-      [T, N, H] in ``q.dtype``; zeros in padding rows.
+      [T, N, H] in ``q.dtype``; zeros in padding rows, non-finite where a
+      logit or value a row sees is.
 
     Raises:
-      ValueError: an unknown ``impl``; options that are not positive;
-        (eager calls) a ``batch.shape`` that cannot hold the batch's
-        classes (work would be dropped).
+      ValueError: as :func:`check_attend`.
     """
-    from paged_jax.attention import IMPLS
+    impl, layer, batch = check_attend(q, k_pool, v_pool, layer, batch, impl=impl, k_scales=k_scales,
+                                      v_scales=v_scales, **options)
+    return unchecked_attend(q, k_pool, v_pool, layer, batch, impl=impl, k_scales=k_scales, v_scales=v_scales,
+                            **options)
 
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl=!r}")
-    unknown = set(options) - {"scale", "soft_cap", "sliding_window"}
-    if unknown:
-        raise ValueError(f"unknown attention options {sorted(unknown)}; expected scale, soft_cap, sliding_window")
-    common.validate_options(scale=options.get("scale"), soft_cap=options.get("soft_cap"),
-                            sliding_window=options.get("sliding_window"))
-    if impl == "auto" and jax.default_backend() == "cpu":
-        impl = "xla"
+
+def unchecked_attend(
+    q: jax.Array,  # [T, N, H]
+    k_pool: jax.Array,  # [layers, K, P, L, H]
+    v_pool: jax.Array,  # [layers, K, P, L, H]
+    layer: jax.Array,  # i32[], in the pool
+    batch: RaggedBatch,
+    *,
+    impl: str,
+    k_scales: jax.Array | None = None,  # f32[layers, K, P, L] with int8 pools
+    v_scales: jax.Array | None = None,
+    **options,
+) -> jax.Array:
+    """:func:`attend` trusting its inputs: ``impl``, ``layer`` and ``batch``
+    as :func:`check_attend` returns them. Same result."""
     shape, tiling = batch.shape, batch.shape.tiling
-    if not isinstance(batch.q_lens, jax.core.Tracer):
-        chunks = int(np.sum(np.asarray(batch.q_lens) > 1))
-        if chunks > tiling.max_prefill_chunks or (chunks and not shape.prefill_tiles) or (
-                np.any(np.asarray(batch.q_lens) == 1) and not shape.decode_tiles):
-            raise ValueError(
-                f"batch.shape does not fit batch.q_lens: {chunks} chunks of 2+ tokens (max_prefill_chunks="
-                f"{tiling.max_prefill_chunks}), decode_tiles={shape.decode_tiles}, prefill_tiles="
-                f"{shape.prefill_tiles}; build it with paged_jax.batch.batch_shape"
-            )
     out = jnp.zeros(q.shape, q.dtype)
     decode, chunk = batch.q_lens == 1, batch.q_lens > 1
     if impl == "xla":
@@ -387,7 +500,7 @@ def attend(
         ):
             if tiles == 0:
                 continue
-            out = out + ragged_paged_attention(
+            out = out + unchecked_ragged_paged_attention(
                 q, k_pool, v_pool, layer, batch.block_tables, batch.q_starts,
                 jnp.where(rows, batch.q_lens, 0), jnp.where(rows, batch.kv_lens, 0),
                 num_tiles=tiles, tile_q=tile_q, pages_per_block=ppb, work_chunk=work_chunk,
@@ -410,8 +523,6 @@ def _padded(out, q, k_pool, v_pool, layer, batch, rows, mine, width, impl, optio
     """One class of a flat batch through the padded ``[B, width]`` kernels:
     gather the query rows of sequences ``rows`` (i32[B]; only where ``mine``)
     into ``[B, width, N, H]``, attend, add into ``out``'s rows."""
-    from paged_jax.attention import paged_attention
-
     t_total = q.shape[0]
     q_lens = jnp.where(mine, batch.q_lens[rows], 0)
     kv_lens = jnp.where(mine, batch.kv_lens[rows], 0)
@@ -419,7 +530,7 @@ def _padded(out, q, k_pool, v_pool, layer, batch, rows, mine, width, impl, optio
     src = batch.q_starts[rows][:, None] + t  # [B, width] flat rows
     real = t < q_lens[:, None]
     qp = q[jnp.where(real, src, 0)]  # [B, width, N, H]
-    o = paged_attention(qp, k_pool, v_pool, batch.block_tables[rows], kv_lens, q_lens, impl=impl, layer=layer,
-                        **options)
+    o = attention.unchecked_paged_attention(qp, k_pool, v_pool, batch.block_tables[rows], kv_lens, q_lens,
+                                            impl=impl, layer=layer, **options)
     dest = jnp.where(real, src, t_total).reshape(-1)
     return out.at[dest].add(o.reshape(-1, *o.shape[2:]).astype(out.dtype), mode="drop")

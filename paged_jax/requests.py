@@ -5,9 +5,51 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Iterable, Sequence
 
+import jax
+import numpy as np
+
+from paged_jax.checks import check_bool, check_int
+from paged_jax.page_state import pages_for_tokens
 from paged_jax.sampling import SamplingParams
+
+INT32_TOKENS = 2**31 - 1
+"""Token ids must stay below this when the vocabulary size is unknown (the
+model indexes with int32)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RequestLimits:
+    """What an engine can serve, for checking a request before it is added.
+
+    Attributes:
+      vocab_size: token ids must lie in ``[0, vocab_size)``; None: in int32.
+      max_seq_len: most tokens per sequence, prompt plus output.
+      max_seqs: most sequences running at once (a group's must fit).
+      page_size: tokens per page.
+      usable_pages: pages of the pool, the null page excluded.
+      reserve_pages: pages each sequence holds at least (the contiguous
+        baseline's reservation; 0 when paging on demand).
+    """
+
+    vocab_size: int | None
+    max_seq_len: int
+    max_seqs: int
+    page_size: int
+    usable_pages: int
+    reserve_pages: int = 0
+
+
+def check_token_ids(name: str, ids: Iterable, vocab_size: int | None) -> None:
+    """Raises ValueError, naming ``name``, unless every id is an integer in
+    ``[0, vocab_size)`` (in int32 when ``vocab_size`` is None)."""
+    high = vocab_size if vocab_size is not None else INT32_TOKENS
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise ValueError(f"{name}: token id {t!r} is not an integer")
+        if not 0 <= t < high:
+            raise ValueError(f"{name}: token id {t} outside the vocabulary [0, {high})")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -15,7 +57,7 @@ class Request:
     """One generation request.
 
     Attributes:
-      request_id: unique among the engine's requests.
+      request_id: unique among the engine's unfinished requests.
       prompt_ids: prompt token ids, at least one.
       max_new_tokens: most tokens to generate, >= 1.
       sampling: greedy by default.
@@ -32,6 +74,58 @@ class Request:
     sampling: SamplingParams = SamplingParams()
     ignore_eos: bool = False
     cache_salt: str | None = None
+
+    def token_ids(self) -> list[int]:
+        """The prompt as a list of Python ints."""
+        ids = self.prompt_ids
+        return [int(t) for t in (ids.tolist() if isinstance(ids, (np.ndarray, jax.Array)) else ids)]
+
+    def check(self, limits: RequestLimits) -> None:
+        """Checks the request against what an engine can serve: prompt ids
+        (a non-empty sequence, in the vocabulary), ``max_new_tokens``, the
+        total against ``max_seq_len``, its sampling's sequences against
+        ``max_seqs`` and the pool (a preempted group must fit whole to be
+        resumed), ``ignore_eos``, ``cache_salt`` and a hashable id.
+
+        Raises:
+          ValueError: naming the request and what is wrong.
+        """
+        rid = self.request_id
+        try:
+            hash(rid)
+        except TypeError:
+            raise ValueError(f"request_id must be hashable, got {rid!r}") from None
+        ids = self.prompt_ids
+        if isinstance(ids, (np.ndarray, jax.Array)):
+            ids = ids.tolist() if ids.ndim == 1 else ids
+        if not isinstance(ids, (list, tuple, range)):
+            raise ValueError(f"request {rid!r}: prompt_ids must be a sequence of token ids (a list, tuple or 1-D "
+                             f"array), got {ids!r}")
+        if len(ids) == 0:
+            raise ValueError(f"request {rid!r}: prompt_ids is empty; need at least one token")
+        check_token_ids(f"request {rid!r}", ids, limits.vocab_size)
+        try:
+            check_bool("ignore_eos", self.ignore_eos)
+            n = check_int("max_new_tokens", self.max_new_tokens)
+        except ValueError as e:
+            raise ValueError(f"request {rid!r}: {e}") from None
+        total = len(ids) + n
+        if total > limits.max_seq_len:
+            raise ValueError(f"request {rid!r}: prompt length {len(ids)} + max_new_tokens {n} = {total} exceeds "
+                             f"max_seq_len={limits.max_seq_len}")
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"request {rid!r}: sampling must be a SamplingParams, got {self.sampling!r}")
+        k = self.sampling.num_seqs
+        if k > limits.max_seqs:
+            what = "beam_width" if self.sampling.beam_width else "n"
+            raise ValueError(f"request {rid!r}: sampling.{what}={k} exceeds max_seqs={limits.max_seqs}")
+        group_pages = k * max(pages_for_tokens(total, limits.page_size), limits.reserve_pages)
+        if group_pages > limits.usable_pages:
+            raise ValueError(
+                f"request {rid!r}: {k} sequences of {total} tokens need up to {group_pages} pages, more than the "
+                f"pool's {limits.usable_pages}; after a preemption they could never be resumed together")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ValueError(f"request {rid!r}: cache_salt must be a str or None, got {self.cache_salt!r}")
 
 
 @dataclasses.dataclass

@@ -14,7 +14,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from paged_jax.checks import check_float, check_int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -34,6 +35,12 @@ class SamplingParams:
         hypotheses. Needs ``temperature == 0``, ``top_p == 1`` and ``n == 1``.
       length_penalty: beam search ranks finished hypotheses by
         ``cumulative_logprob / num_generated ** length_penalty``.
+
+    Raises:
+      ValueError: a value of the wrong type or out of range (finite
+        ``temperature >= 0``, ``top_p`` in ``(0, 1]``, ``seed`` in
+        ``[0, 2**32)``, ``n >= 1``, ``beam_width >= 0``, finite
+        ``length_penalty``), or beam search with sampling options.
     """
 
     temperature: float = 0.0
@@ -44,23 +51,12 @@ class SamplingParams:
     length_penalty: float = 1.0
 
     def __post_init__(self):
-        for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-                raise ValueError(f"{name} must be a number, got {name}={value!r}")
-        if not 0.0 <= self.temperature < float("inf"):
-            raise ValueError(f"temperature must be finite and >= 0, got temperature={self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got top_p={self.top_p}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or not 0 <= self.seed < 2**32:
-            raise ValueError(f"seed must be an int in [0, 2**32), got seed={self.seed!r}")
-        if isinstance(self.n, bool) or not isinstance(self.n, (int, np.integer)) or self.n < 1:
-            raise ValueError(f"n must be an int >= 1, got n={self.n!r}")
-        if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, (int, np.integer)) or self.beam_width < 0:
-            raise ValueError(f"beam_width must be an int >= 0, got beam_width={self.beam_width!r}")
-        lp = self.length_penalty
-        if isinstance(lp, bool) or not isinstance(lp, (int, float, np.integer, np.floating)) or not np.isfinite(lp):
-            raise ValueError(f"length_penalty must be a finite number, got length_penalty={lp!r}")
+        check_float("temperature", self.temperature, 0)
+        check_float("top_p", self.top_p, 0, 1, low_open=True)
+        check_int("seed", self.seed, 0, 2**32)
+        check_int("n", self.n)
+        check_int("beam_width", self.beam_width, 0)
+        check_float("length_penalty", self.length_penalty)
         if self.beam_width and (self.temperature != 0 or self.top_p != 1.0 or self.n != 1):
             raise ValueError(
                 "beam search is deterministic and returns beam_width hypotheses: it needs temperature=0, top_p=1 "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from paged_jax.batch import BatchShape
+from paged_jax.jit_stats import CompileMonitor
 
 
 @dataclasses.dataclass
@@ -83,6 +84,32 @@ class EngineStats:
     programs: set = dataclasses.field(default_factory=set)  # (BatchShape, greedy only)
     calls: list = dataclasses.field(default_factory=list)  # CallRecord per model call
 
+    def record_call(self, rec: CallRecord) -> None:
+        """Counts one model call whose results the host has read."""
+        self.model_calls += 1
+        self.model_s += rec.seconds
+        self.decode_tokens += rec.decode_tokens
+        self.prefill_tokens += rec.tokens - rec.decode_tokens
+        self.calls.append(rec)
+
+    def record_iteration(self, *, seconds: float, compile_s: float, held_pages: int, used_pages: int,
+                         concurrency: int, token_slots: float | None) -> None:
+        """Counts one engine iteration of ``seconds`` (``compile_s`` of them
+        compiling, in a model call or not), with ``held_pages`` pages held
+        summed over sequences, ``used_pages`` distinct pages in use,
+        ``concurrency`` sequences running, and ``token_slots`` the share of
+        held slots holding tokens (None when no page is held)."""
+        self.iterations += 1
+        self.seq_pages_sum += held_pages
+        self.used_pages_sum += used_pages
+        self.peak_pages_used = max(self.peak_pages_used, used_pages)
+        self.busy_s += seconds
+        self.compile_s += compile_s
+        self.peak_concurrency = max(self.peak_concurrency, concurrency)
+        self.concurrency_s += concurrency * seconds
+        if token_slots is not None:
+            self.token_fraction_s += token_slots * seconds
+
     @property
     def sharing_saving(self) -> float:
         """Share of the pages sequences hold that sharing saves (0 when
@@ -111,3 +138,15 @@ class EngineStats:
         """Distinct static shapes run: the jit compilations this engine
         needed (fewer if another engine of the same model compiled some)."""
         return len(self.programs)
+
+
+_MONITOR: CompileMonitor | None = None
+
+
+def compile_seconds() -> float:
+    """Seconds JAX has spent compiling in this process (since the first
+    call of this function)."""
+    global _MONITOR
+    if _MONITOR is None:
+        _MONITOR = CompileMonitor()
+    return _MONITOR.counts.seconds

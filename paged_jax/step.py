@@ -19,6 +19,7 @@ from flax import struct
 
 from paged_jax import page_state as ps
 from paged_jax.batch import BatchShape, RaggedBatch
+from paged_jax.checks import check_int
 from paged_jax.kv_cache import KVPool, copy_pages
 from paged_jax.sampling import greedy, sample
 
@@ -42,16 +43,43 @@ class PagedModel(Protocol):
     def apply(self, params, batch: RaggedBatch, kv: KVPool) -> tuple[jax.Array, KVPool]: ...
 
 
+def check_model(model, kv_pool: KVPool, vocab_size: int | None) -> int | None:
+    """Checks that ``model`` is a :class:`PagedModel` that fits ``kv_pool``
+    (its ``check_kv_pool(pool)``, if it has one) and that ``vocab_size``
+    does not exceed its vocabulary. Returns the vocabulary size prompt ids
+    are checked against: ``vocab_size``, or the model's when None.
+
+    Raises:
+      ValueError: naming what is wrong.
+    """
+    if not (hasattr(model, "params") and callable(getattr(model, "apply", None))):
+        raise ValueError(f"model must have params and apply(params, batch, kv) (a PagedModel such as "
+                         f"models.llama.RaggedModel), got a {type(model).__name__}")
+    model_vocab = getattr(model, "vocab_size", None)
+    if vocab_size is None:
+        vocab_size = model_vocab
+    if vocab_size is not None:
+        vocab_size = check_int("vocab_size", vocab_size)
+        if model_vocab is not None and vocab_size > model_vocab:
+            # An id past the embedding would be clamped by the lookup: a silent wrong token.
+            raise ValueError(f"vocab_size={vocab_size} exceeds the model's vocabulary of {model_vocab} tokens")
+    if getattr(model, "check_kv_pool", None) is not None:
+        model.check_kv_pool(kv_pool)
+    return vocab_size
+
+
 @struct.dataclass
 class StepInputs:
-    """Host-built arrays of one call (numpy; see :meth:`Engine._build`), a
-    pytree handed to the jitted step as is."""
+    """Host-built arrays of one call (numpy; :func:`paged_jax.input_builder.build_step_inputs`),
+    a pytree handed to the jitted step as is. ``S`` page-state rows, ``T``
+    tokens, ``R`` logits rows."""
 
     free_mask: np.ndarray  # bool[S] slots to free before growing
     num_hit: np.ndarray  # i32[S] pages an empty slot takes (a prefix-cache hit or a swap-in)
     hit_pages: np.ndarray  # i32[S, max_pages_per_seq] their ids
     hit_tokens: np.ndarray  # i32[S] tokens they hold
-    num_new: np.ndarray  # i32[S]
+    num_new: np.ndarray  # i32[S] tokens each row grows by (its chunk, less the tokens its shared pages hold ahead)
+    q_lens: np.ndarray  # i32[S] tokens each row computes in the call
     min_pages: np.ndarray  # i32[S]
     fork_pre: np.ndarray  # i32[S] slot each empty slot forks from before growing (beam search), -1 none
     fork_src: np.ndarray  # i32[S] slot each empty slot forks from after growing (parallel samples), -1 none
@@ -104,7 +132,7 @@ def device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array,
         slots=slots,
         block_tables=state.block_tables,
         q_starts=inp.q_starts,
-        q_lens=inp.num_new,
+        q_lens=inp.q_lens,
         kv_lens=state.seq_lens,
         logits_rows=inp.logits_rows,
         shape=shape,

@@ -1,8 +1,11 @@
 """What every paged-attention kernel and reference in this package shares.
 
 * :func:`validate_inputs`: the one input check, run eagerly (on shapes and
-  dtypes only, so it also works under ``jit``) by every kernel and every
-  ``ref_<name>``.
+  dtypes only, so it also works under ``jit``) by every kernel's public entry
+  and every ``ref_<name>``. Each kernel also exports ``unchecked_<name>``,
+  the same call without any check (nor the clamps of :func:`checked_lengths`
+  and :func:`checked_layer`), for a caller that validated the arguments at
+  its own door (``paged_jax.attention.paged_attention``).
 * :func:`ref_sequence_attention`: attention over one sequence's contiguous
   K/V, plain NumPy in f64; the ``ref_<name>`` functions gather each
   sequence's owned slots and call it in a per-sequence Python loop
@@ -16,7 +19,10 @@ of which are its query tokens (their K/V already written). Query row ``t <
 q_lens[b]`` sits at position ``kv_lens[b] - q_lens[b] + t`` and sees keys at
 positions ``<=`` its own (causal), and with a sliding window ``w`` only those
 ``> position - w``. Decode is ``q_lens = 1``. Query rows ``t >= q_lens[b]`` and
-sequences with ``kv_lens[b] = 0`` give zeros.
+sequences with ``kv_lens[b] = 0`` give zeros: they see no key. Every other
+row sees at least its own key, and a NaN or inf among the logits or values
+it sees makes its output non-finite, never zeros (a corrupt weight or cache
+must show). Slots no row may see never reach an output, even holding NaN.
 
 Scaling. Logits are ``(q * scale) . k`` with ``scale = 1 / sqrt(head_dim)``
 unless a scale is given (:func:`resolve_scale`). Each kernel applies it
@@ -42,8 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Axis alphabet: B batch, T query tokens, S key tokens, N query heads,
-# K KV heads, G queries per KV head, H head dim, P pages, L page size.
+# Axis letters: the alphabet of models/__init__.py.
 
 INT8_MAX = 127.0
 """int8 quantization maps ``[-max|x|, max|x|]`` onto ``[-127, 127]``."""
@@ -247,6 +252,13 @@ def checked_layer(layer: int | jax.Array | None, num_layers: int) -> jax.Array:
         if not 0 <= value < num_layers:
             raise ValueError(f"layer must be in [0, num_layers={num_layers}), got layer={value}")
     return jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1).reshape(1)
+
+
+def layer_index(layer: int | jax.Array | None) -> jax.Array:
+    """i32[1] the layer an ``unchecked_<name>`` kernel reads: ``layer``
+    (0 for one layer's pages) with neither :func:`checked_layer`'s check nor
+    its clamp; the caller checked it at its door."""
+    return jnp.zeros((1,), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(1)
 
 
 def stack_layer(*arrays: jax.Array | None, layer) -> tuple[jax.Array | None, ...]:

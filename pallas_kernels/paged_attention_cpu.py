@@ -10,8 +10,8 @@ step gathers one block of pages for the group and all KV heads (``[K, Bg,
 pages_per_compute_block * L, H]``, small enough to stay in cache) and attends
 all ``G`` query heads of each KV group to it. The work is about the sum of
 the lengths (plus the length spread inside a group), not ``batch * max_len``
-as in the gather-everything reference (``paged_jax.attention.
-ref_paged_attention``) or padded dense attention.
+as in the gather-everything XLA path (``paged_jax.attention.
+xla_paged_attention``) or padded dense attention.
 
 Sources: PagedAttention (Kwon et al., SOSP 2023, section 4.1, equation 4:
 attention as a sum over a sequence's KV blocks); FlashAttention's online
@@ -128,7 +128,10 @@ def _paged_attention_cpu(q, k_pages, v_pages, layer, block_tables, lengths, k_sc
             jnp.full((seqs, num_kv_heads, group), -jnp.inf, jnp.float32),
         )
         o, l, _ = lax.fori_loop(block_lo, (longest + keys - 1) // keys, block, init)
-        o = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+        # Only an empty sequence sees no key: its zeros are chosen by length,
+        # not by ``l > 0``, which would also turn a NaN ``l`` (a NaN logit or
+        # value it sees) into a finite zero.
+        o = jnp.where((lens > 0)[:, None, None, None], o / l[..., None], 0.0)
         return out.at[idx].set(o.reshape(seqs, num_q_heads, head_dim), mode="drop")
 
     out = lax.fori_loop(0, num_groups, one_group, jnp.zeros((batch, num_q_heads, head_dim), jnp.float32))
@@ -169,7 +172,8 @@ def paged_attention_cpu(
         None for one layer's pages.
 
     Returns:
-      [B, N, H] in ``q.dtype``; zeros where ``lengths == 0``. Computed in f32.
+      [B, N, H] in ``q.dtype``; zeros where ``lengths == 0``, non-finite
+      where a logit or value a sequence sees is. Computed in f32.
 
     Raises:
       ValueError: inputs failing ``common.validate_inputs`` or
@@ -179,7 +183,20 @@ def paged_attention_cpu(
     common.validate_inputs(q, k_pages, v_pages, block_tables, lengths, None, k_scales, v_scales, layer)
     lengths, _ = common.checked_lengths(block_tables, k_pages.shape[-3], k_pages.shape[-2], lengths)
     common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    layer_index = common.checked_layer(layer, k_pages.shape[0])
+    layer = None if layer is None else common.checked_layer(layer, k_pages.shape[0])[0]
+    return unchecked_paged_attention_cpu(
+        q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales,
+        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, block_sizes=block_sizes, layer=layer,
+    )
+
+
+def unchecked_paged_attention_cpu(q, k_pages, v_pages, block_tables, lengths, k_scales=None, v_scales=None, *,
+                                  scale=None, soft_cap=None, sliding_window=None,
+                                  block_sizes: CPUBlockSizes = CPUBlockSizes(), layer=None) -> jax.Array:
+    """:func:`paged_attention_cpu` trusting its inputs: no check, and no
+    clamp of lengths or layer. For callers that validated at their door
+    (``paged_jax.attention.paged_attention``); same arguments and result."""
+    layer_index = common.layer_index(layer)
     k_pages, v_pages, k_scales, v_scales = common.stack_layer(k_pages, v_pages, k_scales, v_scales, layer=layer)
     return _paged_attention_cpu(
         q, k_pages, v_pages, layer_index, block_tables, lengths, k_scales, v_scales,

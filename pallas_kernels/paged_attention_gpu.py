@@ -94,10 +94,10 @@ def _kernel(
     kv_len_ref,  # i32[1] this sequence's kv_len
     q_len_ref,  # i32[1] this sequence's q_len
     block_table_ref,  # i32[pages_per_seq_padded]
-    q_ref,  # [R, H] query rows of one KV head, R = block_q * G_pad
+    q_ref,  # [M, H] query rows of one KV head, M = block_q * G_pad
     k_pages_ref,  # [layers, P, L, H] one KV head's pages, every layer
     v_pages_ref,  # [layers, P, L, H]
-    *rest,  # (k_scales_ref, v_scales_ref f32[layers, P, L])?, o_ref f32[R, H], l_ref f32[R], m_ref f32[R]
+    *rest,  # (k_scales_ref, v_scales_ref f32[layers, P, L])?, o_ref f32[M, H], l_ref f32[M], m_ref f32[M]
     block_q: int,
     group: int,
     group_pad: int,
@@ -122,7 +122,7 @@ def _kernel(
     row = lax.broadcasted_iota(jnp.int32, (rows,), 0)
     token = q_block * block_q + row // group_pad
     real = (token < q_len) & (row % group_pad < group)
-    q_pos = jnp.where(real, kv_len - q_len + token, -1)  # i32[R]; -1 sees nothing
+    q_pos = jnp.where(real, kv_len - q_len + token, -1)  # i32[M]; -1 sees nothing
 
     # Keys the block's real rows can see: [key_lo, key_hi).
     first_token = q_block * block_q
@@ -145,7 +145,7 @@ def _kernel(
         v = v_pages_ref[layer, page_ids].reshape(keys, head_dim).astype(compute_dtype)
         k_pos = j * keys + lax.broadcasted_iota(jnp.int32, (keys,), 0)  # i32[keys]
         key_real = k_pos < kv_len
-        logits = plgpu.dot(q, k, trans_b=True)  # f32[R, keys]
+        logits = plgpu.dot(q, k, trans_b=True)  # f32[M, keys]
         if quantized:
             k_scale = k_scales_ref[layer, page_ids].reshape(1, keys)
             logits = logits * k_scale
@@ -157,7 +157,7 @@ def _kernel(
         logits = jnp.where(visible, logits, MASK_VALUE)
         m_next = jnp.maximum(m_prev, logits.max(axis=-1))
         correction = jnp.exp(m_prev - m_next)
-        p = jnp.where(visible, jnp.exp(logits - m_next[:, None]), 0.0)  # f32[R, keys]
+        p = jnp.where(visible, jnp.exp(logits - m_next[:, None]), 0.0)  # f32[M, keys]
         l_next = correction * l_prev + p.sum(axis=-1)
         if quantized:
             # NaN may sit in the scales of slots nobody owns; 0 * NaN is NaN.
@@ -206,7 +206,8 @@ def flash_paged_call(
     ``x[None]``, ``common.stack_layer``).
 
     Returns:
-      [B, T, N, H] in ``q.dtype``; zeros for padding rows and empty sequences.
+      [B, T, N, H] in ``q.dtype``; zeros for padding rows and empty
+      sequences, non-finite where a logit or value a row sees is.
     """
     batch, num_q_tokens, num_q_heads, head_dim = q.shape
     num_layers, num_kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -275,12 +276,16 @@ def flash_paged_call(
 
     # Combine the splits: o = sum_s o_s e^{m_s - m} / sum_s l_s e^{m_s - m}.
     m_all = m.max(axis=2, keepdims=True)
-    weight = jnp.exp(m - m_all)  # [B, K, S, R_all]
-    denom = (l * weight).sum(axis=2)  # [B, K, R_all]
-    out = (o * weight[..., None]).sum(axis=2)  # [B, K, R_all, H]
-    out = jnp.where(denom[..., None] > 0, out / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
+    weight = jnp.exp(m - m_all)  # [B, K, k_splits, M_all]
+    denom = (l * weight).sum(axis=2)  # [B, K, M_all]
+    out = (o * weight[..., None]).sum(axis=2) / denom[..., None]  # [B, K, M_all, H]; 0 / 0 where no key is seen
     out = out.reshape(batch, num_kv_heads, num_q_blocks * block_q, group_pad, head_dim)
-    out = out[:, :, :num_q_tokens, :group].transpose(0, 2, 1, 3, 4)
+    out = out[:, :, :num_q_tokens, :group].transpose(0, 2, 1, 3, 4)  # [B, T, K, G, H]
+    # Only padding rows see no key (every other row sees its own): zeros by
+    # row, not by ``denom > 0``, which would also zero a NaN ``denom`` (a NaN
+    # logit or value the row sees) and serve it as a finite output.
+    seen = jnp.arange(num_q_tokens)[None, :] < q_lens[:, None]  # [B, T]
+    out = jnp.where(seen[:, :, None, None, None], out, 0.0)
     return out.reshape(batch, num_q_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
@@ -341,7 +346,8 @@ def paged_attention_gpu(
         traced or not); None for one layer's pages.
 
     Returns:
-      [B, N, H] in ``q.dtype``, zeros where ``lengths == 0``; computed in f32
+      [B, N, H] in ``q.dtype``, zeros where ``lengths == 0`` (non-finite
+      where a logit or value a sequence sees is); computed in f32
       (bf16 pages are multiplied in bf16 with f32 accumulation).
 
     Raises:
@@ -354,7 +360,21 @@ def paged_attention_gpu(
     lengths, _ = common.checked_lengths(block_tables, k_pages.shape[-3], k_pages.shape[-2], lengths)
     common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
     block_sizes.keys_per_block(k_pages.shape[-2])
-    layer_index = common.checked_layer(layer, k_pages.shape[0])
+    layer = None if layer is None else common.checked_layer(layer, k_pages.shape[0])[0]
+    return unchecked_paged_attention_gpu(
+        q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, scale=scale, soft_cap=soft_cap,
+        sliding_window=sliding_window, block_sizes=block_sizes, interpret=interpret, layer=layer,
+    )
+
+
+def unchecked_paged_attention_gpu(q, k_pages, v_pages, block_tables, lengths, k_scales=None, v_scales=None, *,
+                                  scale=None, soft_cap=None, sliding_window=None,
+                                  block_sizes: GPUBlockSizes = GPUBlockSizes(), interpret=None,
+                                  layer=None) -> jax.Array:
+    """:func:`paged_attention_gpu` trusting its inputs: no check, and no
+    clamp of lengths or layer. For callers that validated at their door
+    (``paged_jax.attention.paged_attention``); same arguments and result."""
+    layer_index = common.layer_index(layer)
     k_pages, v_pages, k_scales, v_scales = common.stack_layer(k_pages, v_pages, k_scales, v_scales, layer=layer)
     return _paged_attention_gpu(
         q, k_pages, v_pages, layer_index, block_tables, lengths, k_scales, v_scales,

@@ -144,7 +144,10 @@ def _kernel(
         jnp.full((group, 1), -jnp.inf, jnp.float32),
     )
     o, l, _ = lax.fori_loop(block_lo, block_hi, body, init)
-    o_ref[...] = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
+    # l is 0 only when the program saw no key (length 0): every block it
+    # walks holds a visible key, whose p is 1 at the max. ``l != 0``, not
+    # ``l > 0``: a NaN l (a NaN logit or value it sees) must stay NaN.
+    o_ref[...] = jnp.where(l != 0, o / jnp.where(l != 0, l, 1.0), 0.0).astype(o_ref.dtype)
 
 
 @functools.partial(
@@ -245,7 +248,8 @@ def paged_attention_tpu(
         None for one layer's pages.
 
     Returns:
-      [B, N, H] in ``q.dtype``; zeros where ``lengths == 0``. Computed in f32.
+      [B, N, H] in ``q.dtype``; zeros where ``lengths == 0``, non-finite
+      where a logit or value a sequence sees is. Computed in f32.
 
     Raises:
       ValueError: inputs failing ``common.validate_inputs`` or
@@ -255,7 +259,21 @@ def paged_attention_tpu(
     common.validate_inputs(q, k_pages, v_pages, block_tables, lengths, None, k_scales, v_scales, layer)
     lengths, _ = common.checked_lengths(block_tables, k_pages.shape[-3], k_pages.shape[-2], lengths)
     common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    layer_index = common.checked_layer(layer, k_pages.shape[0])
+    layer = None if layer is None else common.checked_layer(layer, k_pages.shape[0])[0]
+    return unchecked_paged_attention_tpu(
+        q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, scale=scale, soft_cap=soft_cap,
+        sliding_window=sliding_window, block_sizes=block_sizes, interpret=interpret, layer=layer,
+    )
+
+
+def unchecked_paged_attention_tpu(q, k_pages, v_pages, block_tables, lengths, k_scales=None, v_scales=None, *,
+                                  scale=None, soft_cap=None, sliding_window=None,
+                                  block_sizes: TPUBlockSizes = TPUBlockSizes(), interpret=None,
+                                  layer=None) -> jax.Array:
+    """:func:`paged_attention_tpu` trusting its inputs: no check, and no
+    clamp of lengths or layer. For callers that validated at their door
+    (``paged_jax.attention.paged_attention``); same arguments and result."""
+    layer_index = common.layer_index(layer)
     k_pages, v_pages, k_scales, v_scales = common.stack_layer(k_pages, v_pages, k_scales, v_scales, layer=layer)
     return _paged_attention_tpu(
         q, k_pages, v_pages, layer_index, block_tables, lengths, k_scales, v_scales,

@@ -122,7 +122,7 @@ def ragged_paged_attention(
 
     Returns:
       [B, T, N, H] in ``q.dtype``; zeros for padding rows and for sequences
-      with ``kv_lens = 0``.
+      with ``kv_lens = 0``, non-finite where a logit or value a row sees is.
 
     Raises:
       ValueError: inputs failing ``common.validate_inputs`` /
@@ -133,7 +133,21 @@ def ragged_paged_attention(
     common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
     block_sizes.check_page_size(k_pages.shape[-2])
     kv_lens, q_lens = common.checked_lengths(block_tables, k_pages.shape[-3], k_pages.shape[-2], kv_lens, q_lens, q.shape[1])
-    layer_index = common.checked_layer(layer, k_pages.shape[0])
+    layer = None if layer is None else common.checked_layer(layer, k_pages.shape[0])[0]
+    return unchecked_ragged_paged_attention(
+        q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales, v_scales, scale=scale, soft_cap=soft_cap,
+        sliding_window=sliding_window, block_sizes=block_sizes, interpret=interpret, layer=layer,
+    )
+
+
+def unchecked_ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens, q_lens, k_scales=None,
+                                     v_scales=None, *, scale=None, soft_cap=None, sliding_window=None,
+                                     block_sizes: RaggedBlockSizes = RaggedBlockSizes(), interpret=None,
+                                     layer=None) -> jax.Array:
+    """:func:`ragged_paged_attention` trusting its inputs: no check, and no
+    clamp of lengths or layer. For callers that validated at their door
+    (``paged_jax.attention.paged_attention``); same arguments and result."""
+    layer_index = common.layer_index(layer)
     k_pages, v_pages, k_scales, v_scales = common.stack_layer(k_pages, v_pages, k_scales, v_scales, layer=layer)
     return _ragged(
         q, k_pages, v_pages, layer_index, block_tables, kv_lens, q_lens, k_scales, v_scales,

@@ -1,4 +1,4 @@
-"""Reference paged attention equals dense causal attention on the same tokens."""
+"""The XLA paged attention (and the dispatcher) equals dense causal attention on the same tokens."""
 
 import itertools
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.attention import paged_attention, ref_paged_attention, ref_paged_decode_attention
+from paged_jax.attention import paged_attention, xla_paged_attention, xla_paged_decode_attention
 from paged_jax.kv_cache import write_pages
 from paged_jax.page_state import NULL_PAGE
 
@@ -69,7 +69,7 @@ def test_prefill_equals_dense(page_size, kv_heads, group, head_dim):
     t_max = max(lens) + 2  # padding query rows
     q = rng.normal(size=(len(lens), t_max, kv_heads * group, head_dim)).astype(np.float32)
     lens_a = jnp.asarray(lens, jnp.int32)
-    out = np.asarray(ref_paged_attention(q, k_pages, v_pages, bt, lens_a, lens_a))
+    out = np.asarray(xla_paged_attention(q, k_pages, v_pages, bt, lens_a, lens_a))
     assert not np.isnan(out).any()
     for b, n in enumerate(lens):
         want = dense_causal(q[b, :n], ks[b], vs[b], 0)
@@ -85,13 +85,13 @@ def test_decode_and_chunked_queries_equal_dense():
     lens_a = jnp.asarray(lens, jnp.int32)
     # Decode: the last token of each sequence attends to everything.
     qd = rng.normal(size=(len(lens), kv_heads * group, head_dim)).astype(np.float32)
-    out = np.asarray(ref_paged_decode_attention(qd, k_pages, v_pages, bt, lens_a))
+    out = np.asarray(xla_paged_decode_attention(qd, k_pages, v_pages, bt, lens_a))
     for b, n in enumerate(lens):
         np.testing.assert_allclose(out[b], dense_causal(qd[b][None], ks[b], vs[b], n - 1)[0], atol=2e-5)
     # A chunk: the last min(3, n) tokens of each sequence are queries.
     q_lens = np.minimum(lens, 3).astype(np.int32)
     q = rng.normal(size=(len(lens), 4, kv_heads * group, head_dim)).astype(np.float32)
-    out = np.asarray(ref_paged_attention(q, k_pages, v_pages, bt, lens_a, jnp.asarray(q_lens)))
+    out = np.asarray(xla_paged_attention(q, k_pages, v_pages, bt, lens_a, jnp.asarray(q_lens)))
     for b, n in enumerate(lens):
         m = q_lens[b]
         np.testing.assert_allclose(out[b, :m], dense_causal(q[b, :m], ks[b], vs[b], n - m), atol=2e-5)
@@ -105,7 +105,7 @@ def test_soft_cap_and_sliding_window(soft_cap, window):
     k_pages, v_pages, bt, ks, vs = build_paged(rng, lens, 2, 8, 4)
     q = rng.normal(size=(3, 12, 4, 8)).astype(np.float32) * 3
     la = jnp.asarray(lens, jnp.int32)
-    out = np.asarray(ref_paged_attention(q, k_pages, v_pages, bt, la, la, soft_cap=soft_cap, sliding_window=window))
+    out = np.asarray(xla_paged_attention(q, k_pages, v_pages, bt, la, la, soft_cap=soft_cap, sliding_window=window))
     for b, n in enumerate(lens):
         want = dense_causal(q[b, :n], ks[b], vs[b], 0, soft_cap=soft_cap, window=window)
         np.testing.assert_allclose(out[b, :n], want, atol=2e-5, rtol=1e-5)
@@ -116,7 +116,7 @@ def test_zero_length_sequence_gives_zeros():
     k_pages, v_pages, bt, _, _ = build_paged(rng, [5], 1, 8, 4)
     bt = np.concatenate([bt, np.zeros_like(bt)])  # second sequence: empty, null page
     q = rng.normal(size=(2, 8)).reshape(2, 1, 8).astype(np.float32)
-    out = np.asarray(ref_paged_decode_attention(q, k_pages, v_pages, bt, jnp.asarray([5, 0], jnp.int32)))
+    out = np.asarray(xla_paged_decode_attention(q, k_pages, v_pages, bt, jnp.asarray([5, 0], jnp.int32)))
     assert (out[1] == 0).all() and not np.isnan(out).any()
 
 
@@ -152,14 +152,14 @@ def test_bad_inputs_are_named(shapes, needle):
                         impl="cuda-magic")
 
 
-def test_dispatch_auto_matches_reference():
+def test_dispatch_auto_matches_the_xla_path():
     rng = np.random.default_rng(4)
     lens = [3, 9]
     k_pages, v_pages, bt, _, _ = build_paged(rng, lens, 3, 8, 4)
     q = rng.normal(size=(2, 9, 9, 8)).astype(np.float32)
     la = jnp.asarray(lens, jnp.int32)
     for a, b in itertools.combinations(
-        [ref_paged_attention(q, k_pages, v_pages, bt, la, la), paged_attention(q, k_pages, v_pages, bt, la, la)], 2
+        [xla_paged_attention(q, k_pages, v_pages, bt, la, la), paged_attention(q, k_pages, v_pages, bt, la, la)], 2
     ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

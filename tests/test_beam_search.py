@@ -6,17 +6,13 @@ from its own tokens), and with enough beams it equals exhaustive search.
 import functools
 import itertools
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from paged_jax import beam_search
 from paged_jax.engine import Engine, EngineConfig, Request
 from paged_jax.sampling import SamplingParams
-from tests.test_engine import DIM, ToyModel, dense_logits, toy_params, toy_pool
-from tests.test_engine import make_engine as engine_for
-
-PAGE = 4
+from tests.engine_helpers import PAGE, ToyModel, dense_logits, make_engine, toy_params, toy_pool
 
 
 def log_softmax(x):
@@ -68,7 +64,7 @@ def test_engine_beams_equal_the_unpaged_reference(width, overlap):
     rng = np.random.default_rng(width)
     reqs = [beam_request(i, rng.integers(0, 50, size=int(rng.integers(3, 14))).tolist(), width, 9,
                          length_penalty=0.7) for i in range(3)]
-    engine = engine_for(200, page_size=PAGE, max_seqs=16, overlap=overlap)
+    engine = make_engine(max_seqs=16, overlap=overlap)
     outs = {o.request_id: o for o in engine.run(reqs)}
     for r in reqs:
         ref = reference_beam_search(params, r.prompt_ids, width, 9, length_penalty=0.7)
@@ -80,16 +76,16 @@ def test_engine_beams_equal_the_unpaged_reference(width, overlap):
 
 def test_beams_share_pages_while_searching():
     prompt = np.random.default_rng(1).integers(0, 50, size=17).tolist()  # 4 full pages + 1 token
-    engine = engine_for(200, page_size=PAGE, max_seqs=8, overlap=False)
+    engine = make_engine(max_seqs=8, overlap=False)
     engine.add_request(beam_request("b", prompt, 4, 12))
     shared_seen = 0
     while engine.has_unfinished():
         engine.step()
         live = [s for s in engine.running if s.fork_pre is None]
         if len(live) == 4:
-            tables = [engine.pool.pages(s.slot) for s in live]
+            tables = [engine.kv_manager.pool.pages(s.slot) for s in live]
             assert all(t[:4] == tables[0][:4] for t in tables)  # the prompt's full pages, once
-            assert engine.pool.ref_counts[tables[0][0]] == 4
+            assert engine.kv_manager.pool.ref_counts[tables[0][0]] == 4
             shared_seen += 1
             used = engine.accounting()["used"]
             assert used < sum(len(t) for t in tables)
@@ -131,19 +127,19 @@ def _preemption_requests():
 @functools.cache
 def _unpressured_beams():
     """The large pool's beams, shared by both preemption modes."""
-    return {o.request_id: o for o in engine_for(400, page_size=PAGE, max_seqs=16).run(_preemption_requests())}
+    return {o.request_id: o for o in make_engine(400, max_seqs=16).run(_preemption_requests())}
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_beam_groups_survive_preemption(mode):
     reqs = _preemption_requests()
     big = _unpressured_beams()
-    engine = engine_for(30, page_size=PAGE, max_seqs=16, preemption_mode=mode, max_seq_len=36)
+    engine = make_engine(30, max_seqs=16, preemption_mode=mode, max_seq_len=36)
     small = {o.request_id: o for o in engine.run(reqs)}
     assert engine.stats.preemptions > 0
     for r in reqs:
         assert [c.output_ids for c in small[r.request_id].outputs] == [c.output_ids for c in big[r.request_id].outputs]
-    assert engine.accounting()["used"] == 0 and engine.swap.used == 0
+    assert engine.accounting()["used"] == 0 and engine.kv_manager.swap.used == 0
 
 
 def test_beam_search_arguments_are_checked():
@@ -153,6 +149,6 @@ def test_beam_search_arguments_are_checked():
         SamplingParams(beam_width=-1)
     with pytest.raises(ValueError, match="length_penalty"):
         SamplingParams(beam_width=2, length_penalty=float("nan"))
-    engine = engine_for(64, page_size=PAGE, max_seqs=4)
+    engine = make_engine(64, max_seqs=4)
     with pytest.raises(ValueError, match="beam_width=5 exceeds max_seqs=4"):
         engine.add_request(beam_request(0, [1, 2], 5, 3))

@@ -16,7 +16,8 @@ import pathlib
 
 import pytest
 
-from experiments.serve_sharegpt import build_requests, serve
+from experiments.serving import serve
+from experiments.sharegpt import build_requests
 from models.llama import RaggedModel
 from models.smollm2 import load_smollm2
 

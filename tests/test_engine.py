@@ -1,125 +1,28 @@
 """The engine: preemption by recompute does not change outputs, pages all come back.
 
-The model here is a one-layer toy attention model written against the step
-convention, so these tests exercise the engine alone; the decoder has its own
-engine test in tests/test_llama.py.
+The model is the one-layer toy in tests/engine_helpers.py, so these tests
+exercise the engine alone; the decoder has its own engine test in
+tests/test_llama.py, swap preemption its own tests in tests/test_swap.py.
 """
 
-import functools
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from paged_jax.engine import Engine, EngineConfig, Request
-from paged_jax.kv_cache import KVPool, init_kv_pool, write_layer_pages
-from paged_jax.ragged_attention import attend
+from paged_jax.kv_cache import init_kv_pool
 from paged_jax.sampling import SamplingParams
-
-VOCAB, DIM, HEADS, KV_HEADS, HEAD_DIM = 50, 16, 2, 1, 8
-
-
-def toy_params(seed=0):
-    r = np.random.default_rng(seed)
-    return {
-        "emb": jnp.asarray(r.normal(size=(VOCAB, DIM)), jnp.float32),
-        "pos": jnp.asarray(r.normal(size=(256, DIM)) * 0.5, jnp.float32),
-        "wq": jnp.asarray(r.normal(size=(DIM, HEADS * HEAD_DIM)), jnp.float32),
-        "wk": jnp.asarray(r.normal(size=(DIM, KV_HEADS * HEAD_DIM)), jnp.float32),
-        "wv": jnp.asarray(r.normal(size=(DIM, KV_HEADS * HEAD_DIM)), jnp.float32),
-        "wo": jnp.asarray(r.normal(size=(HEADS * HEAD_DIM, DIM)), jnp.float32),
-    }
-
-
-class ToyModel:
-    """A one-layer attention LM in the engine's model protocol (params and
-    a pure ``apply`` over a flat ragged batch)."""
-
-    vocab_size = VOCAB
-
-    def __init__(self, params):
-        self.params = params
-        self.traces = []
-
-    def apply(self, params, batch, kv: KVPool):
-        self.traces.append(batch.shape)  # runs at trace time only
-        t = batch.tokens.shape[0]
-        x = params["emb"][batch.tokens] + params["pos"][jnp.clip(batch.positions, 0, 255)]  # [T, D]
-        q = (x @ params["wq"]).reshape(t, HEADS, HEAD_DIM)
-        k = (x @ params["wk"]).reshape(t, KV_HEADS, HEAD_DIM)
-        v = (x @ params["wv"]).reshape(t, KV_HEADS, HEAD_DIM)
-        kv = KVPool(k=write_layer_pages(kv.k, 0, k, batch.slots), v=write_layer_pages(kv.v, 0, v, batch.slots))
-        o = attend(q, kv.k, kv.v, 0, batch)
-        h = x + o.reshape(t, -1) @ params["wo"]
-        return h[batch.logits_rows] @ params["emb"].T, kv
-
-
-def make_toy_step(params):
-    return ToyModel(params)
-
-
-def toy_pool(num_pages, page_size):
-    return init_kv_pool(num_layers=1, num_kv_heads=KV_HEADS, num_pages=num_pages, page_size=page_size, head_dim=HEAD_DIM)
-
-
-def toy_requests(n, seed=0, max_new=(5, 30), sampling=None):
-    r = np.random.default_rng(seed)
-    return [
-        Request(
-            request_id=i,
-            prompt_ids=r.integers(0, VOCAB, size=int(r.integers(1, 40))).tolist(),
-            max_new_tokens=int(r.integers(*max_new)),
-            sampling=sampling(i) if sampling else SamplingParams(),
-        )
-        for i in range(n)
-    ]
-
-
-@functools.lru_cache(maxsize=None)
-def shared_step():
-    """One jitted toy step for the tests that do not count compilations, so
-    they share compiled programs."""
-    return make_toy_step(toy_params())
-
-
-def make_engine(num_pages, page_size=4, max_seqs=8, max_seq_len=80, reserve=False, stop_ids=(), budget=64,
-                overlap=True, prefix_caching=True, check=True, **config):
-    """An engine over the shared toy model; ``check`` compares the device
-    page state with the host's twin after every call."""
-    return Engine(
-        shared_step(),
-        toy_pool(num_pages, page_size),
-        EngineConfig(max_seqs=max_seqs, max_seq_len=max_seq_len, reserve_max_len=reserve,
-                     max_num_batched_tokens=budget, async_scheduling=overlap, enable_prefix_caching=prefix_caching,
-                     **config),
-        stop_ids=stop_ids,
-        vocab_size=VOCAB,
-        check_page_state=check,
-    )
-
-
-def serve(requests, num_pages, **kwargs):
-    engine = make_engine(num_pages, **kwargs)
-    outs = engine.run(requests)
-    return {o.request_id: o for o in outs}, engine
-
-
-def dense_logits(params, tokens):
-    """The toy model without a cache, in float64 NumPy: causal attention
-    over the whole sequence, logits f64[V] at its last token."""
-    p = {k: np.asarray(v, np.float64) for k, v in params.items()}
-    n = len(tokens)
-    x = p["emb"][tokens] + p["pos"][np.arange(n)]  # [S, D]
-    q = (x[-1] @ p["wq"]).reshape(HEADS, HEAD_DIM)  # only the last query matters
-    k = (x @ p["wk"]).reshape(n, KV_HEADS, HEAD_DIM)
-    v = (x @ p["wv"]).reshape(n, KV_HEADS, HEAD_DIM)
-    o = []
-    for h in range(HEADS):
-        logits = k[:, h * KV_HEADS // HEADS] @ q[h] / np.sqrt(HEAD_DIM)
-        w = np.exp(logits - logits.max())
-        o.append((w / w.sum()) @ v[:, h * KV_HEADS // HEADS])
-    return (x[-1] + np.concatenate(o) @ p["wo"]) @ p["emb"].T
+from tests.engine_helpers import (
+    VOCAB,
+    ToyModel,
+    greedy_reference,
+    make_toy_step,
+    serve,
+    shared_step,
+    toy_params,
+    toy_pool,
+    toy_requests,
+)
 
 
 @pytest.mark.parametrize("budget", [64, 8])
@@ -132,10 +35,7 @@ def test_reference_generation_matches_a_no_cache_loop(budget):
     reqs = toy_requests(3, seed=3)
     outs, engine = serve(reqs, num_pages=64, budget=budget)
     for req in reqs:
-        tokens = list(req.prompt_ids)
-        for _ in range(req.max_new_tokens):
-            tokens.append(int(np.argmax(dense_logits(params, tokens))))
-        assert outs[req.request_id].output_ids == tokens[len(req.prompt_ids):]
+        assert outs[req.request_id].output_ids == greedy_reference(params, req.prompt_ids, req.max_new_tokens)
     assert engine.stats.model_calls == len(engine.stats.calls) <= engine.stats.iterations  # one call at most each
 
 

@@ -1,6 +1,7 @@
-"""experiments.kernel_bench: the tables it writes, its summary against issue
-11's targets, its presets and its argument checks (tiny sizes, timing loops
-of one call)."""
+"""experiments.kernel_bench: every implementation it times computes
+attention (against a float64 per-sequence loop), the tables it writes, its
+summary against issue 11's targets, its presets and its argument checks
+(tiny sizes, timing loops of one call)."""
 
 import dataclasses
 import math
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import kernel_bench, provenance
+from experiments import device_summary, kernel_bench, provenance
 from paged_jax import memory
 from pallas_kernels import paged_attention_gpu, ragged_paged_attention
 
@@ -52,10 +53,77 @@ def test_main_writes_one_row_per_impl_per_case(tmp_path):
     assert text.count("| llama-3-8b |") == text.count("| smollm2 |") == 2 * len(impls)
 
 
+def reference_decode(q, k_pages, v_pages, block_tables, kv_lens, layer):
+    """Decode attention as a float64 loop over the sequences, reading each
+    one's own pages and tokens only: the truth the benchmarked calls are held to.
+    q: [B, N, H]; pages [K, P, L, H] (or [layers, K, P, L, H] read at ``layer``);
+    block_tables: i32[B, pages_per_seq]; kv_lens: i32[B]. Returns f64[B, N, H]."""
+    k_pages, v_pages = np.asarray(k_pages, np.float64), np.asarray(v_pages, np.float64)
+    if layer is not None:
+        k_pages, v_pages = k_pages[int(layer)], v_pages[int(layer)]
+    q = np.asarray(q, np.float64)
+    num_kv, _, page_size, head_dim = k_pages.shape
+    out = np.zeros_like(q)
+    for b, n in enumerate(np.asarray(kv_lens)):
+        pages = np.asarray(block_tables)[b, : -(-n // page_size)]
+        k = k_pages[:, pages].reshape(num_kv, -1, head_dim)[:, :n]  # [K, S, H]
+        v = v_pages[:, pages].reshape(num_kv, -1, head_dim)[:, :n]
+        logits = np.einsum("KGH,KSH->KGS", q[b].reshape(num_kv, -1, head_dim), k) / math.sqrt(head_dim)
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        out[b] = np.einsum("KGS,KSH->KGH", probs, v).reshape(-1, head_dim)
+    return out
+
+
+def poisoned(pages, block_tables, kv_lens, layer):
+    """``pages`` with NaN in every slot no sequence owns at the layer read:
+    the null page and each sequence's last page past its length."""
+    pages = np.array(pages)
+    view = pages if layer is None else pages[int(layer)]  # [K, P, L, H], a view: writes reach ``pages``
+    page_size = view.shape[2]
+    view[:, 0] = np.nan
+    for b, n in enumerate(np.asarray(kv_lens)):
+        if n % page_size:
+            view[:, np.asarray(block_tables)[b, n // page_size], n % page_size:] = np.nan
+    return jnp.asarray(pages)
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_every_benchmarked_implementation_computes_attention(layers):
+    """Dense attention and every paged implementation the benchmark times
+    (the GPU kernels interpreted on CPU) equal a per-sequence float64 loop,
+    at ragged lengths around the page size, with NaN in every slot no
+    sequence owns (and in every other layer of the stacked pool)."""
+    cfg = dataclasses.replace(kernel_bench.HEAD_PRESETS["smollm2"], layers=layers)
+    ps = cfg.page_size
+    lengths = np.array([1, ps - 1, ps, ps + 1, 3 * ps + 5], np.int32)
+    case = kernel_bench.make_case(cfg, lengths, jnp.float32, np.random.default_rng(0))
+    want = reference_decode(case.q, case.k_pages, case.v_pages, case.block_tables, case.kv_lens, case.layer)
+    assert np.isfinite(want).all()
+    dense = kernel_bench.dense_attention(case.q, case.k_dense, case.v_dense, case.kv_lens)
+    np.testing.assert_allclose(np.asarray(dense), want, atol=1e-5, rtol=1e-5)
+    nan_case = dataclasses.replace(
+        case, k_pages=poisoned(case.k_pages, case.block_tables, case.kv_lens, case.layer),
+        v_pages=poisoned(case.v_pages, case.block_tables, case.kv_lens, case.layer))
+    for impl in dict.fromkeys([*kernel_bench.native_impls(), "pallas_gpu", "pallas_ragged"]):
+        got = kernel_bench.paged_decode(impl)(*nan_case.paged_args)
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5, err_msg=impl)
+
+
+def test_a_wrong_implementation_gives_no_row(monkeypatch):
+    """The benchmark checks each implementation against dense attention
+    before timing it: a fast wrong kernel is an error, not a row."""
+    monkeypatch.setattr(kernel_bench, "paged_decode", lambda impl: jax.jit(lambda q, *args: q * 0))
+    with pytest.raises(AssertionError, match="xla differs from dense attention"):
+        kernel_bench.run_case(kernel_bench.HEAD_PRESETS["smollm2"], np.array([5, 33], np.int32), jnp.float32,
+                              ["xla"], np.random.default_rng(0), "sharegpt", peak_read_gbs=1.0,
+                              min_seconds=ONE_CALL)
+
+
 def test_gpu_rows_through_the_stacked_pool():
     """The rows a GPU writes (pallas_gpu and pallas_ragged, interpreted on
-    CPU) equal dense attention when read at layer 1 of a pool whose other
-    layers are NaN."""
+    CPU) through a stacked pool whose other layers are NaN: one row each,
+    after dense's (their values: the test above)."""
     cfg = dataclasses.replace(kernel_bench.HEAD_PRESETS["smollm2"], layers=3)
     rows = kernel_bench.run_case(cfg, np.array([5, 33], np.int32), jnp.float32, ["pallas_gpu", "pallas_ragged"],
                                  np.random.default_rng(0), "sharegpt", peak_read_gbs=1.0, min_seconds=ONE_CALL)
@@ -152,8 +220,6 @@ def test_bad_preset_stops_main_before_any_work(tmp_path):
 
 
 def test_device_summary_reads_back_what_the_check_wrote(tmp_path, capsys):
-    from experiments import device_summary, provenance
-
     record = provenance.collect("test", [], seeds={})
     provenance.write_markdown(tmp_path / "kernel_bench.md", "# t\n\n## Summary\n\n- smollm2 uniform: 1.0x dense\n",
                               record)

@@ -203,14 +203,14 @@ def test_kernels_on_hand_case():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_common_reference_matches_paged_jax_reference(dtype):
-    # Two independent references: the per-sequence loop here, the masked
-    # gather in paged_jax.attention. Ragged, with a window and a cap.
+def test_xla_paged_attention_matches_common_reference(dtype):
+    # The per-sequence loop (the truth) against the XLA path of
+    # paged_jax.attention (a masked gather). Ragged, with a window and a cap.
     c = make_case(0, kv_lens=[0, 5, 17, 9], q_lens=[0, 5, 1, 4], num_q_tokens=6, page_size=4,
                   num_kv_heads=2, group=3, head_dim=8, dtype=dtype, pages_per_seq=5)
     for options in (dict(), dict(sliding_window=3, soft_cap=2.0)):
         ours = ref_ragged_paged_attention(*ragged_args(c), **options)
-        theirs = attention.ref_paged_attention(
+        theirs = attention.xla_paged_attention(
             c["q"], c["k_pages"], c["v_pages"], c["block_tables"], c["kv_lens"], c["q_lens"], **options)
         assert_close(ours, theirs, dtype)
 
@@ -386,8 +386,8 @@ def test_ragged_kernel_matches_per_sequence_loop(batch, kv_heads, group, head_di
     out_np = np.asarray(out, np.float32)  # host-side checks: no eager compile per slice shape
     for b, n in enumerate(q_lens):
         assert not np.any(out_np[b, n:])  # padding rows: zeros, not NaN
-    if dtype == jnp.float32:  # and the XLA reference of paged_jax agrees
-        assert_close(out, attention.ref_paged_attention(*ragged_args(c)[:6]), dtype)
+    if dtype == jnp.float32:  # and the XLA path of paged_jax agrees
+        assert_close(out, attention.xla_paged_attention(*ragged_args(c)[:6]), dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -502,10 +502,10 @@ def test_auto_picks_the_kernel_of_the_backend(monkeypatch, backend, num_q_tokens
         return record
 
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
-    monkeypatch.setattr(attention, "ref_paged_attention", spy("xla"))
-    monkeypatch.setattr(gpu_mod, "paged_attention_gpu", spy("paged_attention_gpu"))
-    monkeypatch.setattr(tpu_mod, "paged_attention_tpu", spy("paged_attention_tpu"))
-    monkeypatch.setattr(ragged_mod, "ragged_paged_attention", spy("ragged_paged_attention"))
+    monkeypatch.setattr(attention, "unchecked_xla_paged_attention", spy("xla"))
+    monkeypatch.setattr(gpu_mod, "unchecked_paged_attention_gpu", spy("paged_attention_gpu"))
+    monkeypatch.setattr(tpu_mod, "unchecked_paged_attention_tpu", spy("paged_attention_tpu"))
+    monkeypatch.setattr(ragged_mod, "unchecked_ragged_paged_attention", spy("ragged_paged_attention"))
     c = _dispatch_case(num_q_tokens)
     attention.paged_attention(*ragged_args(c)[:6], impl="auto")
     assert calls == [called]

@@ -16,6 +16,7 @@ from models.llama import (
     LlamaConfig,
     RaggedModel,
     forward,
+    forward_ragged,
     make_step_fn,
 )
 from models.smollm2 import generate_greedy
@@ -432,6 +433,38 @@ def test_mixed_batches_equal_dense_forward(kv_dtype):
         [(0, [3]), (1, [11]), (2, [2])],  # decode only
     ]
     check_mixed_against_dense(tiny_model(), [a, b, c], schedule, *PRECISION[kv_dtype])
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_gpu"])
+def test_forward_ragged_checks_the_attention_once(monkeypatch, impl):
+    """Validated at the door: one model call checks the attention's options,
+    layer and lengths once (``check_attend``); the work list, the padded
+    view and the kernels under it trust them (their ``unchecked_*``)."""
+    from pallas_kernels import common
+
+    counts = {}
+
+    def counting(name, real):
+        def wrapper(*args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return real(*args, **kwargs)
+
+        return wrapper
+
+    for name in ("validate_inputs", "validate_options", "checked_lengths", "checked_layer"):
+        monkeypatch.setattr(common, name, counting(name, getattr(common, name)))
+    model = tiny_model()
+    q_lens = np.array([5, 1], np.int32)  # row 0: a 5-token prompt; row 1: decodes its third token
+    shape = batch_shape(q_lens, num_seq_rows=2, tiling=Tiling(min_tokens=8, max_prefill_chunks=2))
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    batch = RaggedBatch(tokens=i32([1, 2, 3, 4, 5, 6, 0, 0]), positions=i32([0, 1, 2, 3, 4, 2, 0, 0]),
+                        slots=i32([4, 5, 6, 7, 8, 14, -1, -1]), block_tables=i32([[1, 2, 0, 0], [3, 0, 0, 0]]),
+                        q_starts=i32([0, 5]), q_lens=i32(q_lens), kv_lens=i32([5, 3]), logits_rows=i32([4, 5]),
+                        shape=shape)
+    kv = model.config.make_kv_pool(8, PAGE_SIZE)
+    logits, _ = jax.eval_shape(lambda b, kv: forward_ragged(model, b, kv, impl=impl), batch, kv)
+    assert logits.shape == (2, TINY["vocab_size"])
+    assert counts == {"validate_options": 1, "checked_lengths": 1, "checked_layer": 1}
 
 
 @pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_ragged"])

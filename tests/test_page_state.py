@@ -45,13 +45,14 @@ def test_allocate_append_free_exact_ids(state):
     assert row(state, 0) == [1, 2, 0, 0] and row(state, 1) == [3, 4, 0, 0]
     assert np.asarray(state.seq_lens).tolist() == [6, 5, 0]
     assert np.asarray(src).tolist() == [-1, -1, -1] and np.asarray(dst).tolist() == [-1, -1, -1]
-    # Free seq 0: pages 1, 2 go to the queue tail; the next allocation takes 5 first.
+    # Free seq 0: pages 1, 2 go to the queue tail, its last page first (2, 1);
+    # the next allocation takes 5 6 7 first, then 2.
     state = ps.free(state, mask(3, 0))
     assert int(state.num_free_pages) == 5
     assert row(state, 0) == [0, 0, 0, 0] and int(state.seq_lens[0]) == 0
     state, ok = ps.allocate(state, 2, 16)
-    assert bool(ok) and row(state, 2) == [5, 6, 7, 1]
-    assert np.asarray(state.ref_counts).tolist() == [0, 1, 0, 1, 1, 1, 1, 1]
+    assert bool(ok) and row(state, 2) == [5, 6, 7, 2]
+    assert np.asarray(state.ref_counts).tolist() == [0, 0, 1, 1, 1, 1, 1, 1]
 
 
 def test_out_of_pages_is_a_value_and_state_unchanged(state):

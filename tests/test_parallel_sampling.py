@@ -1,36 +1,22 @@
 """Parallel sampling: one request, n continuations forked from its prompt's
-pages after prefill, copy-on-write when they diverge, gang preemption.
+pages after prefill, copy-on-write when they diverge, gang preemption (by
+recompute or swap; swap's own tests are in tests/test_swap.py).
 """
 
 import functools
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from paged_jax.engine import Request
-from paged_jax.kv_cache import KVPool
 from paged_jax.sampling import SamplingParams
-from paged_jax.swap import gather_pages, scatter_pages
-from tests.test_engine import VOCAB, dense_logits, toy_params
-from tests.test_engine import make_engine as engine_for
-
-PAGE = 4
-
-
-def make_engine(num_pages=200, **kwargs):
-    return engine_for(num_pages, page_size=PAGE, **kwargs)
+from tests.engine_helpers import VOCAB, check_accounting, greedy_reference, make_engine, toy_params, toy_requests
 
 
 def group_requests(num, n, seed=0, temperature=0.8):
-    rng = np.random.default_rng(seed)
-    return [
-        Request(request_id=i, prompt_ids=rng.integers(0, VOCAB, size=int(rng.integers(2, 20))).tolist(),
-                max_new_tokens=int(rng.integers(5, 20)),
-                sampling=SamplingParams(temperature=temperature, seed=100 + i, n=n))
-        for i in range(num)
-    ]
+    """``num`` requests of ``n`` samples each, at most 39 tokens a sequence."""
+    return toy_requests(num, seed=seed, prompt_len=(2, 20), max_new=(5, 20),
+                        sampling=lambda i: SamplingParams(temperature=temperature, seed=100 + i, n=n))
 
 
 def gang_invariant(engine):
@@ -49,8 +35,7 @@ def run_checked(engine, requests):
         for o in engine.step():
             outs[o.request_id] = o
         gang_invariant(engine)
-        acc = engine.accounting()
-        assert acc["free"] + acc["cached"] + acc["used"] == acc["total"]
+        check_accounting(engine)
     return outs
 
 
@@ -62,13 +47,11 @@ def test_greedy_samples_equal_the_f64_oracle_and_each_other():
     reqs = group_requests(3, n=3, seed=1, temperature=0.0)
     outs = run_checked(make_engine(200), reqs)
     for r in reqs:
-        tokens = list(r.prompt_ids)
-        for _ in range(r.max_new_tokens):
-            tokens.append(int(np.argmax(dense_logits(params, tokens))))
+        expected = greedy_reference(params, r.prompt_ids, r.max_new_tokens)
         o = outs[r.request_id]
         assert [c.index for c in o.outputs] == [0, 1, 2]
         for c in o.outputs:
-            assert c.output_ids == tokens[len(r.prompt_ids):], (r.request_id, c.index)
+            assert c.output_ids == expected, (r.request_id, c.index)
 
 
 def test_samples_share_the_prompt_pages_then_copy_on_write():
@@ -79,12 +62,12 @@ def test_samples_share_the_prompt_pages_then_copy_on_write():
     engine.step()  # prefill and fork: 4 sequences on the same 6 pages
     seqs = engine._live["r"].seqs
     assert len(seqs) == 4 and all(s.slot >= 0 for s in seqs)
-    tables = [engine.pool.pages(s.slot) for s in seqs]
+    tables = [engine.kv_manager.pool.pages(s.slot) for s in seqs]
     assert all(t == tables[0] for t in tables) and len(tables[0]) == 6
-    assert all(engine.pool.ref_counts[p] == 4 for p in tables[0])
+    assert all(engine.kv_manager.pool.ref_counts[p] == 4 for p in tables[0])
     assert engine.accounting()["used"] == 6
     engine.step()  # each writes its own token into the shared 6th page: three copies, the last keeps it
-    tables = [engine.pool.pages(s.slot) for s in seqs]
+    tables = [engine.kv_manager.pool.pages(s.slot) for s in seqs]
     assert all(t[:5] == tables[0][:5] for t in tables)
     assert len({t[5] for t in tables}) == 4
     assert engine.accounting()["used"] == 9
@@ -122,7 +105,7 @@ def test_gang_preemption_keeps_every_sample(mode, prefix_caching, swap_pages):
         assert st.swap_outs == 0
     for r in reqs:
         assert [c.output_ids for c in small[r.request_id].outputs] == [c.output_ids for c in big[r.request_id].outputs]
-    assert small_engine.accounting()["used"] == 0 and small_engine.swap.used == 0
+    assert small_engine.accounting()["used"] == 0 and small_engine.kv_manager.swap.used == 0
 
 
 def test_abort_a_group_frees_all_its_sequences():
@@ -151,71 +134,3 @@ def test_group_requests_that_could_never_resume_are_refused():
     with pytest.raises(ValueError, match="n must be an int >= 1"):
         SamplingParams(n=0)
     assert not engine.has_unfinished()
-
-
-@pytest.mark.parametrize("quantized", [False, True], ids=["f32", "int8"])
-def test_swap_round_trip_is_bit_identical(quantized):
-    rng = np.random.default_rng(6)
-    k = rng.normal(size=(2, 3, 12, 4, 8)).astype(np.float32)
-    if quantized:  # int8 pages and their per-token scales travel together
-        pool = KVPool(k=jnp.asarray(k * 10, jnp.int8), v=jnp.asarray(-k * 10, jnp.int8),
-                      k_scale=jnp.asarray(k[..., 0]), v_scale=jnp.asarray(-k[..., 1]))
-    else:
-        pool = KVPool(k=jnp.asarray(k), v=jnp.asarray(-k))
-    before = [np.asarray(x) for x in jax.tree.leaves(pool)]
-    copied = gather_pages(pool, [3, 5, 7])
-    assert copied.k.shape[2] == 4 and next(iter(copied.k.devices())).platform == "cpu"
-    assert copied.quantized == quantized
-    pool = scatter_pages(pool, [10, 2, 8], copied, source=[2, 0, 1])  # page 7 -> 10, 3 -> 2, 5 -> 8
-    for old, new in zip(before, jax.tree.leaves(pool)):
-        new = np.asarray(new)
-        for dst, src in ((10, 7), (2, 3), (8, 5)):
-            assert new[:, :, dst].tobytes() == old[:, :, src].tobytes()
-        for untouched in (1, 3, 4, 5, 6, 7, 9, 11):
-            assert new[:, :, untouched].tobytes() == old[:, :, untouched].tobytes()
-    with pytest.raises(ValueError, match="source must give"):
-        scatter_pages(pool, [1, 2], copied, source=[0, 9])
-    other = KVPool(k=jnp.zeros((2, 3, 12, 4, 8)), v=jnp.zeros((2, 3, 12, 4, 8))) if quantized else None
-    if other is not None:
-        with pytest.raises(ValueError, match="copied pages are int8 but the pool is float"):
-            scatter_pages(other, [1], copied, source=[0])
-
-
-def test_abort_a_swapped_group_empties_its_swap_space():
-    reqs = group_requests(8, n=4, seed=7)
-    engine = make_engine(45, max_seqs=16, preemption_mode="swap")
-    for r in reqs:
-        engine.add_request(r)
-    while not engine.swap.used:
-        engine.step()
-    victim = next(g for g in engine._live.values() if g in engine.swap)
-    used, pages = engine.swap.used, engine.swap.get(victim).num_pages
-    engine.abort(victim.request.request_id)
-    assert victim not in engine.swap and engine.swap.used == used - pages
-    engine.run()
-    assert engine.swap.used == 0 and engine.accounting()["used"] == 0
-
-
-def test_swap_copies_refuse_bad_pages_and_shapes():
-    pool = KVPool(k=jnp.zeros((2, 1, 4, 4, 8)), v=jnp.zeros((2, 1, 4, 4, 8)))
-    copied = gather_pages(pool, [1, 2])
-    for bad in ([9], [-2], [1.5]):
-        with pytest.raises(ValueError, match=r"pages must be page ids in \[0, num_pages=4\)"):
-            gather_pages(pool, bad)
-        with pytest.raises(ValueError, match=r"pages must be page ids in \[0, num_pages=4\)"):
-            scatter_pages(pool, bad, copied, source=[0])
-    with pytest.raises(ValueError, match="pages is empty"):
-        scatter_pages(pool, [], copied, source=[])
-    one_layer = gather_pages(KVPool(k=jnp.zeros((1, 1, 4, 4, 8)), v=jnp.zeros((1, 1, 4, 4, 8))), [1])
-    with pytest.raises(ValueError, match=r"copied k float32\[1, 1, 1, 4, 8\] does not fit the pool's"):
-        scatter_pages(pool, [2], one_layer, source=[0])
-    from paged_jax.kv_cache import copy_pages
-
-    with pytest.raises(ValueError, match=r"dst must be page ids in \[0, num_pages=4\) or -1, got \[9\]"):
-        copy_pages(pool, jnp.asarray([1]), jnp.asarray([9]))
-    with pytest.raises(ValueError, match="src and dst must be i32"):
-        copy_pages(pool, jnp.asarray([1, 2]), jnp.asarray([3]))
-    with pytest.raises(ValueError, match="src must be integer page ids, got dtype bool"):
-        copy_pages(pool, jnp.asarray([True]), jnp.asarray([2]))
-    with pytest.raises(ValueError, match="an int8 kv pool needs k_scale"):
-        copy_pages(KVPool(k=pool.k.astype(jnp.int8), v=pool.v.astype(jnp.int8)), jnp.asarray([1]), jnp.asarray([2]))

@@ -11,21 +11,7 @@ import pytest
 from paged_jax.engine import Request
 from paged_jax.prefix_cache import PrefixCache, chain_keys
 from paged_jax.sampling import SamplingParams
-from tests.test_engine import VOCAB, serve, toy_requests
-from tests.test_engine import make_engine as engine_for
-
-PAGE = 4
-
-
-def make_engine(num_pages=200, **kwargs):
-    return engine_for(num_pages, page_size=PAGE, **kwargs)
-
-
-def check_accounting(engine):
-    acc = engine.accounting()
-    assert acc["free"] + acc["cached"] + acc["used"] == acc["total"], acc
-    assert min(acc.values()) >= 0, acc
-    return acc
+from tests.engine_helpers import PAGE, VOCAB, check_accounting, make_engine, serve, toy_requests
 
 
 def test_keys_chain_and_lookup_verifies_tokens_parent_and_salt():
@@ -72,7 +58,7 @@ def test_hits_leave_greedy_outputs_unchanged_over_two_rounds():
     st = engine.stats
     assert st.prefix_hit_tokens == sum((len(r.prompt_ids) - 1) // PAGE * PAGE for r in reqs) > 0
     assert st.prompt_tokens == 2 * sum(len(r.prompt_ids) for r in reqs)
-    assert e_off.stats.prefix_hit_tokens == 0 and e_off.prefix_cache is None
+    assert e_off.stats.prefix_hit_tokens == 0 and e_off.kv_manager.prefix_cache is None
     assert st.prefill_tokens == e_off.stats.prefill_tokens * 2 - st.prefix_hit_tokens
     acc = check_accounting(engine)
     assert acc["used"] == 0 and acc["cached"] > 0
@@ -111,10 +97,10 @@ def test_concurrent_requests_share_pages_and_copy_nothing():
     for r in reqs[1:]:
         engine.add_request(r)
     engine.step()
-    tables = [engine.pool.pages(s.slot) for s in engine.running]
+    tables = [engine.kv_manager.pool.pages(s.slot) for s in engine.running]
     assert len(tables) == 4
     assert all(t[:4] == tables[0][:4] for t in tables)
-    assert engine.pool.ref_counts[tables[0][0]] == 4
+    assert engine.kv_manager.pool.ref_counts[tables[0][0]] == 4
     acc = check_accounting(engine)
     assert acc["used"] == 4 + sum(len(t) - 4 for t in tables)
     assert engine.stats.pages_saved == 12
@@ -136,7 +122,7 @@ def test_different_salts_never_share_a_page():
         engine.add_request(Request(request_id=salt, prompt_ids=prompt, max_new_tokens=20, cache_salt=salt))
     engine.step()
     engine.step()
-    pages = [set(engine.pool.pages(s.slot)) for s in engine.running]
+    pages = [set(engine.kv_manager.pool.pages(s.slot)) for s in engine.running]
     assert len(pages) == 2 and not pages[0] & pages[1]
     engine.run()
 
@@ -203,7 +189,7 @@ def test_abort_soak_leaks_nothing_and_keeps_other_outputs(overlap):
         engine.abort("nobody")
     acc = check_accounting(engine)
     assert acc["used"] == 0 and acc["cached"] > 0
-    engine.pool.check(engine.state)
+    engine.kv_manager.pool.check(engine.state)
     plain = serve([r for r in reqs if r.request_id in outs], num_pages=400, prefix_caching=False, check=False)[0]
     for rid, o in outs.items():
         assert o.output_ids == plain[rid].output_ids, rid

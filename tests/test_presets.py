@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments import provenance, serve_sharegpt
-from models.llama import LlamaConfig
+from experiments import provenance, serve_sharegpt, serving, sharegpt
+from models.llama import Llama, LlamaConfig
 from models.presets import PRESETS, random_model
 
 PUBLISHED_PARAMS = {
@@ -38,25 +38,25 @@ def test_random_model_refuses_bad_input():
 
 
 def test_packaged_requests_keep_the_lengths_and_the_template():
-    data = json.loads(serve_sharegpt.PACKAGED_REQUESTS.read_text())
-    assert len(data["requests"]) == serve_sharegpt.PACKAGED_LIMIT
+    data = json.loads(sharegpt.PACKAGED_REQUESTS.read_text())
+    assert len(data["requests"]) == sharegpt.PACKAGED_LIMIT
     prefix, suffix = data["template_prefix_ids"], data["template_suffix_ids"]
-    requests = serve_sharegpt.packaged_requests(50, 64, vocab_size=49152)
+    requests = sharegpt.packaged_requests(50, 64, vocab_size=49152)
     for r, (prompt_len, output_len) in zip(requests, data["requests"]):
         assert len(r.prompt_ids) == prompt_len and r.max_new_tokens == min(output_len, 64) and r.ignore_eos
         assert r.prompt_ids[:len(prefix)] == prefix and r.prompt_ids[-len(suffix):] == suffix
-        assert prompt_len + output_len <= serve_sharegpt.MAX_SEQ_LEN
-    again = serve_sharegpt.packaged_requests(50, 64, vocab_size=49152)
+        assert prompt_len + output_len <= sharegpt.MAX_SEQ_LEN
+    again = sharegpt.packaged_requests(50, 64, vocab_size=49152)
     assert [r.prompt_ids for r in again] == [r.prompt_ids for r in requests]  # seeded
     assert all(0 <= t < 49152 for r in requests for t in r.prompt_ids)
     with pytest.raises(ValueError, match=r"vocab_size=100 cannot hold the chat template's token ids"):
-        serve_sharegpt.packaged_requests(5, 8, vocab_size=100)
+        sharegpt.packaged_requests(5, 8, vocab_size=100)
     with pytest.raises(ValueError, match="seed must be an int >= 0"):
-        serve_sharegpt.packaged_requests(5, 8, vocab_size=49152, seed=-1)
+        sharegpt.packaged_requests(5, 8, vocab_size=49152, seed=-1)
     with pytest.raises(ValueError, match="num_requests=1001 exceeds the 1000 packaged requests"):
-        serve_sharegpt.packaged_requests(1001, 8, vocab_size=49152)
+        sharegpt.packaged_requests(1001, 8, vocab_size=49152)
     with pytest.raises(ValueError, match="vocab_size must be an int >= 1, got vocab_size=0"):
-        serve_sharegpt.packaged_requests(5, 8, vocab_size=0)
+        sharegpt.packaged_requests(5, 8, vocab_size=0)
 
 
 def test_packaged_lengths_are_what_build_requests_samples():
@@ -64,8 +64,8 @@ def test_packaged_lengths_are_what_build_requests_samples():
     tokenizer; the first requests' lengths are the file's."""
     from models.tokenizer import load_tokenizer
 
-    requests, _, _ = serve_sharegpt.build_requests(load_tokenizer(), 20, max_output_len=10**9)
-    data = json.loads(serve_sharegpt.PACKAGED_REQUESTS.read_text())
+    requests, _, _ = sharegpt.build_requests(load_tokenizer(), 20, max_output_len=10**9)
+    data = json.loads(sharegpt.PACKAGED_REQUESTS.read_text())
     assert [[len(r.prompt_ids), r.max_new_tokens] for r in requests] == data["requests"][:20]
 
 
@@ -90,6 +90,21 @@ def test_serve_cli_with_a_preset(monkeypatch, tmp_path):
         serve_sharegpt.parse_args(["--model", "tiny-test", "--num-requests", "1001", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
         serve_sharegpt.parse_args(["--kv-dtype", "float16", "--out", str(tmp_path)])
+
+
+def test_pool_pages_add_the_null_page_to_whole_pages():
+    # 8,192 tokens in pages of 16: 512 pages, and the null page; 100 tokens fill 6 whole pages of 16.
+    assert serving.pool_pages(8192, 16) == 513 and serving.pool_pages(100, 16) == 7
+    with pytest.raises(ValueError, match="kv_tokens must hold at least one page"):
+        serving.pool_pages(15, 16)
+    with pytest.raises(ValueError, match="page_size must be an int >= 1"):
+        serving.pool_pages(64, 0)
+    config = LlamaConfig(vocab_size=64, model_dim=16, mlp_dim=32, num_layers=1, num_q_heads=2, num_kv_heads=1,
+                         head_dim=8)
+    engine = serving.make_engine(Llama(config, rngs=nnx.Rngs(0)), kv_tokens=100, page_size=16, max_seqs=4,
+                                 max_seq_len=64)
+    assert engine.kv.num_pages == 7 and engine.kv.page_size == 16
+    assert engine.config.max_num_batched_tokens == 256 and engine.config.max_seq_len == 64
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import check_reproducible, provenance, sharing
+from experiments import check_reproducible, provenance, sharing, tables
 
 SEEDS = {"sharegpt_shuffle": 0, "arrivals": 3}
 
@@ -126,6 +126,21 @@ def test_markdown_block_round_trip(tmp_path):
         provenance.write_markdown(path, path.read_text(), r)
     with pytest.raises(ValueError, match="style"):
         provenance.render(r, "html")
+
+
+def test_write_table_writes_both_files_with_the_block(tmp_path):
+    rows = [{"mode": "paged", "tokens_per_s": 1.5}, {"mode": "contiguous", "tokens_per_s": 0.5}]
+    table = tables.markdown_table(rows, ["mode", "tokens_per_s"], headers=["mode", "tokens/s"],
+                                  cell=lambda column, value: f"{value:.2f}" if column == "tokens_per_s" else value)
+    assert table == "| mode | tokens/s |\n|---|---|\n| paged | 1.50 |\n| contiguous | 0.50 |"
+    with pytest.raises(ValueError, match="headers must name every column"):
+        tables.markdown_table(rows, ["mode"], headers=["a", "b"])
+    r = record()
+    md, csv_path = tables.write_table(tmp_path / "new", "t", rows, ["mode", "tokens_per_s"], "# T\n\n" + table, r)
+    assert (md, csv_path) == (tmp_path / "new" / "t.md", tmp_path / "new" / "t.csv")
+    assert provenance.split_markdown(md.read_text()) == ("# T\n\n" + table + "\n", r.as_dict())
+    assert provenance.read_csv(csv_path) == (r.as_dict(), [{"mode": "paged", "tokens_per_s": "1.5"},
+                                                          {"mode": "contiguous", "tokens_per_s": "0.5"}])
 
 
 def test_sharing_writes_the_block(tmp_path):

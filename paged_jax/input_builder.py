@@ -1,0 +1,105 @@
+"""The flat batch of one call: every scheduled token, packed, and the rows
+that sample (:class:`paged_jax.step.StepInputs`).
+
+The scheduler decides who runs (:mod:`paged_jax.scheduler`), the KV manager
+which pages move (:mod:`paged_jax.kv_manager`), the engine which sequences
+are forked in the call; this module only lays their tokens out. It creates
+no sequence and changes none.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from paged_jax.batch import BatchShape, Tiling, batch_shape
+from paged_jax.kv_manager import CallPages
+from paged_jax.scheduler import ScheduledSeq
+from paged_jax.sequence import Sequence
+from paged_jax.step import StepInputs
+
+
+def samples_in_call(seq: Sequence, num_tokens: int) -> bool:
+    """Whether ``seq``'s chunk of ``num_tokens`` reaches its end, so the call
+    samples its next token (a prefill chunk short of the end does not)."""
+    return seq.num_computed + num_tokens >= seq.num_tokens
+
+
+def build_step_inputs(
+    scheduled: list[ScheduledSeq],
+    children: dict[int, list[Sequence]],
+    forks_pre: list[Sequence],
+    pages: CallPages,
+    *,
+    tiling: Tiling,
+    reserve_pages: int,
+) -> tuple[StepInputs, BatchShape, list[Sequence]]:
+    """The call's inputs.
+
+    Args:
+      scheduled: the sequences that compute tokens, in batch order.
+      children: parallel samples forked in the call, by their parent's row
+        (they sample their first token from the parent's logits).
+      forks_pre: beams that fork their parent's pages (``fork_pre``) before
+        anything grows.
+      pages: the KV manager's part (frees, shares).
+      tiling: the bucketing of tokens and chunks.
+      reserve_pages: pages every grown row holds at least (the contiguous
+        baseline's reservation; 0 when paging on demand).
+
+    Returns:
+      ``(inputs, shape, samplers)``: ``samplers`` are the sequences that
+      sample in the call, in logits-row order.
+    """
+    S = len(pages.free_mask)
+    q_lens = np.zeros(S, np.int32)
+    q_starts = np.zeros(S, np.int32)
+    fork_src = np.full(S, -1, np.int32)
+    fork_pre = np.full(S, -1, np.int32)
+    for seq in forks_pre:
+        fork_pre[seq.slot] = seq.fork_pre.slot
+    samplers: list[tuple[Sequence, int]] = []  # (sequence, flat row of its logits)
+    offset = 0
+    for e in scheduled:
+        seq, n = e.seq, e.num_tokens
+        q_lens[seq.slot], q_starts[seq.slot] = n, offset
+        offset += n
+        if not samples_in_call(seq, n):
+            continue
+        samplers.append((seq, offset - 1))
+        for child in children.get(seq.slot, ()):
+            fork_src[child.slot] = seq.slot
+            samplers.append((child, offset - 1))
+    shape = batch_shape(q_lens, num_seq_rows=S, tiling=tiling, num_samples=len(samplers))
+    T, R = shape.num_tokens, shape.num_logits
+    tokens = np.zeros(T, np.int32)
+    from_prev = np.zeros(T, bool)
+    positions = np.zeros(T, np.int32)
+    token_rows = np.full(T, -1, np.int32)
+    for e in scheduled:
+        seq, n = e.seq, e.num_tokens
+        start, o = seq.num_computed, q_starts[seq.slot]
+        known = min(start + n, len(seq.tokens))  # the rest is the token in flight
+        tokens[o : o + known - start] = seq.tokens[start:known]
+        from_prev[o + known - start : o + n] = True
+        positions[o : o + n] = np.arange(start, start + n)
+        token_rows[o : o + n] = seq.slot
+    logits_rows = np.zeros(R, np.int32)
+    logits_slots = np.full(R, -1, np.int32)
+    temperature = np.zeros(R, np.float32)
+    top_p = np.ones(R, np.float32)
+    seeds = np.zeros(R, np.uint32)
+    streams = np.zeros(R, np.int32)
+    steps = np.zeros(R, np.int32)
+    for r, (seq, row) in enumerate(samplers):
+        p = seq.request.sampling
+        logits_rows[r], logits_slots[r] = row, seq.slot
+        temperature[r], top_p[r], seeds[r] = p.temperature, p.top_p, p.seed
+        streams[r], steps[r] = seq.index, seq.num_generated + seq.pending
+    inputs = StepInputs(
+        free_mask=pages.free_mask, num_hit=pages.num_hit, hit_pages=pages.hit_pages, hit_tokens=pages.hit_tokens,
+        num_new=q_lens - pages.ahead, q_lens=q_lens, min_pages=np.full(S, reserve_pages, np.int32), fork_pre=fork_pre,
+        fork_src=fork_src, tokens=tokens, from_prev=from_prev, positions=positions, token_rows=token_rows,
+        q_starts=q_starts, logits_rows=logits_rows, logits_slots=logits_slots, temperature=temperature, top_p=top_p,
+        seeds=seeds, streams=streams, steps=steps,
+    )
+    return inputs, shape, [seq for seq, _ in samplers]

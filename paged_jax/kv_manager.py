@@ -1,0 +1,367 @@
+"""The KV-cache manager: who holds which page, what the prefix cache keeps,
+what is swapped out, and what each scheduling decision costs in pages.
+
+The scheduler (:mod:`paged_jax.scheduler`) owns the queues and the policy
+and asks this module for costs (pages to admit a group, pages to grow a
+sequence by ``n`` tokens, whether a grown sequence's last page is full);
+it never reads block tables or reference counts. This module owns:
+
+- the device page state and KV pool (:mod:`paged_jax.page_state`,
+  :class:`paged_jax.kv_cache.KVPool`), which one jitted call per iteration
+  changes (:func:`paged_jax.step.device_step`);
+- the host's exact twin of the page state
+  (:class:`paged_jax.block_pool.BlockPool`, "Why a twin");
+- the plan of the round being scheduled: free pages once it is done, pages
+  per slot, slots to free, pages each admitted slot takes in the next call;
+- the prefix cache (:mod:`paged_jax.prefix_cache`) and the swap space
+  (:mod:`paged_jax.swap`).
+
+Same-step prefix sharing. An admitted sequence whose prompt chunk fills
+whole pages in the next call takes those pages at admission (off the free
+queue's head, as a swap-in does) and offers them to the prefix cache at
+once, so a request admitted after it in the same round takes them as a hit:
+each layer writes the call's K/V into the pages before it attends
+(``models.llama``), so the second request reads what the first writes in
+the same call, and the shared prefix is computed once (vLLM v1 caches
+blocks when it allocates them). In the page state the first sequence then
+holds those pages ahead of its length: the call shares them with it
+(:func:`paged_jax.page_state.unchecked_share`, their tokens counted) and
+grows it only by the rest of its chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax import page_state as ps
+from paged_jax.block_pool import BlockPool
+from paged_jax.kv_cache import KVPool
+from paged_jax.prefix_cache import PrefixCache, chain_keys
+from paged_jax.sequence import Sequence, SequenceGroup
+from paged_jax.stats import EngineStats
+from paged_jax.swap import SwapSpace, SwappedGroup, gather_pages, scatter_pages
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """What admitting a waiting group costs, and what it takes.
+
+    Attributes:
+      cost: pages it takes off the free queue, its sequences' growth to
+        their known tokens included (and, from swap, a copy-on-write copy
+        each at most).
+      hits: per member, the cached pages that hold its first tokens (empty
+        lists when swapped).
+      swapped: its pages in the swap space, or None.
+      members: the group's live sequences it admits.
+      computed: per member, the tokens whose K/V it has once admitted.
+    """
+
+    cost: int
+    hits: list[list[int]]
+    swapped: SwappedGroup | None
+    members: list[Sequence]
+    computed: list[int]
+
+    @property
+    def first_chunk(self) -> int:
+        """Tokens its first sequence still has to compute."""
+        return self.members[0].num_tokens - self.computed[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class CallPages:
+    """The page-state part of the next call's inputs (numpy, one row per
+    page-state slot ``S``; ``M`` = most pages per sequence).
+
+    Attributes:
+      free_mask: bool[S] slots to free first.
+      num_hit: i32[S] pages an empty slot takes (prefix hit, swap-in or
+        same-step pages).
+      hit_pages: i32[S, M] their ids.
+      hit_tokens: i32[S] tokens the slot then holds.
+      ahead: i32[S] of those tokens, how many the call itself computes
+        (same-step pages): the slot grows by its chunk less these.
+    """
+
+    free_mask: np.ndarray
+    num_hit: np.ndarray
+    hit_pages: np.ndarray
+    hit_tokens: np.ndarray
+    ahead: np.ndarray
+
+
+class KVCacheManager:
+    """Pages for the engine's sequences (see the module docstring).
+
+    Args:
+      kv_pool: the KV pool; its ``num_pages`` and ``page_size`` define the
+        page state. Owned from now on (each call donates it).
+      max_seqs: page-state rows.
+      max_seq_len: most tokens per sequence.
+      reserve_max_len: every sequence holds pages for ``max_seq_len``
+        tokens from admission on (the contiguous baseline).
+      enable_prefix_caching: keep full pages keyed by their tokens.
+      swap_space_pages: pages the swap space holds.
+      stats: counters it adds to.
+    """
+
+    def __init__(self, kv_pool: KVPool, *, max_seqs: int, max_seq_len: int, reserve_max_len: bool,
+                 enable_prefix_caching: bool, swap_space_pages: int, stats: EngineStats):
+        self.kv = kv_pool
+        self.page_size = L = kv_pool.page_size
+        self.max_pages_per_seq = ps.pages_for_tokens(max_seq_len, L)
+        self.reserve_pages = self.max_pages_per_seq if reserve_max_len else 0
+        self.state = ps.init_page_state(num_pages=kv_pool.num_pages, max_seqs=max_seqs,
+                                        max_pages_per_seq=self.max_pages_per_seq, page_size=L)
+        self.prefix_cache = PrefixCache(L) if enable_prefix_caching else None
+        self.pool = BlockPool(num_pages=kv_pool.num_pages, max_seqs=max_seqs, max_pages_per_seq=self.max_pages_per_seq,
+                              page_size=L, on_evict=self.prefix_cache.evict if self.prefix_cache is not None else None)
+        self.swap = SwapSpace(swap_space_pages)
+        self.stats = stats
+        self.num_free = kv_pool.num_pages - 1  # free pages once this round's plan is done
+        self._held = np.zeros(max_seqs, np.int64)  # pages per slot once this round's plan is done
+        self._to_free = np.zeros(max_seqs, bool)  # freed by the next call
+        self._hits: dict[int, tuple[list[int], int, int]] = {}  # slot -> (pages, tokens, tokens ahead), next call
+
+    @property
+    def usable_pages(self) -> int:
+        return self.kv.num_pages - 1
+
+    # -------------------------------------------------------------- costs
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages one sequence of ``num_tokens`` tokens holds (its
+        reservation included)."""
+        return max(ps.pages_for_tokens(num_tokens, self.page_size), self.reserve_pages)
+
+    def grow_cost(self, seq: Sequence, n: int) -> int:
+        """Pages running ``seq`` takes to compute ``n`` more tokens (a
+        copy-on-write copy counted when its next token lands in a shared page)."""
+        return self.pages_for(seq.num_computed + n) - int(self._held[seq.slot]) + self.pool.cow_needed(seq.slot)
+
+    def fills_page(self, seq: Sequence, n: int) -> bool:
+        """After ``n`` more tokens, ``seq``'s pages are full (its next token
+        needs a new page)."""
+        return seq.num_computed + n >= self._held[seq.slot] * self.page_size
+
+    def admission(self, group: SequenceGroup, members: list[Sequence]) -> Admission:
+        """What admitting ``members`` (a waiting group's live sequences)
+        costs now."""
+        swapped = self.swap.get(group)
+        if swapped is not None:
+            rows = [swapped.tables[s.index] for s in members]
+            cost = len(set().union(*rows)) + sum(self.pages_for(s.num_tokens) - len(r) + 1 for s, r in zip(members, rows))
+            return Admission(cost=cost, hits=[[] for _ in members], swapped=swapped, members=members,
+                             computed=[swapped.num_tokens[s.index] for s in members])
+        hits = [self._lookup(s) for s in members]
+        new_pages = sum(self.pages_for(len(s.tokens)) - len(h) for s, h in zip(members, hits))
+        cost = new_pages + sum(1 for p in set().union(*hits) if self.pool.ref_counts[p] == 0)
+        return Admission(cost=cost, hits=hits, swapped=None, members=members,
+                         computed=[len(h) * self.page_size for h in hits])
+
+    def _lookup(self, seq: Sequence) -> list[int]:
+        """Cached pages holding ``seq``'s first tokens, never all of them:
+        its last token is always computed, so there are logits to sample."""
+        if self.prefix_cache is None:
+            return []
+        chain_keys(seq.tokens, self.page_size, seq.extra_key, seq.keys)
+        return self.prefix_cache.lookup(seq.tokens, seq.keys, seq.extra_key, (len(seq.tokens) - 1) // self.page_size)
+
+    # ------------------------------------------------------------ actions
+
+    def reserve(self, seq: Sequence, n: int) -> None:
+        """Plans ``n`` more tokens for running ``seq`` in the next call."""
+        need = self.grow_cost(seq, n)
+        self.num_free -= need
+        self._held[seq.slot] += need
+
+    def admit(self, group: SequenceGroup, adm: Admission, chunks: list[int]) -> None:
+        """Gives the admitted members (now holding slots) their pages: back
+        from the swap space, or their prefix hits and the pages their first
+        chunk fills (same-step sharing); then plans ``chunks[i]`` tokens for
+        member ``i``."""
+        members = adm.members
+        if adm.swapped is not None:
+            self.swap.pop(group)
+            self._swap_in(members, adm.swapped)
+        else:
+            # Every member's hits leave the free queue before any page is
+            # taken off its head for new content, so none is handed out.
+            for seq, hits in zip(members, adm.hits):
+                self._admit_hits(seq, hits)
+            if self.prefix_cache is not None:
+                for seq, n in zip(members, chunks):
+                    self._take_filled_pages(seq, n)
+        for seq, n in zip(members, chunks):
+            held = int(self.pool.num_seq_pages[seq.slot])
+            need = self.pages_for(seq.num_computed + n) - held + (self.pool.cow_needed(seq.slot) if n else 0)
+            self.num_free -= need
+            self._held[seq.slot] = held + need
+
+    def _admit_hits(self, seq: Sequence, hits: list[int]) -> None:
+        st = self.stats
+        hit_tokens = len(hits) * self.page_size
+        if seq.group.num_cached_tokens is None:  # first admission
+            seq.group.num_cached_tokens = hit_tokens
+            st.prompt_tokens += seq.num_prompt
+            st.prefix_hit_tokens += hit_tokens
+        else:
+            st.recompute_hit_tokens += hit_tokens
+            st.recomputed_tokens += len(seq.tokens) - hit_tokens
+        seq.num_computed = hit_tokens
+        if not hits:
+            return
+        st.prefix_hit_pages += len(hits)
+        st.pages_saved += sum(1 for p in hits if self.pool.ref_counts[p] > 0)
+        self.num_free -= self.pool.share(seq.slot, hits)
+        self._hits[seq.slot] = (hits, hit_tokens, 0)
+
+    def _take_filled_pages(self, seq: Sequence, n: int) -> None:
+        """Same-step sharing: the pages ``seq``'s first chunk of ``n``
+        tokens fills are taken now and cached at once (see the module
+        docstring)."""
+        L = self.page_size
+        hits, _, _ = self._hits.get(seq.slot, ([], 0, 0))
+        fresh = self.pool.take_free(max(min(seq.num_computed + n, len(seq.tokens)) // L - len(hits), 0))
+        if not fresh:
+            return
+        self.num_free -= len(fresh)
+        self.pool.append_full_pages(seq.slot, fresh)
+        pages = hits + fresh
+        self._hits[seq.slot] = (pages, len(pages) * L, len(fresh) * L)
+        chain_keys(seq.tokens, L, seq.extra_key, seq.keys)
+        for j, page in enumerate(fresh, start=len(hits)):
+            self.prefix_cache.insert(page, seq.tokens, seq.keys, seq.extra_key, j)
+        seq.num_keyed = len(pages)
+
+    def _swap_in(self, members: list[Sequence], swapped: SwappedGroup) -> None:
+        """Copies a swapped group's pages into fresh pages (taken off the
+        free queue now, so the next call's growth does not take them) and
+        gives each member its pages back, shared as before."""
+        needed = sorted(set().union(*(swapped.tables[s.index] for s in members)))  # a finished member's drop out
+        fresh = self.pool.take_free(len(needed))
+        self.num_free -= len(needed)
+        new_page = dict(zip(needed, fresh))
+        if fresh:
+            self.kv = scatter_pages(self.kv, fresh, swapped.pages, source=needed)
+        for seq in members:
+            table = [new_page[i] for i in swapped.tables[seq.index]]
+            seq.num_computed = swapped.num_tokens[seq.index]
+            self.pool.share(seq.slot, table, seq.num_computed)
+            self._hits[seq.slot] = (table, seq.num_computed, 0)
+        self.stats.swapped_in_pages += len(needed)
+
+    def swap_out(self, group: SequenceGroup, members: list[Sequence]) -> bool:
+        """Copies the pages holding ``members``' computed tokens to the swap
+        space (a page they share, once). Returns False, copying nothing,
+        when the swap space cannot take them."""
+        unique: dict[int, int] = {}  # page id -> index among the copied pages
+        tables, num_tokens = {}, {}
+        for seq in members:
+            holder = seq.fork_pre or seq  # a beam not forked yet holds its parent's pages
+            pages = self.pool.pages(holder.slot)[: ps.pages_for_tokens(seq.num_computed, self.page_size)]
+            tables[seq.index] = [unique.setdefault(p, len(unique)) for p in pages]
+            num_tokens[seq.index] = seq.num_computed
+        if not unique or not self.swap.fits(len(unique)):
+            return False
+        # Dispatched now, so it runs after the calls that wrote these pages
+        # and before the next call, which frees them.
+        copied = gather_pages(self.kv, list(unique))
+        self.swap.put(group, SwappedGroup(pages=copied, num_pages=len(unique), tables=tables, num_tokens=num_tokens))
+        self.stats.swap_outs += 1
+        self.stats.swapped_out_pages += len(unique)
+        return True
+
+    def copy_swapped(self, group: SequenceGroup, parent: Sequence, child: Sequence) -> None:
+        """A new beam of a swapped-out group: it takes its parent's pages at
+        swap-in."""
+        swapped = self.swap.get(group)
+        if swapped is not None:
+            swapped.tables[child.index] = list(swapped.tables[parent.index])
+            swapped.num_tokens[child.index] = swapped.num_tokens[parent.index]
+
+    def drop_swapped(self, group: SequenceGroup) -> None:
+        if group in self.swap:
+            self.swap.pop(group)
+
+    def release(self, seq: Sequence) -> None:
+        """``seq``'s pages lose a reference (freed on device by the next
+        call, or by :meth:`flush_frees`); a page another sequence shares
+        stays held."""
+        if seq.slot in self._hits:  # given pages this round, but no call has taken them yet
+            raise RuntimeError(f"internal: slot {seq.slot} released before the call that shares its pages")
+        self.num_free += self.pool.release(seq.slot)  # not scheduled in this round: no planned growth
+        self._held[seq.slot] = 0
+        self._to_free[seq.slot] = True
+
+    def offer(self, seq: Sequence) -> None:
+        """Offers ``seq``'s newly full pages to the prefix cache: pages whose
+        K/V a dispatched call computes and whose tokens the host knows (a
+        token in flight is not known yet; its page is offered later)."""
+        if self.prefix_cache is None:
+            return
+        full = min(seq.num_computed, len(seq.tokens)) // self.page_size
+        if full <= seq.num_keyed:
+            return
+        chain_keys(seq.tokens, self.page_size, seq.extra_key, seq.keys)
+        table = self.pool.block_tables[seq.slot]
+        for j in range(seq.num_keyed, full):
+            self.prefix_cache.insert(int(table[j]), seq.tokens, seq.keys, seq.extra_key, j)
+        seq.num_keyed = full
+
+    # -------------------------------------------------------------- calls
+
+    def call_pages(self) -> CallPages:
+        """The next call's page-state inputs."""
+        S, M = len(self._to_free), self.max_pages_per_seq
+        num_hit, hit_tokens, ahead = np.zeros(S, np.int32), np.zeros(S, np.int32), np.zeros(S, np.int32)
+        hit_pages = np.zeros((S, M), np.int32)
+        for slot, (pages, tokens, computed_ahead) in self._hits.items():
+            num_hit[slot], hit_tokens[slot], ahead[slot] = len(pages), tokens, computed_ahead
+            hit_pages[slot, : len(pages)] = pages
+        return CallPages(free_mask=self._to_free.copy(), num_hit=num_hit, hit_pages=hit_pages, hit_tokens=hit_tokens,
+                         ahead=ahead)
+
+    def plan_call(self, fork_pre: np.ndarray, num_new: np.ndarray, fork_src: np.ndarray) -> int:
+        """Takes the twin through what the next call does on device after
+        its frees and shares: forks ``fork_pre`` (i32[S] source slot or
+        -1), grows by ``num_new`` (i32[S]), forks ``fork_src``. Returns the
+        free pages the device must report after it."""
+        for dst in np.flatnonzero(fork_pre >= 0):
+            self.pool.fork(int(fork_pre[dst]), int(dst))
+        if self.pool.extend(num_new, self.reserve_pages) is None:  # the plan is exact: a bug
+            raise RuntimeError(f"the scheduler planned growth the pool cannot give ({self.pool.num_free} free pages)")
+        for dst in np.flatnonzero(fork_src >= 0):
+            self.pool.fork(int(fork_src[dst]), int(dst))
+        self._hits.clear()
+        self._to_free[:] = False
+        self.num_free = self.pool.num_free  # the plan counted a copy for every shared page; now exact
+        self._held[:] = self.pool.num_seq_pages
+        return self.num_free
+
+    def flush_frees(self) -> None:
+        """Frees now, on device, what the next call would have freed (the
+        engine has no next call)."""
+        if self._to_free.any():
+            self.state = ps.free(self.state, jnp.asarray(self._to_free))
+            self._to_free[:] = False
+        self.pool.flush()
+
+    def accounting(self) -> dict[str, int]:
+        """Pages by state, after the pending frees: ``free`` (no content
+        worth keeping), ``cached`` (no holder, kept for the prefix cache),
+        ``used`` (held by a sequence; a page shared by k sequences counts
+        once) and ``total`` (usable pages, the null page excluded). Free +
+        cached + used = total always."""
+        refs = self.pool.ref_counts
+        used = int(np.count_nonzero(refs[1:]))
+        cached = sum(1 for p in self.prefix_cache.pages if refs[p] == 0) if self.prefix_cache is not None else 0
+        return {"free": self.pool.num_free - cached, "cached": cached, "used": used, "total": len(refs) - 1}
+
+    def usage(self) -> tuple[int, int]:
+        """(pages held summed over slots, distinct pages in use) now."""
+        return int(self.pool.num_seq_pages.sum()), int(np.count_nonzero(self.pool.ref_counts))

@@ -1,0 +1,154 @@
+"""The toy model and engine builder the engine tests share.
+
+A one-layer attention LM written against the engine's model protocol, so
+the engine tests exercise the engine alone (the decoder has its own engine
+test in tests/test_llama.py), and ``dense_logits``, the same model without
+a cache in float64 NumPy: the oracle every engine output is checked
+against. Test files import from here, never from each other.
+"""
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax.engine import Engine, EngineConfig, Request
+from paged_jax.kv_cache import KVPool, init_kv_pool, write_layer_pages
+from paged_jax.ragged_attention import attend
+from paged_jax.sampling import SamplingParams
+
+VOCAB, DIM, HEADS, KV_HEADS, HEAD_DIM = 50, 16, 2, 1, 8
+PAGE = 4  # tokens per page in every engine built here unless a test says otherwise
+MAX_POS = 256  # rows of the learned position table
+
+
+def toy_params(seed=0):
+    """The toy model's weights, f32, drawn from ``seed``."""
+    r = np.random.default_rng(seed)
+    return {
+        "emb": jnp.asarray(r.normal(size=(VOCAB, DIM)), jnp.float32),  # [V, D]
+        "pos": jnp.asarray(r.normal(size=(MAX_POS, DIM)) * 0.5, jnp.float32),  # [MAX_POS, D]
+        "wq": jnp.asarray(r.normal(size=(DIM, HEADS * HEAD_DIM)), jnp.float32),  # [D, N*H]
+        "wk": jnp.asarray(r.normal(size=(DIM, KV_HEADS * HEAD_DIM)), jnp.float32),  # [D, K*H]
+        "wv": jnp.asarray(r.normal(size=(DIM, KV_HEADS * HEAD_DIM)), jnp.float32),  # [D, K*H]
+        "wo": jnp.asarray(r.normal(size=(HEADS * HEAD_DIM, DIM)), jnp.float32),  # [N*H, D]
+    }
+
+
+class ToyModel:
+    """A one-layer attention LM in the engine's model protocol (params and
+    a pure ``apply`` over a flat ragged batch). ``traces`` records the batch
+    shape of every trace, so a test can count compilations."""
+
+    vocab_size = VOCAB
+
+    def __init__(self, params):
+        self.params = params
+        self.traces = []
+
+    def apply(self, params, batch, kv: KVPool):
+        self.traces.append(batch.shape)  # runs at trace time only
+        t = batch.tokens.shape[0]
+        x = params["emb"][batch.tokens] + params["pos"][jnp.clip(batch.positions, 0, MAX_POS - 1)]  # [T, D]
+        q = (x @ params["wq"]).reshape(t, HEADS, HEAD_DIM)  # [T, N, H]
+        k = (x @ params["wk"]).reshape(t, KV_HEADS, HEAD_DIM)  # [T, K, H]
+        v = (x @ params["wv"]).reshape(t, KV_HEADS, HEAD_DIM)  # [T, K, H]
+        kv = KVPool(k=write_layer_pages(kv.k, 0, k, batch.slots), v=write_layer_pages(kv.v, 0, v, batch.slots))
+        o = attend(q, kv.k, kv.v, 0, batch)  # [T, N, H]
+        h = x + o.reshape(t, -1) @ params["wo"]  # [T, D]
+        return h[batch.logits_rows] @ params["emb"].T, kv  # logits [rows, V]
+
+
+def make_toy_step(params):
+    """A fresh toy model: its own traces, its own compiled programs."""
+    return ToyModel(params)
+
+
+def toy_pool(num_pages, page_size=PAGE):
+    """An empty one-layer KV pool shaped for the toy model."""
+    return init_kv_pool(num_layers=1, num_kv_heads=KV_HEADS, num_pages=num_pages, page_size=page_size, head_dim=HEAD_DIM)
+
+
+def toy_requests(n, seed=0, max_new=(5, 30), sampling=None, prompt_len=(1, 40)):
+    """``n`` requests with random prompts of ``prompt_len`` tokens and
+    ``max_new`` new tokens (both [low, high) ranges); ``sampling(i)`` gives
+    request i's SamplingParams (greedy if None)."""
+    r = np.random.default_rng(seed)
+    return [
+        Request(
+            request_id=i,
+            prompt_ids=r.integers(0, VOCAB, size=int(r.integers(*prompt_len))).tolist(),
+            max_new_tokens=int(r.integers(*max_new)),
+            sampling=sampling(i) if sampling else SamplingParams(),
+        )
+        for i in range(n)
+    ]
+
+
+@functools.lru_cache(maxsize=None)
+def shared_step():
+    """One toy model for the tests that do not count compilations, so they
+    share compiled programs."""
+    return make_toy_step(toy_params())
+
+
+def make_engine(num_pages=200, page_size=PAGE, max_seqs=8, max_seq_len=80, reserve=False, stop_ids=(), budget=64,
+                overlap=True, prefix_caching=True, check=True, **config):
+    """An engine over the shared toy model. ``budget`` is
+    max_num_batched_tokens, ``overlap`` async_scheduling, ``reserve``
+    reserve_max_len; other EngineConfig fields pass through ``config``.
+    ``check`` compares the device page state with the host's twin after
+    every call."""
+    return Engine(
+        shared_step(),
+        toy_pool(num_pages, page_size),
+        EngineConfig(max_seqs=max_seqs, max_seq_len=max_seq_len, reserve_max_len=reserve,
+                     max_num_batched_tokens=budget, async_scheduling=overlap, enable_prefix_caching=prefix_caching,
+                     **config),
+        stop_ids=stop_ids,
+        vocab_size=VOCAB,
+        check_page_state=check,
+    )
+
+
+def serve(requests, num_pages=200, **kwargs):
+    """Runs ``requests`` to completion on a fresh ``make_engine``; returns
+    ({request_id: output}, engine)."""
+    engine = make_engine(num_pages, **kwargs)
+    outs = engine.run(requests)
+    return {o.request_id: o for o in outs}, engine
+
+
+def dense_logits(params, tokens):
+    """The toy model without a cache, in float64 NumPy: causal attention
+    over the whole sequence, logits f64[V] at its last token."""
+    p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    n = len(tokens)
+    x = p["emb"][tokens] + p["pos"][np.arange(n)]  # [S, D]
+    q = (x[-1] @ p["wq"]).reshape(HEADS, HEAD_DIM)  # [N, H]: only the last query matters
+    k = (x @ p["wk"]).reshape(n, KV_HEADS, HEAD_DIM)  # [S, K, H]
+    v = (x @ p["wv"]).reshape(n, KV_HEADS, HEAD_DIM)  # [S, K, H]
+    o = []
+    for h in range(HEADS):
+        logits = k[:, h * KV_HEADS // HEADS] @ q[h] / np.sqrt(HEAD_DIM)  # [S]
+        w = np.exp(logits - logits.max())
+        o.append((w / w.sum()) @ v[:, h * KV_HEADS // HEADS])
+    return (x[-1] + np.concatenate(o) @ p["wo"]) @ p["emb"].T  # [V]
+
+
+def greedy_reference(params, prompt, max_new):
+    """``max_new`` greedy tokens of the f64 oracle after ``prompt``, each
+    step recomputing the whole sequence."""
+    tokens = list(prompt)
+    for _ in range(max_new):
+        tokens.append(int(np.argmax(dense_logits(params, tokens))))
+    return tokens[len(prompt):]
+
+
+def check_accounting(engine):
+    """Every page is free, cached or used, none counted twice; returns the
+    engine's accounting dict."""
+    acc = engine.accounting()
+    assert acc["free"] + acc["cached"] + acc["used"] == acc["total"], acc
+    assert min(acc.values()) >= 0, acc
+    return acc
