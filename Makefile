@@ -34,4 +34,4 @@ test-all: setup
 	$(PY) -m pytest -q -m ''
 
 clean:
-	rm -rf $(VENV) .pytest_cache .jax_cache
+	rm -rf $(VENV) .pytest_cache .jax_cache .hypothesis

@@ -53,10 +53,13 @@ def add_flags(p: argparse.ArgumentParser, *names: str) -> None:
 
 def check_flags(p: argparse.ArgumentParser, args) -> None:
     """Exits with an argparse error naming the flag unless every flag of
-    :data:`POSITIVE` that ``args`` holds is >= 1. Cheap and side-effect
+    :data:`POSITIVE` that ``args`` holds is >= 1 and ``--seed`` (if any) is
+    >= 0. Cheap and side-effect
     free: run it before the script's own checks (which may divide by
     ``--page-size``); :func:`check_outputs` comes last."""
     require_positive(p, args, *sorted(POSITIVE & vars(args).keys()))
+    if getattr(args, "seed", 0) < 0:
+        p.error(f"--seed must be >= 0, got {args.seed}")
 
 
 def check_outputs(p: argparse.ArgumentParser, args) -> None:

@@ -66,6 +66,7 @@ from experiments.cli import RESULTS, add_flag, check_out_dir, cpu_model, resolve
 from experiments.tables import markdown_table, write_table
 from models.presets import PRESETS as MODEL_PRESETS
 from paged_jax import attention
+from paged_jax.checks import check_int
 
 # Axis alphabet: B batch, S key tokens, N query heads, K KV heads, G queries
 # per KV head, H head dim, P pages, L page size.
@@ -103,8 +104,7 @@ class BenchConfig:
 
     def __post_init__(self):
         for name in ("num_kv_heads", "group", "head_dim", "page_size", "layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            check_int(name, getattr(self, name))
 
     @property
     def num_q_heads(self) -> int:

@@ -38,6 +38,8 @@ import subprocess
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 
+from paged_jax.checks import is_int
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MARKER = "<!-- provenance -->"
 """The line that opens the block in a Markdown file; everything after it is the block."""
@@ -99,7 +101,7 @@ def collect(
     args = list(sys.argv[1:] if argv is None else argv)
     seeds = dict(seeds or {})
     for name, value in seeds.items():
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not is_int(value):
             raise ValueError(f"seeds must map names to ints, got {name}={value!r}")
         if not name or any(c in name for c in "=, \t\n"):
             raise ValueError(f"seed names must be non-empty without '=', ',' or white space, got {name!r}")

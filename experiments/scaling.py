@@ -59,7 +59,7 @@ def meshes(device_counts) -> list[tuple[int, int]]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m experiments.scaling", description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", default="1,2,4,8", help="device counts, comma-separated")
     add_flag(parser, "num_requests", default=16, help="ShareGPT requests served per mesh (default %(default)s)")
     add_flag(parser, "max_output_len", default=16)

@@ -32,7 +32,7 @@ from models.llama import RaggedModel, weight_matmuls
 from models.presets import PRESETS, random_model
 from models.sharded import make_data_parallel_engine
 from models.smollm2 import load_smollm2
-from paged_jax.checks import check_int
+from paged_jax.checks import check_choice, check_int
 from paged_jax.data_parallel import DataParallelEngine, merged_stats
 from paged_jax.engine import Engine, EngineConfig, EngineStats
 from paged_jax.jit_stats import CompileCounts, CompileMonitor
@@ -110,9 +110,12 @@ def make_engine(model, *, kv_tokens: int, page_size: int, max_seqs: int, max_seq
         (``reserve_max_len``, ``enable_prefix_caching``, ``preemption_mode``).
 
     Raises:
-      ValueError: from :func:`pool_pages`, ``EngineConfig`` or the engine.
+      ValueError: ``max_seqs`` or ``max_batched_tokens`` not an int >= 1;
+        from :func:`pool_pages`, ``EngineConfig`` or the engine.
     """
     num_pages = pool_pages(kv_tokens, page_size)
+    check_int("max_seqs", max_seqs)
+    check_int("max_batched_tokens", max_batched_tokens)
     kv_dtype = jnp.dtype(kv_dtype or default_kv_dtype())
     engine_config = EngineConfig(max_seqs=max_seqs, max_seq_len=max_seq_len,
                                  max_num_batched_tokens=max(max_batched_tokens, max_seqs), **config)
@@ -224,9 +227,11 @@ def serve(
     Raises:
       ValueError: unknown mode or a budget below one maximum-length sequence.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode=!r}")
+    check_choice("mode", mode, MODES)
     check_int("page_size", page_size, 1)
+    check_int("kv_budget_tokens", kv_budget_tokens)
+    if not (floor is None or floor is False or isinstance(floor, MatmulFloor)):
+        raise ValueError(f"floor must be None, False or a MatmulFloor, got floor={floor!r}")
     pooled_tokens = kv_budget_tokens // page_size * page_size  # whole pages
     if pooled_tokens < MAX_SEQ_LEN:
         raise ValueError(

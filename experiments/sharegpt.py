@@ -211,6 +211,7 @@ def sample_requests(
         ("max_prompt_len", max_prompt_len, 1),
         ("max_total_len", max_total_len, 1),
         ("batch_size", batch_size, 1),
+        ("seed", seed, 0),  # random.Random(-s) shuffles as Random(s): a negative seed would alias another
     ):
         check_int(name, value, low)
     pairs = []
@@ -272,8 +273,7 @@ def build_requests(tokenizer, num_requests: int, max_output_len: int, *,
     Raises:
       ValueError: ``num_requests`` or ``max_output_len`` below 1.
     """
-    if max_output_len < 1:
-        raise ValueError(f"max_output_len must be >= 1, got {max_output_len=}")
+    check_int("max_output_len", max_output_len)
     conversations, report = load_conversations()
     sampled = sample_requests(conversations, tokenizer.encode_batch, num_requests, seed=seed)
     prompts = [s.prompt for s in sampled]

@@ -123,7 +123,7 @@ def plot(rows: list[dict], held_before: float, path: pathlib.Path, title: str) -
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m experiments.train_tiny", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--init", choices=("scratch", "smollm2"), default="scratch",
                         help="train the tiny decoder from scratch, or fine-tune SmolLM2-135M from its GGUF")

@@ -68,7 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import page_state
-from paged_jax.checks import check_int
+from paged_jax.checks import check_choice, check_float, check_int
 from paged_jax.memory import pow2_reservation
 
 SCHEMES = ("contiguous-max", "contiguous-pow2", "contiguous-oracle", "paged")
@@ -113,15 +113,12 @@ class SimConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.scheme not in SCHEMES:
-            raise ValueError(f"scheme must be one of {SCHEMES}, got scheme={self.scheme!r}")
+        check_choice("scheme", self.scheme, SCHEMES)
         for name, low in (("pool_tokens", 1), ("page_size", 1), ("max_seq_len", 1), ("max_seqs", 1)):
             value = getattr(self, name)
             check_int(name, value, low)
-        if not self.arrival_rate > 0:
-            raise ValueError(f"arrival_rate must be > 0, got arrival_rate={self.arrival_rate!r}")
-        if not 0 <= self.watermark < 1:
-            raise ValueError(f"watermark must be in [0, 1), got watermark={self.watermark!r}")
+        check_float("arrival_rate", self.arrival_rate, 0, low_open=True)
+        check_float("watermark", self.watermark, 0, 1, high_open=True)
         if self.paged and self.pool_tokens % self.page_size:
             raise ValueError(
                 f"page_size must divide pool_tokens, got {self.page_size=} {self.pool_tokens=}"

@@ -3,7 +3,7 @@
 A checkpoint is one ``.safetensors`` file: every parameter under its dotted
 module path (``blocks.attn.wq``, stacked by layer as in the module, f32 or
 the model's dtype) and, in the file's string metadata, the
-:class:`models.llama.LlamaConfig` as JSON (``paged_jax.config``) plus a
+:class:`models.config.LlamaConfig` as JSON (``paged_jax.config``) plus a
 format tag and whatever the caller adds (the training step, the data).
 
 Why safetensors and not Orbax: the weights of the models trained here are a

@@ -119,7 +119,7 @@ class GGUFCheckpoint:
 
     Attributes:
       path: the GGUF file.
-      config: keyword arguments for :class:`models.llama.LlamaConfig`.
+      config: keyword arguments for :class:`models.config.LlamaConfig`.
       weights: f32 numpy arrays keyed by GGUF tensor name, as ``[out, in]``
         for matrices (``token_embd.weight``: [V, D]); ``attn_q`` and
         ``attn_k`` rows already un-permuted to Hugging Face order.

@@ -9,7 +9,7 @@ nor a network (accelerator hosts often have neither).
 The shapes are those of the published ``config.json`` files:
 ``meta-llama/Meta-Llama-3-8B`` (8,030,261,248 parameters),
 ``Qwen/Qwen2.5-7B`` (7,615,616,512) and ``HuggingFaceTB/SmolLM2-135M-Instruct``
-(134,515,008: :data:`models.llama.SMOLLM2_135M`, the config the GGUF gives).
+(134,515,008: :data:`models.config.SMOLLM2_135M`, the config the GGUF gives).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from models.llama import SMOLLM2_135M, Llama, LlamaConfig
+from models.config import SMOLLM2_135M, LlamaConfig
+from models.llama import Llama
 from paged_jax.checks import check_int
 
 PRESETS: dict[str, LlamaConfig] = {

@@ -27,10 +27,10 @@ queues must do (prune, fork); the engine's scheduler does it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
 
 import numpy as np
 
+from paged_jax.checks import check_int
 from paged_jax.sequence import BeamHypothesis, Sequence, SequenceGroup
 
 
@@ -54,7 +54,7 @@ class Continuation:
 
 
 def expand(
-    cum_logprobs: Sequence[float],
+    cum_logprobs: list[float] | np.ndarray,
     top_ids: np.ndarray,
     top_logprobs: np.ndarray,
     *,
@@ -84,8 +84,7 @@ def expand(
     """
     cum = np.asarray(cum_logprobs, np.float64)
     ids, lps = np.asarray(top_ids), np.asarray(top_logprobs, np.float64)
-    if width < 1:
-        raise ValueError(f"width must be >= 1, got {width=}")
+    check_int("width", width)
     if ids.ndim != 2 or ids.shape != lps.shape or ids.shape[0] != cum.shape[0]:
         raise ValueError(f"top_ids {ids.shape} and top_logprobs {lps.shape} must be [B={cum.shape[0]}, K]")
     scores = (cum[:, None] + lps).ravel()

@@ -54,6 +54,7 @@ from paged_jax.config import EngineConfig
 from paged_jax.input_builder import build_step_inputs, samples_in_call
 from paged_jax.kv_cache import KVPool
 from paged_jax.kv_manager import KVCacheManager
+from paged_jax.outputs import drain, request_output
 from paged_jax.requests import CompletionOutput, Request, RequestLimits, RequestOutput, check_token_ids
 from paged_jax.sampling import SamplingParams
 from paged_jax.scheduler import ScheduledSeq, Scheduler
@@ -79,29 +80,6 @@ class _InFlight:
     sampler_slots: list[int]  # their rows at dispatch
     expected_free: int  # the host's free-page count right after it
     record: CallRecord
-
-
-def drain(engine, total: int, progress: bool, postfix=None) -> list[RequestOutput]:
-    """Steps ``engine`` (an :class:`Engine` or anything with ``step()`` and
-    ``has_unfinished()``) until it has no work; returns the outputs in the
-    order they finished. ``progress`` shows a bar of ``total`` requests
-    (none when stderr is not a terminal), with ``postfix()``'s fields."""
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=total, unit="req", leave=False, disable=None)
-    outputs: list[RequestOutput] = []
-    while engine.has_unfinished():
-        done = engine.step()
-        outputs.extend(done)
-        if bar is not None:
-            bar.update(len(done))
-            if postfix is not None:
-                bar.set_postfix(**postfix())
-    if bar is not None:
-        bar.close()
-    return outputs
 
 
 class Engine:
@@ -269,6 +247,8 @@ class Engine:
 
         Returns the outputs in the order the requests finished.
         """
+        if isinstance(requests, Request):
+            raise ValueError("requests must be an iterable of Request, got one Request: pass [request]")
         requests = list(requests)
         taken = set(self._live)
         for r in requests:
@@ -465,20 +445,4 @@ class Engine:
         self.kv_manager.drop_swapped(group)
         group.reported = True
         now = time.perf_counter()
-        if group.beam:  # the best hypotheses (and, if aborted, the beams still searching)
-            outputs = [CompletionOutput(index=i, output_ids=h.output_ids, finish_reason=h.finish_reason,
-                                        cumulative_logprob=h.cum_logprob)
-                       for i, h in enumerate(beam_search.best_hypotheses(group))]
-        else:
-            outputs = [CompletionOutput(index=s.index, output_ids=s.tokens[s.num_prompt :], finish_reason=s.finish_reason)
-                       for s in group.seqs]
-        first = group.seqs[0]
-        return RequestOutput(
-            request_id=group.request.request_id,
-            prompt_ids=first.tokens[: first.num_prompt],
-            outputs=outputs,
-            num_preemptions=group.num_preemptions,
-            first_token_s=group.first_token_s,
-            finish_s=now - (self._t0 if self._t0 is not None else now),
-            num_cached_tokens=group.num_cached_tokens or 0,
-        )
+        return request_output(group, finish_s=now - (self._t0 if self._t0 is not None else now))

@@ -192,18 +192,28 @@ def write_layer_kv(pool: KVPool, layer: jax.Array, k: jax.Array, v: jax.Array, s
       The updated pool.
 
     Raises:
-      ValueError: a malformed pool (:func:`check_pool`), or (eager) a
-        ``layer`` outside ``[0, layers)`` (under ``jit`` such a write is
-        dropped), or ``slots`` that are not distinct slots of the pool or
-        -1, one per token.
+      ValueError: a malformed pool (:func:`check_pool`); ``k`` or ``v`` not
+        float ``[N_tok, K, H]`` with the pool's heads, or holding different
+        token counts; (eager) a ``layer`` that is not an integer scalar in
+        ``[0, layers)`` (under ``jit`` such a write is dropped), or ``slots``
+        that are not distinct slots of the pool or -1, one per token.
     """
     check_pool(pool)
     if not isinstance(layer, jax.core.Tracer):
-        value = int(np.asarray(layer))
-        if isinstance(layer, bool) or not 0 <= value < pool.num_layers:
+        index = None if isinstance(layer, (bool, str)) else np.asarray(layer)
+        if index is None or index.ndim != 0 or index.dtype.kind not in "iu":
+            raise ValueError(f"layer must be an integer scalar, got layer={layer!r}")
+        if not 0 <= int(index) < pool.num_layers:
             raise ValueError(f"layer must be in [0, num_layers={pool.num_layers}), got layer={layer!r}")
+    want = (pool.num_kv_heads, pool.head_dim)
+    for name, x in (("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 3 or tuple(x.shape[1:]) != want or not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be a float [N_tok, K={want[0]}, H={want[1]}] array (the pool's heads), got "
+                             f"{getattr(x, 'dtype', type(x).__name__)}{list(getattr(x, 'shape', ()))}")
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"k and v must hold the same tokens, got {k.shape[0]} and {v.shape[0]}")
     check_slots(pool, slots, k.shape[0])
-    return unchecked_write_layer_kv(pool, layer, k, v, slots)
+    return unchecked_write_layer_kv(pool, layer, k, v, jnp.asarray(slots, jnp.int32))
 
 
 def check_slots(pool: KVPool, slots: jax.Array, num_tokens: int) -> None:

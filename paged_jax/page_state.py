@@ -48,8 +48,6 @@ models pre-paging servers that reserve a request's maximum length up front.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -284,7 +282,7 @@ def allocate(state: PageState, seq_id, num_tokens, reserve_tokens=0) -> tuple[Pa
     """Gives an empty sequence slot the pages for a prompt of ``num_tokens``.
 
     The slot then holds ``num_tokens`` tokens (their K/V still to be written
-    through :func:`slot_mapping`) in ``ceil(max(num_tokens, reserve_tokens) /
+    through :func:`paged_jax.slots.slot_mapping`) in ``ceil(max(num_tokens, reserve_tokens) /
     page_size)`` pages.
 
     Args:
@@ -667,61 +665,3 @@ def share(state: PageState, num_hit, hit_pages) -> tuple[PageState, jax.Array]:
         if bad_pages.size:
             raise ValueError(f"hit_pages must be in [1, num_pages={state.num_pages}), got {bad_pages.tolist()}")
     return unchecked_share(state, jnp.asarray(num_hit, jnp.int32), jnp.asarray(hit_pages, jnp.int32))
-
-
-def slot_mapping(
-    block_tables: jax.Array, positions: jax.Array, valid: jax.Array, *, page_size: int
-) -> jax.Array:
-    """Flat KV slots for token positions: ``page * page_size + offset``.
-
-    Args:
-      block_tables: i32[B, pages_per_seq].
-      positions: i32[B, T] token positions (0-based) within each sequence.
-      valid: bool[B, T] positions that exist; others map to -1.
-      page_size: tokens per page, >= 1.
-
-    Returns:
-      i32[B, T] slot ids into a pool flattened to ``[num_pages * page_size]``;
-      -1 where ``valid`` is False or the position lies outside
-      ``[0, pages_per_seq * page_size)`` (so it can never alias another
-      token's slot; a write to -1 is dropped).
-
-    Raises:
-      ValueError: ``page_size`` < 1, or shapes and dtypes that do not fit.
-    """
-    check_int("page_size", page_size)
-    if getattr(block_tables, "ndim", None) != 2 or not jnp.issubdtype(block_tables.dtype, jnp.integer):
-        raise ValueError(f"block_tables must be an integer [B, pages_per_seq] array, got {block_tables!r:.80}")
-    batch = block_tables.shape[0]
-    if getattr(positions, "ndim", None) != 2 or positions.shape[0] != batch or not jnp.issubdtype(positions.dtype, jnp.integer):
-        raise ValueError(f"positions must be an integer [B={batch}, T] array, got {getattr(positions, 'shape', positions)}")
-    if getattr(valid, "shape", None) != positions.shape or valid.dtype != jnp.bool_:
-        raise ValueError(f"valid must be bool{list(positions.shape)}, got {getattr(valid, 'dtype', None)}{list(getattr(valid, 'shape', ()))}")
-    return _slot_mapping(block_tables, positions, valid, page_size=page_size)
-
-
-@functools.partial(jax.jit, static_argnames=("page_size",))
-def _slot_mapping(block_tables, positions, valid, *, page_size):
-    rows = jnp.broadcast_to(jnp.arange(block_tables.shape[0], dtype=jnp.int32)[:, None], positions.shape)
-    return flat_slot_mapping(block_tables, jnp.where(valid, rows, -1), positions, page_size=page_size)
-
-
-def flat_slot_mapping(block_tables: jax.Array, rows: jax.Array, positions: jax.Array, *, page_size: int) -> jax.Array:
-    """Flat KV slots for tokens of a flat batch (inner function: no checks).
-
-    Args:
-      block_tables: i32[S, pages_per_seq].
-      rows: i32[...] the block-table row of each token; -1 for padding.
-      positions: i32[...] each token's position in its sequence.
-      page_size: tokens per page.
-
-    Returns:
-      i32[...] ``page * page_size + offset``; -1 for padding and for
-      positions outside ``[0, pages_per_seq * page_size)`` (a write to -1
-      is dropped, so it can never alias another token's slot).
-    """
-    num_rows, pages_per_seq = block_tables.shape
-    valid = (rows >= 0) & (positions >= 0) & (positions < pages_per_seq * page_size)
-    col = jnp.clip(positions // page_size, 0, pages_per_seq - 1)
-    page = block_tables[jnp.clip(rows, 0, num_rows - 1), col]
-    return jnp.where(valid, page * page_size + positions % page_size, -1).astype(jnp.int32)

@@ -10,7 +10,7 @@ from typing import Iterable, Sequence
 import jax
 import numpy as np
 
-from paged_jax.checks import check_bool, check_int
+from paged_jax.checks import check_bool, check_instance, check_int, is_int
 from paged_jax.page_state import pages_for_tokens
 from paged_jax.sampling import SamplingParams
 
@@ -46,7 +46,7 @@ def check_token_ids(name: str, ids: Iterable, vocab_size: int | None) -> None:
     ``[0, vocab_size)`` (in int32 when ``vocab_size`` is None)."""
     high = vocab_size if vocab_size is not None else INT32_TOKENS
     for t in ids:
-        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+        if not is_int(t):
             raise ValueError(f"{name}: token id {t!r} is not an integer")
         if not 0 <= t < high:
             raise ValueError(f"{name}: token id {t} outside the vocabulary [0, {high})")
@@ -57,7 +57,8 @@ class Request:
     """One generation request.
 
     Attributes:
-      request_id: unique among the engine's unfinished requests.
+      request_id: unique among the engine's unfinished requests; a str or
+        int, or any hashable value equal to itself.
       prompt_ids: prompt token ids, at least one.
       max_new_tokens: most tokens to generate, >= 1.
       sampling: greedy by default.
@@ -93,8 +94,11 @@ class Request:
         rid = self.request_id
         try:
             hash(rid)
-        except TypeError:
-            raise ValueError(f"request_id must be hashable, got {rid!r}") from None
+            usable = bool(rid == rid)  # NaN is never equal to itself: it could be added twice and never found
+        except (TypeError, ValueError):
+            usable = False
+        if not usable:
+            raise ValueError(f"request_id must be hashable and equal to itself (a str or int), got {rid!r}")
         ids = self.prompt_ids
         if isinstance(ids, (np.ndarray, jax.Array)):
             ids = ids.tolist() if ids.ndim == 1 else ids
@@ -113,8 +117,10 @@ class Request:
         if total > limits.max_seq_len:
             raise ValueError(f"request {rid!r}: prompt length {len(ids)} + max_new_tokens {n} = {total} exceeds "
                              f"max_seq_len={limits.max_seq_len}")
-        if not isinstance(self.sampling, SamplingParams):
-            raise ValueError(f"request {rid!r}: sampling must be a SamplingParams, got {self.sampling!r}")
+        try:
+            check_instance("sampling", self.sampling, SamplingParams, what="paged_jax.sampling.SamplingParams")
+        except ValueError as e:
+            raise ValueError(f"request {rid!r}: {e}") from None
         k = self.sampling.num_seqs
         if k > limits.max_seqs:
             what = "beam_width" if self.sampling.beam_width else "n"
@@ -155,19 +161,20 @@ class RequestOutput:
       outputs: its continuations, by index (one unless ``SamplingParams.n``
         asked for more); for beam search its ``beam_width`` best
         hypotheses, best first.
-      num_preemptions: times it was preempted and recomputed (all its
-        sequences together).
+      num_preemptions: times it was preempted, by recompute or swap (all
+        its sequences together).
       num_cached_tokens: prompt tokens served from the prefix cache when
         it was first admitted.
       first_token_s, finish_s: seconds from the start of :meth:`Engine.run`
-        (or the first :meth:`Engine.step`).
+        (or the first :meth:`Engine.step`); ``first_token_s`` is None for a
+        request aborted before its first token.
     """
 
     request_id: str | int
     prompt_ids: list[int]
     outputs: list[CompletionOutput]
     num_preemptions: int
-    first_token_s: float
+    first_token_s: float | None
     finish_s: float
     num_cached_tokens: int = 0
 

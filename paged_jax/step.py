@@ -22,6 +22,7 @@ from paged_jax.batch import BatchShape, RaggedBatch
 from paged_jax.checks import check_int
 from paged_jax.kv_cache import KVPool, copy_pages
 from paged_jax.sampling import greedy, sample
+from paged_jax.slots import flat_slot_mapping
 
 
 class PagedModel(Protocol):
@@ -124,7 +125,7 @@ def device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array,
     # Copy-on-write copies are rare: skip the pool-wide gather when none.
     kv = jax.lax.cond(jnp.any(cow_src != ps.NO_PAGE), copy_pages, lambda kv, s, d: kv, kv, cow_src, cow_dst)
     rows, positions = inp.token_rows, inp.positions
-    slots = ps.flat_slot_mapping(state.block_tables, rows, positions, page_size=state.page_size)
+    slots = flat_slot_mapping(state.block_tables, rows, positions, page_size=state.page_size)
     tokens = jnp.where(inp.from_prev, prev[jnp.clip(rows, 0, prev.shape[0] - 1)], inp.tokens)
     batch = RaggedBatch(
         tokens=tokens,

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax.checks import is_int
 from paged_jax.kv_cache import KVPool
 from paged_jax.page_state import NULL_PAGE
 
@@ -114,7 +115,7 @@ def scatter_pages(kv: KVPool, pages: list[int], copied: KVPool, source: list[int
 def _check_pages(name: str, pages, num_pages: int) -> None:
     """Raises ValueError unless ``pages`` is a list of int page ids in
     ``[0, num_pages)``."""
-    bad = [p for p in pages if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or not 0 <= p < num_pages]
+    bad = [p for p in pages if not is_int(p, 0, num_pages)]
     if bad:
         raise ValueError(f"{name} must be page ids in [0, num_pages={num_pages}), got {bad}")
 

@@ -69,7 +69,8 @@ def validate_options(
         ``sliding_window`` not an int >= 1.
     """
     for name, value in (("scale", scale), ("soft_cap", soft_cap)):
-        if value is not None and not (isinstance(value, (int, float)) and 0 < value < math.inf):
+        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                      and 0 < value < math.inf):
             raise ValueError(f"{name} must be a positive finite number or None, got {name}={value!r}")
     if sliding_window is not None and (
         not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1
@@ -252,6 +253,26 @@ def checked_layer(layer: int | jax.Array | None, num_layers: int) -> jax.Array:
         if not 0 <= value < num_layers:
             raise ValueError(f"layer must be in [0, num_layers={num_layers}), got layer={value}")
     return jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1).reshape(1)
+
+
+def check_decode_call(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, layer, *, scale, soft_cap,
+                      sliding_window) -> tuple[jax.Array, jax.Array | None]:
+    """The door of every paged decode kernel: :func:`validate_inputs`,
+    :func:`validate_options`, the lengths (:func:`checked_lengths`) and the
+    layer (:func:`checked_layer`).
+
+    Returns:
+      ``(lengths, layer)`` for the kernel's ``unchecked_*`` twin: lengths
+      clamped to each row's table, the layer clamped into the pool (None
+      stays None).
+
+    Raises:
+      ValueError: what those functions raise.
+    """
+    validate_inputs(q, k_pages, v_pages, block_tables, lengths, None, k_scales, v_scales, layer)
+    lengths, _ = checked_lengths(block_tables, k_pages.shape[-3], k_pages.shape[-2], lengths)
+    validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    return lengths, None if layer is None else checked_layer(layer, k_pages.shape[0])[0]
 
 
 def layer_index(layer: int | jax.Array | None) -> jax.Array:

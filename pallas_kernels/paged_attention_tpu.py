@@ -256,10 +256,8 @@ def paged_attention_tpu(
         ``common.validate_options``; (eager) lengths past a row's table or a
         layer outside the pool.
     """
-    common.validate_inputs(q, k_pages, v_pages, block_tables, lengths, None, k_scales, v_scales, layer)
-    lengths, _ = common.checked_lengths(block_tables, k_pages.shape[-3], k_pages.shape[-2], lengths)
-    common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    layer = None if layer is None else common.checked_layer(layer, k_pages.shape[0])[0]
+    lengths, layer = common.check_decode_call(q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, layer,
+                                              scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
     return unchecked_paged_attention_tpu(
         q, k_pages, v_pages, block_tables, lengths, k_scales, v_scales, scale=scale, soft_cap=soft_cap,
         sliding_window=sliding_window, block_sizes=block_sizes, interpret=interpret, layer=layer,

@@ -25,7 +25,6 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from pallas_kernels import common
 from pallas_kernels.paged_attention_gpu import flash_paged_call

@@ -147,6 +147,8 @@ def test_compilations_are_bucketed():
         (Request(request_id="d", prompt_ids=[1], max_new_tokens=3, sampling={"temperature": 1.0}), "SamplingParams"),
         (Request(request_id="w", prompt_ids={3, 1, 2}, max_new_tokens=3), "sequence of token ids"),
         (Request(request_id="i", prompt_ids=[1], max_new_tokens=3, ignore_eos="no"), "ignore_eos"),
+        (Request(request_id=float("nan"), prompt_ids=[1], max_new_tokens=3), "equal to itself"),
+        (Request(request_id=["x"], prompt_ids=[1], max_new_tokens=3), "hashable"),
     ],
 )
 def test_bad_requests_are_refused_and_change_nothing(req, needle):
@@ -168,6 +170,8 @@ def test_run_is_all_or_nothing():
         engine.run(good + [Request(request_id=9, prompt_ids=[], max_new_tokens=2)])
     with pytest.raises(ValueError, match="already added"):
         engine.run(good + good[:1])
+    with pytest.raises(ValueError, match="got one Request"):
+        engine.run(good[0])
     assert not engine.waiting
     assert sorted(o.request_id for o in engine.run(good)) == [0, 1]
 

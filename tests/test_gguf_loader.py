@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 from models.gguf_loader import load_gguf, smollm2_gguf_path, unpermute_rope_rows
-from models.llama import SMOLLM2_135M, Llama, LlamaConfig
+from models.config import SMOLLM2_135M, LlamaConfig
+from models.llama import Llama
 from models.smollm2 import assign_params, gguf_to_params, load_llama_gguf, load_smollm2
 from models.tokenizer import load_tokenizer
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from models.config import SMOLLM2_135M
 from models.llama import (
-    SMOLLM2_135M,
     Llama,
     LlamaConfig,
     RaggedModel,
@@ -24,6 +24,7 @@ from paged_jax import page_state as ps
 from paged_jax.batch import RaggedBatch, Tiling, batch_shape
 from paged_jax.kv_cache import write_layer_pages, write_pages
 from paged_jax.page_state import NULL_PAGE
+from paged_jax.slots import flat_slot_mapping
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}  # f32, matmul precision "highest" (conftest)
 
@@ -149,7 +150,7 @@ def mixed_calls(model: Llama, schedule, *, page_size=PAGE_SIZE, num_pages=64, ma
             rows[offset:offset + n] = row
             last[i] = offset + n - 1
             offset += n
-        slots = ps.flat_slot_mapping(state.block_tables, jnp.asarray(rows), jnp.asarray(positions),
+        slots = flat_slot_mapping(state.block_tables, jnp.asarray(rows), jnp.asarray(positions),
                                      page_size=page_size)
         batch = RaggedBatch(tokens=jnp.asarray(tokens), positions=jnp.asarray(positions), slots=slots,
                             block_tables=state.block_tables, q_starts=jnp.asarray(starts),
@@ -554,9 +555,21 @@ def test_write_layer_kv_refuses_malformed_pools_and_layers():
             write_layer_kv(pool, jnp.int32(0), k, v, slots)
         with pytest.raises(ValueError, match=match):
             RaggedModel(tiny_model()).check_kv_pool(pool)
-    for layer in (2, -1, True):
+    for layer in (2, -1):
         with pytest.raises(ValueError, match=r"layer must be in \[0, num_layers=2\)"):
             write_layer_kv(kv, layer, k, v, slots)
+    for layer in (True, 1.7, jnp.float32(1.0), "1", np.array([1]), np.bool_(True)):
+        with pytest.raises(ValueError, match="layer must be an integer scalar"):
+            write_layer_kv(kv, layer, k, v, slots)
+    # K/V that would broadcast into the pool's heads are refused, never spread.
+    for bad_k, bad_v, what in [(jnp.ones((1, 2, 16)), v, "k"), (jnp.ones((1, 1, 1)), v, "k"), (k, jnp.ones((1, 1, 8)), "v"),
+                               (jnp.ones((1, 1, 16), jnp.int32), v, "k")]:
+        with pytest.raises(ValueError, match=rf"{what} must be a float \[N_tok, K=1, H=16\] array"):
+            write_layer_kv(kv, 0, bad_k, bad_v, slots)
+    with pytest.raises(ValueError, match="k and v must hold the same tokens, got 2 and 1"):
+        write_layer_kv(kv, 0, jnp.ones((2, 1, 16)), v, jnp.asarray([0, 1], jnp.int32))
+    out = write_layer_kv(kv, 0, jnp.ones((2, 1, 16)), jnp.ones((2, 1, 16)), [0, 5])  # a list of slots works
+    assert int(out.k[0, 0, 1, 1, 0]) != 0
     two = jnp.ones((2, 1, 16), jnp.float32)
     for bad in ([0, 99], [-2, 1], [3, 3]):  # past the pool, negative but not padding, twice
         with pytest.raises(ValueError, match=r"slots must be distinct flat slots in \[0, 20\) or -1"):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from paged_jax import page_state as ps
+from paged_jax.slots import slot_mapping
 
 
 def mask(n, *idx):
@@ -149,7 +150,7 @@ def test_slot_mapping():
     pos = jnp.asarray([[0, 3, 4, 5], [0, 1, 2, 3]], jnp.int32)
     valid = jnp.asarray([[1, 1, 1, 1], [1, 1, 0, 0]], bool)
     # page size 4: pos 0 -> 5*4+0 = 20, pos 3 -> 23, pos 4 -> page 2 -> 8, pos 5 -> 9.
-    slots = ps.slot_mapping(bt, pos, valid, page_size=4)
+    slots = slot_mapping(bt, pos, valid, page_size=4)
     assert np.asarray(slots).tolist() == [[20, 23, 8, 9], [28, 29, -1, -1]]
 
 
@@ -220,14 +221,14 @@ def test_door_checks_refuse_and_leave_state_unchanged(state):
 def test_slot_mapping_never_aliases_and_checks_shapes():
     bt = jnp.asarray([[1, 2]], jnp.int32)  # capacity 8 tokens at page size 4
     pos = jnp.asarray([[3, 8, 100, -1]], jnp.int32)
-    slots = ps.slot_mapping(bt, pos, jnp.ones((1, 4), bool), page_size=4)
+    slots = slot_mapping(bt, pos, jnp.ones((1, 4), bool), page_size=4)
     assert np.asarray(slots).tolist() == [[7, -1, -1, -1]]
     with pytest.raises(ValueError, match="page_size"):
-        ps.slot_mapping(bt, pos, jnp.ones((1, 4), bool), page_size=0)
+        slot_mapping(bt, pos, jnp.ones((1, 4), bool), page_size=0)
     with pytest.raises(ValueError, match="positions"):
-        ps.slot_mapping(bt, jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1), bool), page_size=4)
+        slot_mapping(bt, jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1), bool), page_size=4)
     with pytest.raises(ValueError, match="valid"):
-        ps.slot_mapping(bt, pos, jnp.ones((1, 4), jnp.int32), page_size=4)
+        slot_mapping(bt, pos, jnp.ones((1, 4), jnp.int32), page_size=4)
 
 
 def test_extend_multi_token_exact_ids_and_copy_on_write(state):

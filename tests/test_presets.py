@@ -105,6 +105,10 @@ def test_pool_pages_add_the_null_page_to_whole_pages():
                                  max_seq_len=64)
     assert engine.kv.num_pages == 7 and engine.kv.page_size == 16
     assert engine.config.max_num_batched_tokens == 256 and engine.config.max_seq_len == 64
+    for bad in (0, -5, True, 2.5):  # refused, not raised silently to max_seqs
+        with pytest.raises(ValueError, match="max_batched_tokens must be an int >= 1"):
+            serving.make_engine(Llama(config, rngs=nnx.Rngs(0)), kv_tokens=100, page_size=16, max_seqs=4,
+                                max_seq_len=64, max_batched_tokens=bad)
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -149,6 +149,8 @@ def test_too_few_qualify_is_an_error():
         ({"num_requests": 1, "min_len": -1}, "min_len"),
         ({"num_requests": 1, "max_prompt_len": 0}, "max_prompt_len"),
         ({"num_requests": 1, "batch_size": 0}, "batch_size"),
+        ({"num_requests": 1, "seed": -1}, "seed"),  # Random(-1) shuffles as Random(1)
+        ({"num_requests": 1, "seed": 2.5}, "seed"),
     ],
 )
 def test_bad_arguments(kwargs, name):

@@ -120,7 +120,7 @@ def _unpressured():
     (None, True),  # default capacity: as many pages as the pool
     pytest.param(None, False, marks=pytest.mark.slow),  # without prefix caching: a slow extra
     (6, True),  # too small for long sequences: they are recomputed
-    (0, True),  # no swap space: every preemption recomputes
+    pytest.param(0, True, marks=pytest.mark.slow),  # no swap space: recompute, as test_engine's preemption test
 ])
 def test_swap_preemption_does_not_change_outputs(swap_pages, prefix_caching):
     """Sequences preempted by swap resume from their copied pages and give
@@ -146,7 +146,8 @@ def test_swap_preemption_does_not_change_outputs(swap_pages, prefix_caching):
     assert (np.asarray(engine.state.ref_counts) == 0).all()
 
 
-@pytest.mark.parametrize("n, num_pages", [(1, 21), (4, 45)])  # at most 10 pages a sequence, 40 a group of 4
+@pytest.mark.parametrize("n, num_pages", [pytest.param(1, 21, marks=pytest.mark.slow), (4, 45)])  # 10 pages a
+# sequence at most, 40 a group of 4; the group is the harder case, one sequence a slow extra
 def test_abort_a_swapped_request_empties_its_swap_space(n, num_pages):
     """Aborting a request while it is swapped out gives its pages in host
     memory back (a group of n samples is swapped, and given back, whole)."""
