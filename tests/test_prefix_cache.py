@@ -145,6 +145,7 @@ def test_cached_pages_are_evicted_least_recently_freed_first_under_pressure():
     assert acc["used"] == 0
 
 
+@pytest.mark.slow  # test_kv_manager pins a preempted group's own page ids; this is the sampled soak
 def test_preempted_sequences_recompute_from_the_cache():
     """Under a small pool, preempted sequences find the pages they freed
     still cached when readmitted; outputs equal the unpressured run."""

@@ -20,6 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported
 from models.gguf_loader import smollm2_gguf_path  # noqa: E402
 from models.llama import make_step_fn  # noqa: E402
 from models.smollm2 import generate_greedy, load_smollm2  # noqa: E402
+from tests.decoder_helpers import mixed_calls  # noqa: E402
 
 import torch  # noqa: E402  (the test extra: the oracle must be there, never skipped)
 import transformers  # noqa: E402
@@ -108,7 +109,6 @@ def test_mixed_batches_match_transformers(ours, hf, prompts):
     logits equal transformers on the sequence so far, and the greedy tokens
     equal its argmax."""
     from paged_jax.batch import Tiling
-    from test_llama import mixed_calls
 
     model, tok, _, _ = ours
     a, b, c = (tok.encode(t) for t in prompts)
