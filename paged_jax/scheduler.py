@@ -87,7 +87,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             group = self.running[i].group
-            members = [s for s in self.running[i:] if s.group is group]
+            end = i + 1
+            while end < len(self.running) and self.running[end].group is group:  # a group's sequences stand together
+                end += 1
+            members = self.running[i:end]
             plan, budget, chunks = self._plan(members, budget, chunks)
             need = sum(self.kv.grow_cost(s, n) for s, n in plan)
             while need > self.kv.num_free and self.running[-1].group is not group:
