@@ -127,10 +127,6 @@ class KVCacheManager:
         self._to_free = np.zeros(max_seqs, bool)  # freed by the next call
         self._hits: dict[int, tuple[list[int], int, int]] = {}  # slot -> (pages, tokens, tokens ahead), next call
 
-    @property
-    def usable_pages(self) -> int:
-        return self.kv.num_pages - 1
-
     # -------------------------------------------------------------- costs
 
     def pages_for(self, num_tokens: int) -> int:
