@@ -5,12 +5,17 @@ The serving experiments (``serve_sharegpt``, ``hf_baseline``, ``reproduce``,
 ``sharing``, ``scaling``, ``train_tiny``) all build their engines here:
 :func:`make_engine` sizes the pool from a budget in tokens
 (:func:`pool_pages`: whole pages plus the null page, which holds no
-sequence's K/V) and :func:`serve` runs requests in one allocation mode:
+sequence's K/V) and :func:`serve` runs requests in one allocation mode
+(:data:`MODE_RESERVATIONS`):
 
 * ``paged``: pages handed out as sequences grow (PagedAttention, Kwon et
   al., SOSP 2023);
 * ``contiguous``: each request reserves :data:`MAX_SEQ_LEN` tokens when
-  admitted, as pre-paging servers did (paper section 3).
+  admitted, as pre-paging servers did (paper section 3; Orca (Max) in
+  section 6.1);
+* ``contiguous-pow2``, ``contiguous-oracle``: each reserves its prompt plus
+  the next power of two of its output length, or exactly its output length
+  (Orca (Pow2), Orca (Oracle); :mod:`paged_jax.config`).
 
 Wall times exclude jit compilation (measured through ``jax.monitoring``),
 so that a mode that runs second is not favoured by programs the first one
@@ -20,18 +25,15 @@ compiled.
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 import time
 
 import jax
 import jax.numpy as jnp
 
 from experiments.sharegpt import MAX_SEQ_LEN
-from models.hf_loader import load_hf
+from models import llm
 from models.llama import RaggedModel, weight_matmuls
-from models.presets import PRESETS, random_model
 from models.sharded import make_data_parallel_engine
-from models.smollm2 import load_smollm2
 from paged_jax.checks import check_choice, check_int
 from paged_jax.data_parallel import DataParallelEngine, merged_stats
 from paged_jax.engine import Engine, EngineConfig, EngineStats
@@ -39,7 +41,12 @@ from paged_jax.jit_stats import CompileCounts, CompileMonitor
 from paged_jax.kv_cache import default_kv_dtype
 from paged_jax.requests import Request, RequestOutput
 
+MODE_RESERVATIONS = {"paged": "paged", "contiguous": "max", "contiguous-pow2": "pow2", "contiguous-oracle": "oracle"}
+"""Each mode :func:`serve` runs, by the name its result row carries, and the
+``EngineConfig.reservation`` it runs under (the names follow
+``waste_sim``'s layouts; ``contiguous`` is their ``contiguous-max``)."""
 MODES = ("paged", "contiguous")
+"""The modes the demo (``serve_sharegpt``) compares."""
 CSV_COLUMNS = (
     "mode",
     "requests",
@@ -107,7 +114,7 @@ def make_engine(model, *, kv_tokens: int, page_size: int, max_seqs: int, max_seq
         ``paged_jax.kv_cache.default_kv_dtype()``: f32 on CPU, bf16 on GPU
         and TPU).
       config: further :class:`paged_jax.engine.EngineConfig` fields
-        (``reserve_max_len``, ``enable_prefix_caching``, ``preemption_mode``).
+        (``reservation``, ``enable_prefix_caching``, ``preemption_mode``).
 
     Raises:
       ValueError: ``max_seqs`` or ``max_batched_tokens`` not an int >= 1;
@@ -207,8 +214,10 @@ def serve(
     Args:
       model: a ``models.llama.Llama`` (its config builds the KV pool).
       requests: engine requests.
-      mode: "paged" or "contiguous" (reserve ``MAX_SEQ_LEN`` per request).
-      page_size: tokens per page (both modes allocate in pages).
+      mode: a key of :data:`MODE_RESERVATIONS`: "paged", "contiguous"
+        (reserve ``MAX_SEQ_LEN`` per request), "contiguous-pow2" or
+        "contiguous-oracle".
+      page_size: tokens per page (every mode allocates in pages).
       kv_budget_tokens: K/V slots in the pool, tokens; rounded down to whole
         pages; must hold at least one ``MAX_SEQ_LEN`` sequence.
       max_seqs, max_batched_tokens, paged_model, stop_ids, mesh, kv_dtype:
@@ -227,7 +236,7 @@ def serve(
     Raises:
       ValueError: unknown mode or a budget below one maximum-length sequence.
     """
-    check_choice("mode", mode, MODES)
+    check_choice("mode", mode, MODE_RESERVATIONS)
     check_int("page_size", page_size, 1)
     check_int("kv_budget_tokens", kv_budget_tokens)
     if not (floor is None or floor is False or isinstance(floor, MatmulFloor)):
@@ -241,7 +250,7 @@ def serve(
     kv_dtype = jnp.dtype(kv_dtype or default_kv_dtype())
     engine = make_engine(model, kv_tokens=kv_budget_tokens, page_size=page_size, max_seqs=max_seqs,
                          max_batched_tokens=max_batched_tokens, paged_model=paged_model, mesh=mesh,
-                         stop_ids=stop_ids, kv_dtype=kv_dtype, reserve_max_len=mode == "contiguous",
+                         stop_ids=stop_ids, kv_dtype=kv_dtype, reservation=MODE_RESERVATIONS[mode],
                          enable_prefix_caching=prefix_caching, preemption_mode=preemption_mode)
     outputs, wall, compiles = run_timed(engine, requests, progress=progress)
     st = merged_stats(engine)
@@ -310,16 +319,7 @@ class MatmulFloor:
 
 
 def load_model(spec: str, dtype=jnp.float32):
-    """``(model, tokenizer, name)`` for ``--model``: ``"smollm2"`` (the GGUF),
-    a random-weight preset (tokenizer None) or a Hugging Face checkpoint
-    folder, weights in ``dtype``.
-
-    Raises:
-      FileNotFoundError, ValueError: from the loaders, naming the file.
-    """
-    if spec in PRESETS:
-        return random_model(spec, param_dtype=dtype), None, f"{spec} (random weights)"
-    if spec == "smollm2":
-        return (*load_smollm2(param_dtype=dtype), "SmolLM2-135M-Instruct")
-    return (*load_hf(spec, param_dtype=dtype), pathlib.Path(spec).resolve().name)
-
+    """``(model, tokenizer, name)`` for ``--model``
+    (:func:`models.llm.load_model`: ``"smollm2"``, a ``.gguf`` file, a
+    Hugging Face folder or a random-weight preset), weights in ``dtype``."""
+    return llm.load_model(spec, dtype=dtype)

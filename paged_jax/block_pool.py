@@ -183,10 +183,12 @@ class BlockPool:
         idx = self.seq_lens[slot] // self.page_size
         return bool(idx < self.num_seq_pages[slot] and self.ref_counts[self.block_tables[slot, idx]] > 1)
 
-    def extend(self, num_new: np.ndarray, min_pages: int = 0) -> list[tuple[int, int]] | None:
+    def extend(self, num_new: np.ndarray, min_pages: np.ndarray | int = 0) -> list[tuple[int, int]] | None:
         """Grows slot ``s`` by ``num_new[s]`` tokens, as ``unchecked_extend``:
         released pages are queued (:meth:`flush`), then slots in ascending
         order take pages off the queue's head, a copy-on-write copy first.
+        A grown slot holds at least ``min_pages[s]`` pages afterwards
+        (``min_pages``: i32[max_seqs] or one int for all; a reservation).
 
         Returns:
           the ``(src, dst)`` page copies; ``None``, with nothing changed, when
@@ -205,7 +207,8 @@ class BlockPool:
         for i in range(len(active)):  # an earlier sharer copies; the last one keeps the page
             earlier = int(np.sum(shared[:i] & (cur[:i] == cur[i])))
             cow[i] = shared[i] and self.ref_counts[cur[i]] - earlier > 1
-        want = np.maximum(pages_for_tokens(self.seq_lens[active] + num_new[active], self.page_size), min_pages)
+        floor = np.broadcast_to(np.asarray(min_pages), num_new.shape)[active]
+        want = np.maximum(pages_for_tokens(self.seq_lens[active] + num_new[active], self.page_size), floor)
         grow = np.maximum(want - self.num_seq_pages[active], 0)
         if int(grow.sum() + cow.sum()) > len(self._queue) or (self.num_seq_pages[active] + grow > self.max_pages_per_seq).any():
             return None

@@ -1,13 +1,26 @@
 """The engine's configuration: scheduler limits, the preemption mode, prefix
-caching and the contiguous baseline (:class:`paged_jax.engine.Engine`).
+caching and the reservation policy (:class:`paged_jax.engine.Engine`).
 
-Contiguous baseline: with ``reserve_max_len=True`` every request reserves
-``max_seq_len`` slots when admitted, as pre-paging servers reserved a
-request's maximum length (PagedAttention, Kwon et al., SOSP 2023, section
-3). The reservation is backed by pages, which removes external
-fragmentation, so the comparison *understates* what paging gains over a
-truly contiguous allocator. Attention work is the same in both modes: it is
-bounded by each sequence's length, not by its reservation.
+Reservation policies. Besides paging on demand, the engine runs the
+PagedAttention paper's baselines (Kwon et al., SOSP 2023, section 6.1):
+pre-paging servers such as Orca reserve a sequence's slots when it is
+admitted, for a length the server decides up front (:func:`reserved_tokens`):
+
+- ``"paged"``: nothing reserved; pages are taken as the sequence grows (vLLM);
+- ``"max"``: ``max_seq_len`` tokens (Orca (Max));
+- ``"pow2"``: the prompt plus the next power of two of the true output
+  length, at most ``max_seq_len`` ("if the true output length is 25, it
+  reserves 32 positions for outputs"; Orca (Pow2));
+- ``"oracle"``: the prompt plus exactly the true output length (Orca (Oracle)).
+
+The true output length is the request's ``max_new_tokens``. Serving
+benchmarks run with ``ignore_eos=True``, where that is exactly how long the
+output is; with EOS allowed a sequence may stop sooner, and ``"oracle"``
+then reserves the cap the request declared, not the length it turns out to
+have. The reservation is backed by pages, which removes external
+fragmentation, so the baselines *understate* what paging gains over a
+truly contiguous allocator. Attention work is the same under every policy:
+it is bounded by each sequence's length, not by its reservation.
 """
 
 from __future__ import annotations
@@ -16,6 +29,42 @@ import dataclasses
 
 from paged_jax.batch import Tiling
 from paged_jax.checks import check_bool, check_choice, check_instance, check_int
+
+RESERVATIONS = ("paged", "max", "pow2", "oracle")
+"""The values of ``EngineConfig.reservation``."""
+
+
+def reserved_tokens(policy: str, prompt_len: int, max_new_tokens: int, max_seq_len: int) -> int:
+    """Tokens one sequence holds pages for from its admission on, however
+    short it still is, under reservation ``policy`` (one of
+    :data:`RESERVATIONS`; see the module docstring). The one place the rule
+    lives: the KV manager's costs and growth and a request's check against
+    the pool all ask here. Every sequence of a group (parallel samples,
+    beams) reserves the same.
+
+    Args:
+      policy: "paged" (0: nothing reserved), "max", "pow2" or "oracle".
+      prompt_len: the request's prompt tokens.
+      max_new_tokens: its output cap, taken as the true output length
+        (exact with ``ignore_eos``).
+      max_seq_len: the engine's most tokens per sequence; no policy
+        reserves more.
+
+    Returns:
+      e.g. with ``prompt_len=5, max_new_tokens=25, max_seq_len=80``: paged
+      0, max 80, pow2 5 + 32 = 37, oracle 5 + 25 = 30.
+
+    Raises:
+      ValueError: an unknown ``policy``.
+    """
+    check_choice("policy", policy, RESERVATIONS)
+    if policy == "paged":
+        return 0
+    if policy == "max":
+        return max_seq_len
+    if policy == "pow2":
+        return min(prompt_len + (1 << (max_new_tokens - 1).bit_length()), max_seq_len)
+    return min(prompt_len + max_new_tokens, max_seq_len)  # oracle
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,8 +77,10 @@ class EngineConfig:
       max_num_batched_tokens: tokens per model call, decode tokens and
         prefill chunks together (the token budget of chunked prefill);
         >= ``max_seqs`` so every running sequence can decode in one call.
-      reserve_max_len: reserve ``max_seq_len`` slots per request at admission
-        (the contiguous baseline) instead of paging on demand.
+      reservation: the tokens each sequence holds pages for from its
+        admission on: "paged" (none: pages on demand), "max", "pow2" or
+        "oracle" (the paper's Orca baselines; see the module docstring and
+        :func:`reserved_tokens`).
       tiling: how attention cuts a call into work, and how many prefill
         chunks one call carries (:class:`paged_jax.batch.Tiling`).
       async_scheduling: schedule and dispatch iteration ``i + 1`` before
@@ -53,7 +104,7 @@ class EngineConfig:
     max_seqs: int = 64
     max_seq_len: int = 2048
     max_num_batched_tokens: int = 256
-    reserve_max_len: bool = False
+    reservation: str = "paged"
     tiling: Tiling = Tiling()
     async_scheduling: bool = True
     enable_prefix_caching: bool = True
@@ -70,7 +121,8 @@ class EngineConfig:
                 f"got max_num_batched_tokens={self.max_num_batched_tokens} max_seqs={self.max_seqs}"
             )
         check_choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
+        check_choice("reservation", self.reservation, RESERVATIONS)
         if self.swap_space_pages is not None:
             check_int("swap_space_pages", self.swap_space_pages, 0)
-        for name in ("reserve_max_len", "async_scheduling", "enable_prefix_caching"):
+        for name in ("async_scheduling", "enable_prefix_caching"):
             check_bool(name, getattr(self, name))

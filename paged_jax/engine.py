@@ -34,8 +34,8 @@ The engine refuses, at construction, a pool too small to hold one sequence
 of ``max_seq_len`` tokens, and at admission a group whose sequences could
 not all fit in the pool, so the oldest running group can always proceed.
 
-The contiguous baseline is ``EngineConfig(reserve_max_len=True)``
-(:mod:`paged_jax.config`).
+The paper's Orca baselines are ``EngineConfig(reservation="max")``,
+``"pow2"`` and ``"oracle"`` (:mod:`paged_jax.config`).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ import numpy as np
 from paged_jax import beam_search
 from paged_jax.checks import check_bool, check_instance
 from paged_jax.config import EngineConfig
+from paged_jax.detokenizer import IncrementalDetokenizer, as_tokenizer
 from paged_jax.input_builder import build_step_inputs, samples_in_call
 from paged_jax.kv_cache import KVPool
 from paged_jax.kv_manager import KVCacheManager
@@ -73,7 +74,8 @@ class _InFlight:
     """A dispatched call whose results the host has not read yet."""
 
     sampled: jax.Array  # i32[S] sampled token per page-state row (device)
-    top: tuple  # (i32[S, K] ids, f32[S, K] log-probs) per row, K = 0 without beam search (device)
+    top: tuple  # (i32[S, K] ids, f32[S, K] log-probs) per row, K = 0 without beam search or logprobs (device)
+    sampled_lp: jax.Array  # f32[S] the sampled token's log-prob per row, zeros unless asked for (device)
     ok: jax.Array  # bool[] the page-state update succeeded (device)
     num_free: jax.Array  # i32[] free pages after it (device)
     samplers: list[Sequence]  # the sequences that sample in it
@@ -100,6 +102,11 @@ class Engine:
       check_page_state: after every call, read the device's whole page
         state back and compare it with the host's twin
         (:class:`paged_jax.block_pool.BlockPool`); slow, for tests.
+      tokenizer: a ``tokenizers.Tokenizer`` (or an object holding one,
+        such as ``models.tokenizer.Tokenizer``:
+        :func:`paged_jax.detokenizer.as_tokenizer`): outputs then
+        carry their text, detokenized incrementally
+        (:mod:`paged_jax.detokenizer`), and requests may have stop strings.
 
     Raises:
       ValueError: the pool cannot hold one sequence of ``config.max_seq_len``
@@ -110,7 +117,7 @@ class Engine:
     """
 
     def __init__(self, model: PagedModel, kv_pool: KVPool, config: EngineConfig, *, stop_ids: Iterable[int] = (),
-                 vocab_size: int | None = None, check_page_state: bool = False):
+                 vocab_size: int | None = None, check_page_state: bool = False, tokenizer=None):
         check_instance("kv_pool", kv_pool, KVPool, what="paged_jax.kv_cache.KVPool")
         check_instance("config", config, EngineConfig)
         vocab_size = check_model(model, kv_pool, vocab_size)
@@ -125,7 +132,9 @@ class Engine:
             raise ValueError(f"stop_ids must be a list, tuple or set of token ids, got {stop_ids!r}")
         check_token_ids("stop_ids", stop_ids, vocab_size)
         self.check_page_state = check_bool("check_page_state", check_page_state)
+        self.tokenizer = None if tokenizer is None else as_tokenizer(tokenizer)
         self.model = model
+        self.params = model.params  # what the step runs with (update_weights swaps it)
         self.config = config
         self.vocab_size = vocab_size
         self.stop_ids = frozenset(int(t) for t in stop_ids)
@@ -133,7 +142,7 @@ class Engine:
         self.stats = EngineStats()
         swap_pages = config.swap_space_pages if config.swap_space_pages is not None else kv_pool.num_pages - 1
         self.kv_manager = KVCacheManager(
-            kv_pool, max_seqs=config.max_seqs, max_seq_len=config.max_seq_len, reserve_max_len=config.reserve_max_len,
+            kv_pool, max_seqs=config.max_seqs, max_seq_len=config.max_seq_len, reservation=config.reservation,
             enable_prefix_caching=config.enable_prefix_caching, swap_space_pages=swap_pages, stats=self.stats)
         self.scheduler = Scheduler(
             max_seqs=config.max_seqs, max_num_batched_tokens=config.max_num_batched_tokens, tiling=config.tiling,
@@ -141,7 +150,7 @@ class Engine:
         self.max_pages_per_seq = self.kv_manager.max_pages_per_seq
         self.limits = RequestLimits(
             vocab_size=vocab_size, max_seq_len=config.max_seq_len, max_seqs=config.max_seqs,
-            page_size=self.page_size, usable_pages=kv_pool.num_pages - 1, reserve_pages=self.kv_manager.reserve_pages)
+            page_size=self.page_size, usable_pages=kv_pool.num_pages - 1, reservation=config.reservation)
         self._live: dict = {}  # request_id -> group, while unfinished: ids need only be unique among these
         self._inflight: _InFlight | None = None  # the dispatched call not yet read
         self._no_prev = jnp.zeros(config.max_seqs, jnp.int32)
@@ -178,6 +187,15 @@ class Engine:
         free + cached + used = total."""
         return self.kv_manager.accounting()
 
+    def clock(self) -> float:
+        """Seconds on the engine's clock (``time.perf_counter``), which
+        starts at the first :meth:`add_request` or :meth:`step`: arrival,
+        token and finish times are on it."""
+        now = time.perf_counter()
+        if self._t0 is None:
+            self._t0 = now
+        return now - self._t0
+
     # ------------------------------------------------------------------ API
 
     def add_request(self, request: Request) -> None:
@@ -192,7 +210,8 @@ class Engine:
         """
         self._raise_if_failed()
         self.check_request(request, self._live)
-        group = SequenceGroup.from_request(request)
+        group = SequenceGroup.from_request(request, arrival_s=self.clock())
+        self._attach_detokenizer(group.seqs[0])
         self.scheduler.add(group)
         self._live[request.request_id] = group
 
@@ -205,6 +224,9 @@ class Engine:
         """
         check_instance("request", request, Request)
         request.check(self.limits)
+        if request.sampling.stop and self.tokenizer is None:
+            raise ValueError(f"request {request.request_id!r}: stop strings {request.sampling.stop!r} need an engine "
+                             "built with a tokenizer (Engine(..., tokenizer=...))")
         if request.request_id in taken:
             raise ValueError(f"request_id {request.request_id!r} was already added and has not finished")
 
@@ -238,6 +260,49 @@ class Engine:
             self.kv_manager.flush_frees()
         return out
 
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached page: no later request hits K/V computed
+        before now (vLLM's ``reset_prefix_cache``). Pages running sequences
+        hold stay theirs. Returns the pages forgotten."""
+        cache = self.kv_manager.prefix_cache
+        if cache is None:
+            return 0
+        n = len(cache)
+        cache.clear()
+        return n
+
+    def update_weights(self, params) -> None:
+        """Serves ``params`` from now on, without recompiling: new weights
+        of the same tree, shapes and dtypes, placed as the old ones (what RL
+        rollouts do between training steps). The prefix cache is reset, so
+        no request hits K/V the old weights computed.
+
+        Args:
+          params: a pytree like the model's ``params``.
+
+        Raises:
+          ValueError: a different tree structure, or a leaf of another shape
+            or dtype (named by its path). The engine is then unchanged.
+          RuntimeError: requests are unfinished (their K/V came from the old
+            weights: finish or abort them first), or the engine failed.
+        """
+        self._raise_if_failed()
+        if self.has_unfinished():
+            raise RuntimeError(f"update_weights with {len(self._live)} unfinished requests: their K/V came from the "
+                               "old weights; finish or abort them first")
+        old_leaves, old_tree = jax.tree_util.tree_flatten_with_path(self.params)
+        new_leaves, new_tree = jax.tree_util.tree_flatten_with_path(params)
+        if old_tree != new_tree:
+            raise ValueError(f"params: a different tree structure from the model's ({new_tree} vs {old_tree})")
+        for (path, old), (_, new) in zip(old_leaves, new_leaves):
+            if np.shape(new) != np.shape(old) or jnp.result_type(new) != jnp.result_type(old):
+                raise ValueError(f"params{jax.tree_util.keystr(path)}: shape {np.shape(new)} dtype "
+                                 f"{jnp.result_type(new)}, expected {np.shape(old)} {jnp.result_type(old)}")
+        self.params = jax.tree.map(
+            lambda new, old: jax.device_put(new, old.sharding) if isinstance(old, jax.Array) else new,
+            params, self.params)
+        self.reset_prefix_cache()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
 
@@ -245,7 +310,12 @@ class Engine:
         """Adds ``requests`` (all or none: each is checked first) and steps
         until every request has finished.
 
-        Returns the outputs in the order the requests finished.
+        Returns the final outputs in the order the requests finished.
+
+        Raises:
+          ValueError: a request :meth:`add_request` would refuse, or one
+            that streams deltas (``output_kind="delta"``: its final output
+            would hold only its last delta; stream it with :meth:`step`).
         """
         if isinstance(requests, Request):
             raise ValueError("requests must be an iterable of Request, got one Request: pass [request]")
@@ -253,6 +323,9 @@ class Engine:
         taken = set(self._live)
         for r in requests:
             self.check_request(r, taken)
+            if r.sampling.output_kind == "delta":
+                raise ValueError(f"request {r.request_id!r}: output_kind='delta' streams through step(); run() "
+                                 "returns final outputs only (use 'final' or 'cumulative')")
             taken.add(r.request_id)
         for r in requests:
             self.add_request(r)
@@ -266,7 +339,9 @@ class Engine:
         then read the previous call's tokens (with ``async_scheduling``) or
         this one's, and do the bookkeeping.
 
-        Returns the requests that finished in it.
+        Returns the requests that finished in it, and (for requests whose
+        ``SamplingParams.output_kind`` streams) those that got tokens in it,
+        with ``finished=False``.
 
         Raises:
           FloatingPointError: the model's logits for a request were NaN or
@@ -295,20 +370,20 @@ class Engine:
     def _step(self) -> list[RequestOutput]:
         if not self.has_unfinished():
             return []
-        if self._t0 is None:
-            self._t0 = time.perf_counter()
+        self.clock()  # starts it
         t_start, c_start = time.perf_counter(), compile_seconds()
         scheduled = self.scheduler.schedule()
         prev, self._inflight = self._inflight, None
         current = self._dispatch(scheduled, prev) if scheduled else None
         finished: list[Sequence] = []
+        touched: list[SequenceGroup] = []  # groups that got tokens
         if prev is not None:
-            self._complete(prev, finished)
+            self._complete(prev, finished, touched)
         if current is not None:
             if self.config.async_scheduling:
                 self._inflight = current
             else:
-                self._complete(current, finished)
+                self._complete(current, finished, touched)
 
         held, used = self.kv_manager.usage()
         tokens = sum(s.num_computed for s in self.running)
@@ -317,6 +392,10 @@ class Engine:
             self.scheduler.remove(s)  # running, or preempted while its last token was in flight
             if s.group.finished and not s.group.reported:
                 outputs.append(self._finish(s.group))
+        now = self.clock()
+        for group in touched:
+            if not group.reported and group.request.sampling.output_kind != "final":
+                outputs.append(request_output(group, now=now, finished=False))
         if not self.has_unfinished():
             self.kv_manager.flush_frees()
         self.stats.record_iteration(seconds=time.perf_counter() - t_start, compile_s=compile_seconds() - c_start,
@@ -333,9 +412,12 @@ class Engine:
         kvm = self.kv_manager
         children = {e.seq.slot: e.seq.group.spawn_children(e.seq) for e in scheduled
                     if samples_in_call(e.seq, e.num_tokens) and e.seq.group.wants_children(e.seq)}
+        for kids in children.values():
+            for child in kids:
+                self._attach_detokenizer(child)
         forks_pre = [s for s in self.running if s.fork_pre is not None]
         inputs, shape, samplers = build_step_inputs(scheduled, children, forks_pre, kvm.call_pages(),
-                                                    tiling=self.config.tiling, reserve_pages=kvm.reserve_pages)
+                                                    tiling=self.config.tiling)
         for seq in forks_pre:
             seq.fork_pre = None
         # The twin takes the same steps as the device call: free, share (done
@@ -343,12 +425,15 @@ class Engine:
         expected_free = kvm.plan_call(inputs.fork_pre, inputs.num_new, inputs.fork_src)
         greedy_only = all(s.request.sampling.greedy for s in samplers)
         width = max((s.request.sampling.beam_width for s in samplers), default=0)
-        top_k = 1 << (2 * width - 1).bit_length() if width else 0  # 2 * width, bucketed to a power of two
-        self.stats.programs.add((shape, greedy_only, top_k))
+        asked = [s.request.sampling.logprobs for s in samplers if s.request.sampling.logprobs is not None]
+        want = max(2 * width, max(asked, default=0))
+        top_k = 1 << (want - 1).bit_length() if want else 0  # bucketed to a power of two
+        logprobs = bool(asked)
+        self.stats.programs.add((shape, greedy_only, top_k, logprobs))
         c0, t0 = compile_seconds(), time.perf_counter()
-        kvm.state, kvm.kv, new, top, ok, num_free = device_step(
-            self.model, self.model.params, kvm.state, kvm.kv, self._no_prev if prev is None else prev.sampled,
-            inputs, shape=shape, greedy_only=greedy_only, top_k=top_k,
+        kvm.state, kvm.kv, new, top, sampled_lp, ok, num_free = device_step(
+            self.model, self.params, kvm.state, kvm.kv, self._no_prev if prev is None else prev.sampled,
+            inputs, shape=shape, greedy_only=greedy_only, top_k=top_k, logprobs=logprobs,
         )
         compile_s = compile_seconds() - c0
         if self.check_page_state:
@@ -368,17 +453,20 @@ class Engine:
         for seq in self.running:
             kvm.offer(seq)
         return _InFlight(
-            sampled=new, top=top, ok=ok, num_free=num_free, samplers=samplers,
+            sampled=new, top=top, sampled_lp=sampled_lp, ok=ok, num_free=num_free, samplers=samplers,
             sampler_slots=[seq.slot for seq in samplers], expected_free=expected_free,
             record=CallRecord(shape=shape, tokens=sum(e.num_tokens for e in scheduled), decode_tokens=decode,
                               seconds=time.perf_counter() - t0 - compile_s, compile_s=compile_s),
         )
 
-    def _complete(self, call: _InFlight, finished: list[Sequence]) -> None:
+    def _complete(self, call: _InFlight, finished: list[Sequence], touched: list[SequenceGroup]) -> None:
         """Reads a call's sampled tokens (the one transfer), checks the
-        device's page state against the host's plan, and records tokens."""
+        device's page state against the host's plan, and records tokens
+        (their times, log-probs and text); ``touched`` gets the groups that
+        got tokens."""
         t0 = time.perf_counter()
-        sampled, (top_ids, top_lps), ok, num_free = jax.device_get((call.sampled, call.top, call.ok, call.num_free))
+        sampled, (top_ids, top_lps), sampled_lp, ok, num_free = jax.device_get(
+            (call.sampled, call.top, call.sampled_lp, call.ok, call.num_free))
         rec = call.record
         rec.seconds += time.perf_counter() - t0
         if not ok or int(num_free) != call.expected_free:  # the host plan is exact, so this is a bug
@@ -387,7 +475,7 @@ class Engine:
                 f"host {call.expected_free}"
             )
         self.stats.record_call(rec)
-        now = time.perf_counter() - self._t0
+        now = self.clock()
         bad = [seq.request.request_id for seq, slot in zip(call.samplers, call.sampler_slots)
                if not seq.done and (np.isnan(top_lps[slot]).any() if seq.group.beam else sampled[slot] < 0)]
         if bad:  # a token drawn from NaN would look valid: stop instead (the engine is then failed)
@@ -408,18 +496,30 @@ class Engine:
                 continue
             tok = int(sampled[slot])
             seq.tokens.append(tok)
+            seq.token_times.append(now)
             self.stats.generated_tokens += 1
             if group.first_token_s is None:
                 group.first_token_s = now
+            if seq.logprobs is not None:
+                lp = float(sampled_lp[slot])
+                seq.cum_logprob += lp
+                k = seq.request.sampling.logprobs
+                seq.logprobs.append({**{int(t): float(v) for t, v in zip(top_ids[slot, :k], top_lps[slot, :k])},
+                                     tok: lp})
+            if group not in touched:
+                touched.append(group)
+            stop_str = seq.detok.push(tok) if seq.detok is not None else None
             stop = tok in self.stop_ids and not seq.request.ignore_eos
-            if stop or seq.num_generated >= seq.request.max_new_tokens:
-                seq.finish("stop" if stop else "length")
+            if stop_str is not None or stop or seq.num_generated >= seq.request.max_new_tokens:
+                seq.finish("stop" if stop_str is not None or stop else "length")
+                seq.stop_reason = stop_str if stop_str is not None else (tok if stop else None)
                 finished.append(seq)
         for group in beam_groups:
             live = group.live
             if all(s.index in group.candidates and not s.pending for s in live):
                 if group.first_token_s is None:
                     group.first_token_s = now
+                group.step_times.append(now)
                 self._advance_beams(group, live, finished)
 
     def _advance_beams(self, group: SequenceGroup, live: list[Sequence], finished: list[Sequence]) -> None:
@@ -439,10 +539,25 @@ class Engine:
         self.scheduler.add_forks(group, step.forks)
 
     def _finish(self, group: SequenceGroup) -> RequestOutput:
-        """The group's output; its rows and swapped pages go back."""
+        """The group's final output; its rows and swapped pages go back."""
         self._live.pop(group.request.request_id, None)
         self.scheduler.return_child_slots(group)
         self.kv_manager.drop_swapped(group)
         group.reported = True
-        now = time.perf_counter()
-        return request_output(group, finish_s=now - (self._t0 if self._t0 is not None else now))
+        return request_output(group, now=self.clock(), finished=True, decode=self._decode)
+
+    def _attach_detokenizer(self, seq: Sequence) -> None:
+        if self.tokenizer is not None and not seq.group.beam:
+            sampling = seq.request.sampling
+            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.tokens[: seq.num_prompt],
+                                               skip_special_tokens=sampling.skip_special_tokens, stop=sampling.stop)
+
+    def _decode(self, prompt_ids: list[int], ids: list[int], skip_special_tokens: bool) -> str | None:
+        """A beam hypothesis' text, as a streamed sequence's would read (None
+        without a tokenizer)."""
+        if self.tokenizer is None:
+            return None
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
+        for t in ids:
+            detok.push(t)
+        return detok.text

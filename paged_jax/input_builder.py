@@ -31,7 +31,6 @@ def build_step_inputs(
     pages: CallPages,
     *,
     tiling: Tiling,
-    reserve_pages: int,
 ) -> tuple[StepInputs, BatchShape, list[Sequence]]:
     """The call's inputs.
 
@@ -41,10 +40,9 @@ def build_step_inputs(
         (they sample their first token from the parent's logits).
       forks_pre: beams that fork their parent's pages (``fork_pre``) before
         anything grows.
-      pages: the KV manager's part (frees, shares).
+      pages: the KV manager's part (frees, shares, each growing row's
+        reservation).
       tiling: the bucketing of tokens and chunks.
-      reserve_pages: pages every grown row holds at least (the contiguous
-        baseline's reservation; 0 when paging on demand).
 
     Returns:
       ``(inputs, shape, samplers)``: ``samplers`` are the sequences that
@@ -97,7 +95,7 @@ def build_step_inputs(
         streams[r], steps[r] = seq.index, seq.num_generated + seq.pending
     inputs = StepInputs(
         free_mask=pages.free_mask, num_hit=pages.num_hit, hit_pages=pages.hit_pages, hit_tokens=pages.hit_tokens,
-        num_new=q_lens - pages.ahead, q_lens=q_lens, min_pages=np.full(S, reserve_pages, np.int32), fork_pre=fork_pre,
+        num_new=q_lens - pages.ahead, q_lens=q_lens, min_pages=pages.min_pages, fork_pre=fork_pre,
         fork_src=fork_src, tokens=tokens, from_prev=from_prev, positions=positions, token_rows=token_rows,
         q_starts=q_starts, logits_rows=logits_rows, logits_slots=logits_slots, temperature=temperature, top_p=top_p,
         seeds=seeds, streams=streams, steps=steps,

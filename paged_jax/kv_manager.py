@@ -12,7 +12,8 @@ it never reads block tables or reference counts. This module owns:
 - the host's exact twin of the page state
   (:class:`paged_jax.block_pool.BlockPool`, "Why a twin");
 - the plan of the round being scheduled: free pages once it is done, pages
-  per slot, slots to free, pages each admitted slot takes in the next call;
+  per slot, slots to free, pages each admitted slot takes in the next call,
+  pages each growing slot holds at least (its reservation);
 - the prefix cache (:mod:`paged_jax.prefix_cache`) and the swap space
   (:mod:`paged_jax.swap`).
 
@@ -27,6 +28,16 @@ blocks when it allocates them). In the page state the first sequence then
 holds those pages ahead of its length: the call shares them with it
 (:func:`paged_jax.page_state.unchecked_share`, their tokens counted) and
 grows it only by the rest of its chunk.
+
+Reservations. Under a reservation policy other than ``"paged"``
+(:mod:`paged_jax.config`) a sequence holds pages for
+:func:`paged_jax.config.reserved_tokens` tokens from its admission on: every
+cost here counts them, and the call that first grows it takes them
+(``min_pages``, per slot, in :class:`CallPages`). A fork shares only the
+pages holding its parent's tokens, so a parallel sample or beam takes its
+own reservation when it first grows, and a sequence swapped out copies
+only the pages holding its tokens and takes its reservation again when it
+is swapped in.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ import numpy as np
 
 from paged_jax import page_state as ps
 from paged_jax.block_pool import BlockPool
+from paged_jax.config import reserved_tokens
 from paged_jax.kv_cache import KVPool
 from paged_jax.prefix_cache import PrefixCache, chain_keys
 from paged_jax.sequence import Sequence, SequenceGroup
@@ -85,6 +97,8 @@ class CallPages:
       hit_tokens: i32[S] tokens the slot then holds.
       ahead: i32[S] of those tokens, how many the call itself computes
         (same-step pages): the slot grows by its chunk less these.
+      min_pages: i32[S] pages a slot the call grows holds afterwards at
+        least (its reservation; 0 when paging on demand).
     """
 
     free_mask: np.ndarray
@@ -92,6 +106,7 @@ class CallPages:
     hit_pages: np.ndarray
     hit_tokens: np.ndarray
     ahead: np.ndarray
+    min_pages: np.ndarray
 
 
 class KVCacheManager:
@@ -102,19 +117,21 @@ class KVCacheManager:
         page state. Owned from now on (each call donates it).
       max_seqs: page-state rows.
       max_seq_len: most tokens per sequence.
-      reserve_max_len: every sequence holds pages for ``max_seq_len``
-        tokens from admission on (the contiguous baseline).
+      reservation: the reservation policy (``EngineConfig.reservation``):
+        every sequence holds pages for
+        :func:`paged_jax.config.reserved_tokens` tokens from admission on.
       enable_prefix_caching: keep full pages keyed by their tokens.
       swap_space_pages: pages the swap space holds.
       stats: counters it adds to.
     """
 
-    def __init__(self, kv_pool: KVPool, *, max_seqs: int, max_seq_len: int, reserve_max_len: bool,
+    def __init__(self, kv_pool: KVPool, *, max_seqs: int, max_seq_len: int, reservation: str,
                  enable_prefix_caching: bool, swap_space_pages: int, stats: EngineStats):
         self.kv = kv_pool
         self.page_size = L = kv_pool.page_size
+        self.max_seq_len = max_seq_len
         self.max_pages_per_seq = ps.pages_for_tokens(max_seq_len, L)
-        self.reserve_pages = self.max_pages_per_seq if reserve_max_len else 0
+        self.reservation = reservation
         self.state = ps.init_page_state(num_pages=kv_pool.num_pages, max_seqs=max_seqs,
                                         max_pages_per_seq=self.max_pages_per_seq, page_size=L)
         self.prefix_cache = PrefixCache(L) if enable_prefix_caching else None
@@ -125,19 +142,26 @@ class KVCacheManager:
         self.num_free = kv_pool.num_pages - 1  # free pages once this round's plan is done
         self._held = np.zeros(max_seqs, np.int64)  # pages per slot once this round's plan is done
         self._to_free = np.zeros(max_seqs, bool)  # freed by the next call
+        self._min_pages = np.zeros(max_seqs, np.int32)  # pages each slot the next call grows holds at least
         self._hits: dict[int, tuple[list[int], int, int]] = {}  # slot -> (pages, tokens, tokens ahead), next call
 
     # -------------------------------------------------------------- costs
 
-    def pages_for(self, num_tokens: int) -> int:
-        """Pages one sequence of ``num_tokens`` tokens holds (its
+    def reserved_pages(self, seq: Sequence) -> int:
+        """Pages ``seq`` holds from admission on, however short it is (0
+        when paging on demand)."""
+        tokens = reserved_tokens(self.reservation, seq.num_prompt, seq.request.max_new_tokens, self.max_seq_len)
+        return ps.pages_for_tokens(tokens, self.page_size)
+
+    def pages_for(self, seq: Sequence, num_tokens: int) -> int:
+        """Pages ``seq`` holds once it has ``num_tokens`` tokens (its
         reservation included)."""
-        return max(ps.pages_for_tokens(num_tokens, self.page_size), self.reserve_pages)
+        return max(ps.pages_for_tokens(num_tokens, self.page_size), self.reserved_pages(seq))
 
     def grow_cost(self, seq: Sequence, n: int) -> int:
         """Pages running ``seq`` takes to compute ``n`` more tokens (a
         copy-on-write copy counted when its next token lands in a shared page)."""
-        return self.pages_for(seq.num_computed + n) - int(self._held[seq.slot]) + self.pool.cow_needed(seq.slot)
+        return self.pages_for(seq, seq.num_computed + n) - int(self._held[seq.slot]) + self.pool.cow_needed(seq.slot)
 
     def fills_page(self, seq: Sequence, n: int) -> bool:
         """After ``n`` more tokens, ``seq``'s pages are full (its next token
@@ -150,11 +174,12 @@ class KVCacheManager:
         swapped = self.swap.get(group)
         if swapped is not None:
             rows = [swapped.tables[s.index] for s in members]
-            cost = len(set().union(*rows)) + sum(self.pages_for(s.num_tokens) - len(r) + 1 for s, r in zip(members, rows))
+            cost = len(set().union(*rows)) + sum(self.pages_for(s, s.num_tokens) - len(r) + 1
+                                                 for s, r in zip(members, rows))
             return Admission(cost=cost, hits=[[] for _ in members], swapped=swapped, members=members,
                              computed=[swapped.num_tokens[s.index] for s in members])
         hits = [self._lookup(s) for s in members]
-        new_pages = sum(self.pages_for(len(s.tokens)) - len(h) for s, h in zip(members, hits))
+        new_pages = sum(self.pages_for(s, len(s.tokens)) - len(h) for s, h in zip(members, hits))
         cost = new_pages + sum(1 for p in set().union(*hits) if self.pool.ref_counts[p] == 0)
         return Admission(cost=cost, hits=hits, swapped=None, members=members,
                          computed=[len(h) * self.page_size for h in hits])
@@ -174,6 +199,7 @@ class KVCacheManager:
         need = self.grow_cost(seq, n)
         self.num_free -= need
         self._held[seq.slot] += need
+        self._min_pages[seq.slot] = self.reserved_pages(seq)
 
     def admit(self, group: SequenceGroup, adm: Admission, chunks: list[int]) -> None:
         """Gives the admitted members (now holding slots) their pages: back
@@ -194,9 +220,10 @@ class KVCacheManager:
                     self._take_filled_pages(seq, n)
         for seq, n in zip(members, chunks):
             held = int(self.pool.num_seq_pages[seq.slot])
-            need = self.pages_for(seq.num_computed + n) - held + (self.pool.cow_needed(seq.slot) if n else 0)
+            need = self.pages_for(seq, seq.num_computed + n) - held + (self.pool.cow_needed(seq.slot) if n else 0)
             self.num_free -= need
             self._held[seq.slot] = held + need
+            self._min_pages[seq.slot] = self.reserved_pages(seq)
 
     def _admit_hits(self, seq: Sequence, hits: list[int]) -> None:
         st = self.stats
@@ -320,21 +347,23 @@ class KVCacheManager:
             num_hit[slot], hit_tokens[slot], ahead[slot] = len(pages), tokens, computed_ahead
             hit_pages[slot, : len(pages)] = pages
         return CallPages(free_mask=self._to_free.copy(), num_hit=num_hit, hit_pages=hit_pages, hit_tokens=hit_tokens,
-                         ahead=ahead)
+                         ahead=ahead, min_pages=self._min_pages.copy())
 
     def plan_call(self, fork_pre: np.ndarray, num_new: np.ndarray, fork_src: np.ndarray) -> int:
         """Takes the twin through what the next call does on device after
         its frees and shares: forks ``fork_pre`` (i32[S] source slot or
-        -1), grows by ``num_new`` (i32[S]), forks ``fork_src``. Returns the
-        free pages the device must report after it."""
+        -1), grows by ``num_new`` (i32[S]) to at least the planned
+        reservations (:attr:`CallPages.min_pages`), forks ``fork_src``.
+        Returns the free pages the device must report after it."""
         for dst in np.flatnonzero(fork_pre >= 0):
             self.pool.fork(int(fork_pre[dst]), int(dst))
-        if self.pool.extend(num_new, self.reserve_pages) is None:  # the plan is exact: a bug
+        if self.pool.extend(num_new, self._min_pages) is None:  # the plan is exact: a bug
             raise RuntimeError(f"the scheduler planned growth the pool cannot give ({self.pool.num_free} free pages)")
         for dst in np.flatnonzero(fork_src >= 0):
             self.pool.fork(int(fork_src[dst]), int(dst))
         self._hits.clear()
         self._to_free[:] = False
+        self._min_pages[:] = 0
         self.num_free = self.pool.num_free  # the plan counted a copy for every shared page; now exact
         self._held[:] = self.pool.num_seq_pages
         return self.num_free

@@ -149,6 +149,12 @@ class PrefixCache:
         self._by_page[page] = _Entry(key=key, parent=parent, tokens=tuple(tokens[j * L : (j + 1) * L]), extra=extra)
         return True
 
+    def clear(self) -> None:
+        """Forgets every page (their K/V no longer match what the model
+        would compute, e.g. after new weights)."""
+        self._by_key.clear()
+        self._by_page.clear()
+
     def evict(self, page: int) -> None:
         """Forgets ``page`` (it is about to be overwritten); no-op if it is
         not cached."""

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from paged_jax.checks import check_bool, check_instance, check_int, is_int
+from paged_jax.config import reserved_tokens
 from paged_jax.page_state import pages_for_tokens
 from paged_jax.sampling import SamplingParams
 
@@ -29,8 +30,9 @@ class RequestLimits:
       max_seqs: most sequences running at once (a group's must fit).
       page_size: tokens per page.
       usable_pages: pages of the pool, the null page excluded.
-      reserve_pages: pages each sequence holds at least (the contiguous
-        baseline's reservation; 0 when paging on demand).
+      reservation: the engine's reservation policy
+        (``EngineConfig.reservation``): each sequence holds pages for
+        :func:`paged_jax.config.reserved_tokens` tokens from admission on.
     """
 
     vocab_size: int | None
@@ -38,7 +40,7 @@ class RequestLimits:
     max_seqs: int
     page_size: int
     usable_pages: int
-    reserve_pages: int = 0
+    reservation: str = "paged"
 
 
 def check_token_ids(name: str, ids: Iterable, vocab_size: int | None) -> None:
@@ -85,7 +87,8 @@ class Request:
         """Checks the request against what an engine can serve: prompt ids
         (a non-empty sequence, in the vocabulary), ``max_new_tokens``, the
         total against ``max_seq_len``, its sampling's sequences against
-        ``max_seqs`` and the pool (a preempted group must fit whole to be
+        ``max_seqs`` and the pool, each holding its whole length or its
+        reservation if more (a preempted group must fit whole to be
         resumed), ``ignore_eos``, ``cache_salt`` and a hashable id.
 
         Raises:
@@ -125,11 +128,13 @@ class Request:
         if k > limits.max_seqs:
             what = "beam_width" if self.sampling.beam_width else "n"
             raise ValueError(f"request {rid!r}: sampling.{what}={k} exceeds max_seqs={limits.max_seqs}")
-        group_pages = k * max(pages_for_tokens(total, limits.page_size), limits.reserve_pages)
+        held = max(total, reserved_tokens(limits.reservation, len(ids), n, limits.max_seq_len))
+        group_pages = k * pages_for_tokens(held, limits.page_size)
         if group_pages > limits.usable_pages:
             raise ValueError(
-                f"request {rid!r}: {k} sequences of {total} tokens need up to {group_pages} pages, more than the "
-                f"pool's {limits.usable_pages}; after a preemption they could never be resumed together")
+                f"request {rid!r}: {k} sequences holding {held} tokens each (reservation={limits.reservation!r}) "
+                f"need up to {group_pages} pages, more than the pool's {limits.usable_pages}; after a preemption "
+                f"they could never be resumed together")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError(f"request {rid!r}: cache_salt must be a str or None, got {self.cache_salt!r}")
 
@@ -138,36 +143,64 @@ class Request:
 class CompletionOutput:
     """One continuation of a request (``SamplingParams.n`` of them).
 
+    With ``SamplingParams.output_kind="delta"`` each field that grows with
+    the output (``output_ids``, ``text``, ``token_times``, ``logprobs``)
+    holds only what is new since the request's previous report; otherwise
+    everything so far.
+
     Attributes:
       index: its place among the request's samples (its random stream).
       output_ids: generated token ids (a stop token, if one ended it, last).
-      finish_reason: "stop" (a stop token), "length" (max_new_tokens) or
-        "abort" (:meth:`Engine.abort`).
+      finish_reason: "stop" (a stop token or stop string), "length"
+        (max_new_tokens), "abort" (:meth:`Engine.abort`), or None while it
+        runs (streamed outputs).
       cumulative_logprob: the sum of its tokens' log-probabilities (beam
-        search only; None otherwise).
+        search, or when ``SamplingParams.logprobs`` is set; None otherwise).
+      text: the detokenized output (an engine built with a tokenizer; None
+        otherwise), never ending in a partial UTF-8 character, cut before a
+        stop string that ended it.
+      token_times: seconds on the engine's clock (:meth:`Engine.clock`) at
+        which each of ``output_ids`` reached the host.
+      logprobs: with ``SamplingParams.logprobs=k``, one dict per token of
+        ``output_ids``: its log-probability and those of the ``k`` most
+        likely tokens, ``{token_id: logprob}`` (log-softmax of the model's
+        logits in float32, before temperature or top-p); None otherwise.
+      stop_reason: the stop string (or stop token id) that ended it, None
+        otherwise.
     """
 
     index: int
     output_ids: list[int]
-    finish_reason: str
+    finish_reason: str | None
     cumulative_logprob: float | None = None
+    text: str | None = None
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclasses.dataclass
 class RequestOutput:
-    """What came of a request.
+    """What came of a request, or (streamed) what it has so far.
 
     Attributes:
       outputs: its continuations, by index (one unless ``SamplingParams.n``
         asked for more); for beam search its ``beam_width`` best
-        hypotheses, best first.
+        hypotheses, best first (reported once, when finished).
+      finished: every continuation has finished (always True unless
+        ``SamplingParams.output_kind`` streams).
       num_preemptions: times it was preempted, by recompute or swap (all
         its sequences together).
       num_cached_tokens: prompt tokens served from the prefix cache when
         it was first admitted.
-      first_token_s, finish_s: seconds from the start of :meth:`Engine.run`
-        (or the first :meth:`Engine.step`); ``first_token_s`` is None for a
-        request aborted before its first token.
+      arrival_s, first_token_s, finish_s: seconds on the engine's clock
+        (:meth:`Engine.clock`) when it was added, when its first token
+        reached the host (None before that, or when aborted before it) and
+        when it finished (None while it runs).
     """
 
     request_id: str | int
@@ -175,8 +208,10 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_preemptions: int
     first_token_s: float | None
-    finish_s: float
+    finish_s: float | None
     num_cached_tokens: int = 0
+    finished: bool = True
+    arrival_s: float = 0.0
 
     @property
     def output_ids(self) -> list[int]:
@@ -184,6 +219,11 @@ class RequestOutput:
         return self.outputs[0].output_ids
 
     @property
-    def finish_reason(self) -> str:
+    def finish_reason(self) -> str | None:
         """The first continuation's finish reason."""
         return self.outputs[0].finish_reason
+
+    @property
+    def text(self) -> str | None:
+        """The first continuation's text."""
+        return self.outputs[0].text

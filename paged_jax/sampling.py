@@ -15,7 +15,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from paged_jax.checks import check_float, check_int
+from paged_jax.checks import check_bool, check_choice, check_float, check_int
+
+MAX_LOGPROBS = 20
+"""Most top log-probabilities a request may ask for (OpenAI's limit)."""
+
+OUTPUT_KINDS = ("final", "delta", "cumulative")
+"""What :meth:`paged_jax.engine.Engine.step` reports (``SamplingParams.output_kind``)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -35,12 +41,28 @@ class SamplingParams:
         hypotheses. Needs ``temperature == 0``, ``top_p == 1`` and ``n == 1``.
       length_penalty: beam search ranks finished hypotheses by
         ``cumulative_logprob / num_generated ** length_penalty``.
+      stop: stop strings: a sequence whose text comes to contain one ends
+        there (``finish_reason="stop"``, ``stop_reason`` the string); the
+        string is not in its text and no token after the one that
+        completed it is generated. Needs an engine built with a tokenizer;
+        not with beam search.
+      logprobs: None, or ``k >= 0``: report each output token's
+        log-probability and the ``k`` most likely tokens' (vLLM's
+        ``logprobs``).
+      output_kind: what :meth:`Engine.step` reports for the request:
+        "final" (its output once, when it finishes), "delta" (after every
+        call that gave it tokens, only what is new) or "cumulative" (after
+        every such call, everything so far); vLLM's ``RequestOutputKind``.
+      skip_special_tokens: leave special tokens out of the text.
 
     Raises:
       ValueError: a value of the wrong type or out of range (finite
         ``temperature >= 0``, ``top_p`` in ``(0, 1]``, ``seed`` in
         ``[0, 2**32)``, ``n >= 1``, ``beam_width >= 0``, finite
-        ``length_penalty``), or beam search with sampling options.
+        ``length_penalty``, ``stop`` a str or a sequence of non-empty
+        str, ``logprobs`` None or an int in ``[0, MAX_LOGPROBS]``, an
+        unknown ``output_kind``), or beam search with sampling options,
+        stop strings or ``logprobs``.
     """
 
     temperature: float = 0.0
@@ -49,6 +71,10 @@ class SamplingParams:
     n: int = 1
     beam_width: int = 0
     length_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    output_kind: str = "final"
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         check_float("temperature", self.temperature, 0)
@@ -62,6 +88,19 @@ class SamplingParams:
                 "beam search is deterministic and returns beam_width hypotheses: it needs temperature=0, top_p=1 "
                 f"and n=1, got temperature={self.temperature} top_p={self.top_p} n={self.n}"
             )
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(t, str) and t for t in stop):
+            raise ValueError(f"stop must be a str or a list of non-empty str, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        if self.stop and self.beam_width:
+            raise ValueError(f"stop strings are not supported with beam search (beam_width={self.beam_width})")
+        if self.logprobs is not None and self.beam_width:
+            raise ValueError(f"logprobs is not supported with beam search (beam_width={self.beam_width}): each "
+                             "hypothesis reports its cumulative_logprob")
+        if self.logprobs is not None:
+            check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS + 1)
+        check_choice("output_kind", self.output_kind, OUTPUT_KINDS)
+        check_bool("skip_special_tokens", self.skip_special_tokens)
 
     @property
     def greedy(self) -> bool:

@@ -14,6 +14,7 @@ import dataclasses
 
 import numpy as np
 
+from paged_jax.detokenizer import IncrementalDetokenizer
 from paged_jax.requests import Request
 
 NO_SLOT = -1
@@ -37,8 +38,18 @@ class Sequence:
       finish_reason: "stop", "length", "abort" or "pruned" once done.
       keys: prefix-cache key per full page of its tokens.
       num_keyed: leading pages offered to the prefix cache.
-      cum_logprob: its cumulative log-probability (beam search).
+      cum_logprob: its cumulative log-probability (beam search, or when
+        ``SamplingParams.logprobs`` is set).
       fork_pre: beam search: the beam whose pages it forks in the next call.
+      token_times: engine-clock seconds at which each generated token
+        reached the host.
+      logprobs: per generated token, ``{token_id: logprob}`` (when
+        ``SamplingParams.logprobs`` is set; None otherwise).
+      detok: its incremental detokenizer (an engine with a tokenizer).
+      stop_reason: the stop string or stop token id that ended it.
+      num_reported: generated tokens already reported (streamed outputs).
+      text_out: text already reported.
+      final_reported: its end has been reported.
     """
 
     group: SequenceGroup
@@ -54,6 +65,13 @@ class Sequence:
     num_keyed: int = 0
     cum_logprob: float = 0.0
     fork_pre: Sequence | None = None
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    detok: IncrementalDetokenizer | None = None
+    stop_reason: str | int | None = None
+    num_reported: int = 0
+    text_out: str = ""
+    final_reported: bool = False
 
     @property
     def request(self) -> Request:
@@ -135,7 +153,10 @@ class SequenceGroup:
         call, by sequence index.
       hypotheses: beam search: the finished beams.
       beam_done: beam search: no further beams are wanted.
-      reported: its output has been returned.
+      reported: its final output has been returned.
+      arrival_s: engine-clock seconds when it was added.
+      step_times: beam search: engine-clock seconds of each beam step (its
+        hypotheses' token times).
     """
 
     request: Request
@@ -148,13 +169,16 @@ class SequenceGroup:
     hypotheses: list[BeamHypothesis] = dataclasses.field(default_factory=list)
     beam_done: bool = False
     reported: bool = False
+    arrival_s: float = 0.0
+    step_times: list[float] = dataclasses.field(default_factory=list)
 
     @classmethod
-    def from_request(cls, request: Request) -> SequenceGroup:
+    def from_request(cls, request: Request, *, arrival_s: float = 0.0) -> SequenceGroup:
         """A new group holding one sequence of ``request``'s prompt."""
         prompt = request.token_ids()
-        group = cls(request=request)
-        group.seqs.append(Sequence(group=group, index=0, tokens=prompt, num_prompt=len(prompt)))
+        group = cls(request=request, arrival_s=arrival_s)
+        group.seqs.append(Sequence(group=group, index=0, tokens=prompt, num_prompt=len(prompt),
+                                   logprobs=[] if request.sampling.logprobs is not None else None))
         return group
 
     @property
@@ -190,6 +214,6 @@ class SequenceGroup:
         when the call that forks them is dispatched)."""
         return [
             Sequence(group=self, index=k, tokens=list(parent.tokens), num_prompt=parent.num_prompt, slot=slot,
-                     keys=list(parent.keys))
+                     keys=list(parent.keys), logprobs=None if parent.logprobs is None else [])
             for k, slot in enumerate(self.child_slots, start=1)
         ]

@@ -101,16 +101,26 @@ class StepInputs:
 _TRACES: collections.Counter = collections.Counter()  # id(model) -> traces of device_step
 
 
-@functools.partial(jax.jit, static_argnames=("model", "shape", "greedy_only", "top_k"), donate_argnums=(2, 3))
+@functools.partial(jax.jit, static_argnames=("model", "shape", "greedy_only", "top_k", "logprobs"),
+                   donate_argnums=(2, 3))
 def device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array, inp: StepInputs, *, shape: BatchShape,
-                 greedy_only: bool, top_k: int):
+                 greedy_only: bool, top_k: int, logprobs: bool = False):
     """Free, share, grow, fork, forward, sample: one iteration's device work, one program
-    per (model, shape, greedy_only, top_k). ``prev``: i32[S] the previous
-    call's sampled token per page-state row (inputs marked ``from_prev``
-    take it; a row whose logits are not finite samples -1 and gets NaN
-    log-probs, which the engine refuses). Returns ``(state, kv, sampled i32[S] per row, (top ids
-    i32[S, k], top log-probs f32[S, k]) per row with ``k = min(top_k, V)``,
-    ok, num_free_pages)``."""
+    per (model, shape, greedy_only, top_k, logprobs). ``prev``: i32[S] the
+    previous call's sampled token per page-state row (inputs marked
+    ``from_prev`` take it; a row whose logits are not finite samples -1 and
+    gets NaN log-probs, which the engine refuses).
+
+    Log-probabilities are the float32 log-softmax of the model's logits,
+    before temperature or top-p (what vLLM reports by default).
+
+    Returns:
+      ``(state, kv, sampled, (top_ids, top_logprobs), sampled_logprob, ok,
+      num_free_pages)``: ``sampled`` i32[S] per row; the ``k = min(top_k,
+      V)`` most likely tokens per row, i32[S, k] and f32[S, k] (beam search
+      and ``SamplingParams.logprobs``); ``sampled_logprob`` f32[S] the
+      sampled token's log-probability per row (zeros unless ``logprobs``).
+    """
     _TRACES[id(model)] += 1  # runs at trace time only
     state = ps.unchecked_free(state, inp.free_mask)
     state, hit_ok = jax.lax.cond(
@@ -150,12 +160,19 @@ def device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array,
     dest = jnp.where(inp.logits_slots < 0, prev.shape[0], inp.logits_slots)  # -1: dropped
     by_row = jnp.zeros_like(prev).at[dest].set(new, mode="drop")
     k = min(top_k, logits.shape[-1])
-    top = (jnp.zeros((prev.shape[0], k), jnp.int32), jnp.zeros((prev.shape[0], k), jnp.float32))
-    if k:  # beam search: each row's k most likely tokens
-        top_lp, top_ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)  # [R, k]
+    S = prev.shape[0]
+    top = (jnp.zeros((S, k), jnp.int32), jnp.zeros((S, k), jnp.float32))
+    sampled_lp = jnp.zeros((S,), jnp.float32)
+    if k or logprobs:
+        log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [R, V]
+    if k:  # beam search and requested log-probs: each row's k most likely tokens
+        top_lp, top_ids = jax.lax.top_k(log_probs, k)  # [R, k]
         top_lp = jnp.where(finite[:, None], top_lp, jnp.nan)
         top = (top[0].at[dest].set(top_ids, mode="drop"), top[1].at[dest].set(top_lp, mode="drop"))
-    return state, kv, by_row, top, ok, state.num_free_pages
+    if logprobs:
+        lp = jnp.take_along_axis(log_probs, jnp.clip(new, 0)[:, None], axis=-1)[:, 0]
+        sampled_lp = sampled_lp.at[dest].set(jnp.where(finite, lp, jnp.nan), mode="drop")
+    return state, kv, by_row, top, sampled_lp, ok, state.num_free_pages
 
 
 def num_traces(model) -> int:

@@ -92,19 +92,18 @@ def shared_step():
     return make_toy_step(toy_params())
 
 
-def make_engine(num_pages=200, page_size=PAGE, max_seqs=8, max_seq_len=80, reserve=False, stop_ids=(), budget=64,
+def make_engine(num_pages=200, page_size=PAGE, max_seqs=8, max_seq_len=80, stop_ids=(), budget=64,
                 overlap=True, prefix_caching=True, check=True, **config):
     """An engine over the shared toy model. ``budget`` is
-    max_num_batched_tokens, ``overlap`` async_scheduling, ``reserve``
-    reserve_max_len; other EngineConfig fields pass through ``config``.
+    max_num_batched_tokens, ``overlap`` async_scheduling; other
+    EngineConfig fields (``reservation``, ...) pass through ``config``.
     ``check`` compares the device page state with the host's twin after
     every call."""
     return Engine(
         shared_step(),
         toy_pool(num_pages, page_size),
-        EngineConfig(max_seqs=max_seqs, max_seq_len=max_seq_len, reserve_max_len=reserve,
-                     max_num_batched_tokens=budget, async_scheduling=overlap, enable_prefix_caching=prefix_caching,
-                     **config),
+        EngineConfig(max_seqs=max_seqs, max_seq_len=max_seq_len, max_num_batched_tokens=budget,
+                     async_scheduling=overlap, enable_prefix_caching=prefix_caching, **config),
         stop_ids=stop_ids,
         vocab_size=VOCAB,
         check_page_state=check,

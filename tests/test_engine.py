@@ -62,7 +62,7 @@ def test_preemption_does_not_change_outputs(sampled):
 def test_contiguous_reservation_matches_paged_outputs_with_less_concurrency():
     reqs = toy_requests(10)
     paged, pe = serve(reqs, num_pages=81, max_seqs=10)
-    contig, ce = serve(reqs, num_pages=81, max_seqs=10, reserve=True)
+    contig, ce = serve(reqs, num_pages=81, max_seqs=10, reservation="max")
     for i in paged:
         assert paged[i].output_ids == contig[i].output_ids
     # 80 usable pages = 4 reservations of 80 tokens; paging fits all 10.
