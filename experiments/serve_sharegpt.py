@@ -37,6 +37,7 @@ Usage: ``python -m experiments.serve_sharegpt [--model NAME|PATH] [--num-request
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -79,6 +80,17 @@ def ratio_line(results: list[ServeResult]) -> str:
         f"KV token fraction {p.kv_token_fraction / c.kv_token_fraction:.2f}x"
     )
 
+def stream_line(results: list[ServeResult], outputs: dict) -> str:
+    """The streamed run's throughput against the two plain paged runs'."""
+    by = {r.mode: r for r in results}
+    plain = [by["paged"].tokens_per_s, by["paged, again"].tokens_per_s]
+    streamed = by["paged, streamed"].tokens_per_s
+    same = all(a.output_ids == b.output_ids for a, b in zip(outputs["paged"], outputs["paged, streamed"]))
+    return (f"streaming: {streamed} tokens/s streamed vs {plain[0]} and {plain[1]} plain (spread "
+            f"{abs(plain[0] - plain[1]) / max(plain):.1%}; streamed/plain mean {2 * streamed / sum(plain):.3f}x); "
+            f"streamed outputs {'identical to' if same else 'DIFFERENT from'} plain")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m experiments.serve_sharegpt", description=__doc__.split("\n\n")[0])
     add_flags(p, "num_requests", "max_output_len", "page_size")
@@ -106,6 +118,10 @@ def parse_args(argv=None):
                         "device). Multi-host: set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID")
     add_flag(p, "seed", help="ShareGPT shuffle seed; with a preset, the seed of the random prompt ids (default 0)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    p.add_argument("--stream", action="store_true",
+                   help="also serve paged with every request streaming deltas (text detokenized as it streams, read "
+                        "after every step), then paged plain once more: the streamed run against the spread of the "
+                        "two plain runs")
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
                    help="how a preempted request gives back its pages (default recompute)")
     add_flag(p, "out")
@@ -133,6 +149,8 @@ def parse_args(argv=None):
         except (OSError, ValueError) as e:
             p.error(f"--model {args.model!r} is neither 'smollm2', a preset ({', '.join(sorted(PRESETS))}) nor "
                     f"a supported checkpoint folder: {e}")
+    if args.mesh is not None and args.stream:
+        p.error("--stream is not supported with --mesh (the data-parallel engine does not stream)")
     if args.mesh is not None and args.kv_dtype == "int8":
         p.error("--kv-dtype int8 is not supported with --mesh yet; use bfloat16 or float32")
     if args.mesh is not None:
@@ -190,6 +208,16 @@ def main(argv=None) -> list[ServeResult]:
         )
         results.append(result)
         outputs[mode] = outs
+    if args.stream:
+        for label, stream in (("paged, streamed", True), ("paged, again", False)):
+            print(f"serving: {label}")
+            result, outs = serve(
+                model, requests, mode="paged", page_size=args.page_size, kv_budget_tokens=args.kv_budget_tokens,
+                max_seqs=args.max_seqs, max_batched_tokens=args.max_batched_tokens, paged_model=paged_model,
+                prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode, floor=floor,
+                kv_dtype=kv_dtype, stream=stream, tokenizer=tokenizer if stream else None)
+            results.append(dataclasses.replace(result, mode=label))
+            outputs[label] = outs
 
     if tokenizer is not None:
         first = outputs["paged"][0]
@@ -199,6 +227,8 @@ def main(argv=None) -> list[ServeResult]:
     rows = [r.csv_row() for r in results]
     table = markdown_table(rows, CSV_COLUMNS)
     ratios = ratio_line(results)
+    if args.stream:
+        ratios += "\n\n" + stream_line(results, outputs)
     summary = (
         f"{len(requests)} ShareGPT requests{'' if tokenizer else ' (packaged lengths, random prompt ids)'}, "
         f"outputs capped at {args.max_output_len} tokens, "

@@ -90,7 +90,7 @@ def pool_pages(kv_tokens: int, page_size: int) -> int:
 
 def make_engine(model, *, kv_tokens: int, page_size: int, max_seqs: int, max_seq_len: int = MAX_SEQ_LEN,
                 max_batched_tokens: int = 256, paged_model=None, mesh=None, stop_ids=(), kv_dtype=None,
-                **config) -> Engine | DataParallelEngine:
+                tokenizer=None, **config) -> Engine | DataParallelEngine:
     """An engine serving ``model`` from a fresh pool of ``kv_tokens`` tokens.
 
     Args:
@@ -113,12 +113,15 @@ def make_engine(model, *, kv_tokens: int, page_size: int, max_seqs: int, max_seq
       kv_dtype: dtype of the K/V pages (default
         ``paged_jax.kv_cache.default_kv_dtype()``: f32 on CPU, bf16 on GPU
         and TPU).
+      tokenizer: outputs carry text, detokenized as they stream
+        (``Engine(tokenizer=...)``); not with ``mesh``.
       config: further :class:`paged_jax.engine.EngineConfig` fields
         (``reservation``, ``enable_prefix_caching``, ``preemption_mode``).
 
     Raises:
       ValueError: ``max_seqs`` or ``max_batched_tokens`` not an int >= 1;
-        from :func:`pool_pages`, ``EngineConfig`` or the engine.
+        a tokenizer with a mesh; from :func:`pool_pages`, ``EngineConfig``
+        or the engine.
     """
     num_pages = pool_pages(kv_tokens, page_size)
     check_int("max_seqs", max_seqs)
@@ -128,15 +131,22 @@ def make_engine(model, *, kv_tokens: int, page_size: int, max_seqs: int, max_seq
                                  max_num_batched_tokens=max(max_batched_tokens, max_seqs), **config)
     vocab_size = model.config.vocab_size
     if mesh is not None:
+        if tokenizer is not None:
+            raise ValueError("tokenizer: the data-parallel engine (mesh) does not detokenize; pass tokenizer=None")
         return make_data_parallel_engine(model, mesh, engine_config, pages_per_shard=num_pages, page_size=page_size,
                                          stop_ids=stop_ids, vocab_size=vocab_size, kv_dtype=kv_dtype)
     return Engine(paged_model or RaggedModel(model), model.config.make_kv_pool(num_pages, page_size, kv_dtype),
-                  engine_config, stop_ids=stop_ids, vocab_size=vocab_size)
+                  engine_config, stop_ids=stop_ids, vocab_size=vocab_size, tokenizer=tokenizer)
 
 
-def run_timed(engine: Engine | DataParallelEngine, requests: list[Request], *,
-              progress: bool = False) -> tuple[list[RequestOutput], float, CompileCounts]:
+def run_timed(engine: Engine | DataParallelEngine, requests: list[Request], *, progress: bool = False,
+              stream: bool = False) -> tuple[list[RequestOutput], float, CompileCounts]:
     """Runs ``requests`` to completion on ``engine``.
+
+    Args:
+      stream: every request streams deltas (``output_kind="delta"``), read
+        after every step and joined here (ids, text, token times), as a
+        server streaming every request would.
 
     Returns:
       ``(outputs in finishing order, wall seconds less the compilation
@@ -144,9 +154,35 @@ def run_timed(engine: Engine | DataParallelEngine, requests: list[Request], *,
     """
     with CompileMonitor() as compiles:
         t0 = time.perf_counter()
-        outputs = engine.run(requests, progress=progress)
+        outputs = run_streamed(engine, requests) if stream else engine.run(requests, progress=progress)
         wall = time.perf_counter() - t0 - compiles.counts.seconds
     return outputs, wall, compiles.counts
+
+
+def run_streamed(engine: Engine, requests: list[Request]) -> list[RequestOutput]:
+    """Adds ``requests`` as delta streams, steps ``engine`` until it has no
+    work and joins each request's deltas into its final output (in
+    finishing order)."""
+    for r in requests:
+        engine.add_request(dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, output_kind="delta")))
+    joined: dict = {}
+    done = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            have = joined.setdefault(out.request_id, {})
+            for c in out.outputs:
+                if c.index not in have:
+                    have[c.index] = dataclasses.replace(c, output_ids=list(c.output_ids),
+                                                        token_times=list(c.token_times))
+                else:
+                    h = have[c.index]
+                    h.output_ids += c.output_ids
+                    h.token_times += c.token_times
+                    h.text = None if c.text is None else h.text + c.text
+                    h.finish_reason, h.stop_reason = c.finish_reason, c.stop_reason
+            if out.finished:
+                done.append(dataclasses.replace(out, outputs=[have[i] for i in sorted(have)]))
+    return done
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -208,6 +244,8 @@ def serve(
     preemption_mode: str = "recompute",
     mesh=None,
     kv_dtype=None,
+    stream: bool = False,
+    tokenizer=None,
 ) -> tuple[ServeResult, list[RequestOutput]]:
     """Serves ``requests`` in one mode and measures it.
 
@@ -229,6 +267,9 @@ def serve(
         ``model_over_floor`` NaN).
       prefix_caching: automatic prefix caching (``EngineConfig``).
       preemption_mode: "recompute" or "swap".
+      stream: stream every request's deltas (:func:`run_streamed`); the
+        row's mode then reads "<mode>, streamed".
+      tokenizer: detokenize the outputs (:func:`make_engine`).
 
     Returns:
       ``(the mode's row, outputs sorted by request id)``.
@@ -251,14 +292,14 @@ def serve(
     engine = make_engine(model, kv_tokens=kv_budget_tokens, page_size=page_size, max_seqs=max_seqs,
                          max_batched_tokens=max_batched_tokens, paged_model=paged_model, mesh=mesh,
                          stop_ids=stop_ids, kv_dtype=kv_dtype, reservation=MODE_RESERVATIONS[mode],
-                         enable_prefix_caching=prefix_caching, preemption_mode=preemption_mode)
-    outputs, wall, compiles = run_timed(engine, requests, progress=progress)
+                         enable_prefix_caching=prefix_caching, preemption_mode=preemption_mode, tokenizer=tokenizer)
+    outputs, wall, compiles = run_timed(engine, requests, progress=progress, stream=stream)
     st = merged_stats(engine)
     floor_s = 0.0 if floor is False else (floor or MatmulFloor(model)).seconds(st)
     generated = sum(len(o.output_ids) for o in outputs)
     rows = sum(c.shape.num_tokens for c in st.calls)
     result = ServeResult(
-        mode=mode,
+        mode=f"{mode}, streamed" if stream else mode,
         requests=len(outputs),
         generated_tokens=generated,
         wall_s=round(wall, 2),
