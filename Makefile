@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-all tables check-tables clean
+.PHONY: setup demo test test-all tables check-tables serving-figures serving-figures-quick bench-serving clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,17 @@ demo: setup
 tables: setup
 	$(PY) -m experiments.reproduce
 	$(PY) -m experiments.sharing
+
+# The paper's serving figures (12, 13: latency against request rate, paged vs the Orca baselines), scaled down
+# for CPU (about 10 minutes on 2 cores); --quick on a toy model in seconds, written outside results/.
+serving-figures: setup
+	$(PY) -m experiments.serving_figures
+
+serving-figures-quick: setup
+	$(PY) -m experiments.serving_figures --quick --model toy --out /tmp/paged_jax_serving_quick
+
+bench-serving: setup
+	$(PY) -m experiments.bench_serving --request-rate 0.5 1 2 inf --policy paged max pow2 oracle
 
 # Two small runs of the tables in fresh processes; every non-timing cell must agree.
 check-tables: setup

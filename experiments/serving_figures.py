@@ -1,0 +1,289 @@
+"""The paper's serving figures, scaled down for CPU: normalized latency
+against request rate (Figure 12) and mean batched requests (Figure 13).
+
+PagedAttention (Kwon et al., SOSP 2023) section 6.2 serves ShareGPT traces
+with Poisson arrivals and compares vLLM's paged KV cache with three Orca
+baselines that reserve each request's KV at admission: its maximum length
+(Orca-Max), its prompt plus its true output length rounded up to a power of
+two (Pow2), or plus exactly its true output length (Oracle). Here the same four policies run on
+one engine (:mod:`experiments.online`), only the reservation differs.
+
+The sweep: first paged serves every request at once, which measures its
+capacity (requests per second); the rates swept are ``--loads`` times that
+capacity (or ``--rates`` requests per second). The rates run in increasing
+order, every policy at each rate in turn (so that all policies at one rate
+see the machine in the same state), each run on a fresh engine with the
+same arrival trace (stretched to the rate). The highest rate a policy
+sustains is where its normalized latency first rises above
+``--latency-threshold`` (by default 1.5x paged's lowest over the sweep: a
+minimum, because a burst of other work on the machine only ever adds
+latency), interpolated linearly between the swept rates; the table sets the
+ratios paged/Oracle and paged/Max beside the paper's 1.7-2.7x and 2.7-8x
+(OPT-13B on ShareGPT, one A100), and beside them the requests per second
+each policy served at the highest rate, its capacity once overloaded.
+Figure 13 reads the time-weighted mean of running requests at one rate
+(``--fig13-rate``, by default the highest swept) beside the paper's
+(OPT-13B, ShareGPT, 2 requests/s).
+
+Scaled down for 2 CPU cores: SmolLM2-135M for OPT-13B, a KV budget of
+8,192 tokens (4 maximum-length reservations) for the A100's, tens of
+requests for an hour of trace, outputs capped at ``--max-output-len``
+tokens (ShareGPT's average is 204), rates of a few requests per second.
+Short outputs shrink what Oracle and Pow2 waste (they reserve the output,
+paged holds only what is written) more than what Max wastes.
+
+Writes ``serving_fig12.{md,csv,png}`` and ``serving_fig13.{md,csv,png}``
+(``--quick``: ``*_quick``) to ``--out``. ``--quick`` is a smoke run of a few
+requests and two loads, meant for ``--model toy``. ``--workload parallel-N``
+or ``beam-W`` runs the same sweep on Figure 14's workloads (parallel
+sampling, beam search) and writes ``serving_fig14_<workload>*``; the shared
+prefix and chatbot workloads (Figures 16, 17) would be further
+:class:`experiments.online.Workload` values.
+
+Usage: ``python -m experiments.serving_figures [--quick] [--model toy] ...``
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+from experiments import online, provenance
+from experiments.cli import add_compile_cache_args, add_flag, check_outputs, setup_compile_cache
+from experiments.sharegpt import MAX_SEQ_LEN
+from experiments.tables import markdown_table, write_table
+from paged_jax.config import reserved_tokens
+
+PAPER_FIG12 = {"oracle": "1.7-2.7x", "max": "2.7-8x", "pow2": "-"}
+"""Paper section 6.2, ShareGPT: how much higher a request rate vLLM sustains
+than each baseline at similar latency (the text gives no Pow2 range)."""
+PAPER_FIG13 = {"max": 7.00, "pow2": 9.81, "oracle": 13.62, "paged": 30.42}
+"""Paper Figure 13, ShareGPT at 2 requests/s with OPT-13B: mean batched
+requests per policy, as read from the figure's bars."""
+FULL = dict(num_requests=24, max_output_len=48, max_seqs=64, max_batched_tokens=256, loads=(0.5, 1.0, 2.0, 3.0))
+QUICK = dict(num_requests=6, max_output_len=6, max_seqs=16, max_batched_tokens=32, loads=(0.5, 1.5))
+"""Sizes of the full run (about 10-15 minutes with SmolLM2 on 2 CPU cores)
+and of ``--quick`` (fewer step programs to compile), each used where its
+flag is not given."""
+THRESHOLD_FACTOR = 1.5
+"""Without ``--latency-threshold``: this many times paged's lowest
+normalized latency over the sweep. With tens of requests a queue cannot
+grow without bound: normalized latency saturates near its value with every
+request at once, 2.5-4x the lightly loaded one with SmolLM2 (measured: 0.56
+to 0.78 against 0.18 to 0.26 s/token), so a factor of 2 or more was hardly
+ever crossed."""
+FIG12_COLUMNS = ("policy", "sustained_rate", "paged_over_policy", "paper_paged_over_policy", "served_at_top",
+                 "paged_over_policy_served", "min_normalized_latency_s", "max_normalized_latency_s")
+FIG13_COLUMNS = ("policy", "request_rate", "mean_running", "peak_running", "paged_over_policy", "paper_mean_batched",
+                 "paper_paged_over_policy", "request_throughput", "normalized_latency_s", "preemptions")
+
+
+def memory_line(requests, spec: online.EngineSpec) -> str:
+    """What every request at once would hold under each policy, against the pool."""
+    held = {p: sum(r.sampling.num_seqs * max(len(r.prompt_ids) + r.max_new_tokens,
+                                             reserved_tokens(p, len(r.prompt_ids), r.max_new_tokens, MAX_SEQ_LEN))
+                   for r in requests)
+            for p in online.POLICIES}
+    return (f"Every request at once, at its final length, would hold {held['paged']:,} tokens paged (no "
+            f"sharing counted); reserved: "
+            f"{held['oracle']:,} Oracle, {held['pow2']:,} Pow2, {held['max']:,} Max; the pool holds "
+            f"{spec.kv_tokens:,}.")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m experiments.serving_figures", description=__doc__.split("\n\n")[0])
+    online.add_serving_flags(p, num_requests=FULL["num_requests"], max_output_len=FULL["max_output_len"])
+    p.set_defaults(**{k: None for k in FULL if k != "loads"})  # resolved below: --quick's or the full run's
+    p.add_argument("--quick", action="store_true",
+                   help=f"a smoke run: {QUICK['num_requests']} requests, outputs <= {QUICK['max_output_len']}, "
+                        f"max {QUICK['max_seqs']} running, {QUICK['max_batched_tokens']} tokens per call, loads "
+                        f"{' '.join(map(str, QUICK['loads']))} (each unless given); files named *_quick")
+    p.add_argument("--policy", nargs="+", choices=online.POLICIES, default=list(online.POLICIES),
+                   help="policies to compare (default all; paged is always run, first)")
+    p.add_argument("--loads", type=float, nargs="+", default=None,
+                   help="request rates as fractions of paged's measured capacity (default "
+                        f"{' '.join(map(str, FULL['loads']))})")
+    p.add_argument("--rates", type=float, nargs="+", default=None,
+                   help="request rates in requests/s, instead of --loads")
+    p.add_argument("--latency-threshold", type=float, default=None,
+                   help="normalized latency (s/token) a policy must stay at or below to sustain a rate (default "
+                        f"{THRESHOLD_FACTOR:g}x paged's lowest over the sweep)")
+    p.add_argument("--workload", default="basic",
+                   help="basic (default: Figures 12 and 13), or parallel-N / beam-W (N samples at temperature 1, "
+                        "beam width W: Figure 14's workloads, written as serving_fig14_<workload>*)")
+    p.add_argument("--fig13-rate", type=float, default=None,
+                   help="request rate of Figure 13 (default: the highest swept)")
+    add_flag(p, "out")
+    add_compile_cache_args(p)
+    args = p.parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    for name, value in sizes.items():
+        if name != "loads" and getattr(args, name) is None:
+            setattr(args, name, value)
+    online.check_serving_flags(p, args)
+    if args.rates is not None and args.loads is not None:
+        p.error("give --rates or --loads, not both")
+    if args.rates is not None:
+        args.rates = online.check_rates(p, "--rates", args.rates)
+        if math.isinf(args.rates[-1]):
+            p.error("--rates must be finite (the capacity run serves everything at once already)")
+    else:
+        args.loads = online.check_rates(p, "--loads", args.loads or sizes["loads"])
+        if math.isinf(args.loads[-1]):
+            p.error("--loads must be finite")
+    for flag in ("latency_threshold", "fig13_rate"):
+        value = getattr(args, flag)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            p.error(f"--{flag.replace('_', '-')} must be a finite number > 0, got {value}")
+    args.policy = ["paged"] + [x for x in dict.fromkeys(args.policy) if x != "paged"]
+    try:
+        args.workload_ = online.workload(args.workload)
+    except ValueError as e:
+        p.error(f"--workload: {e}")
+    quick = "_quick" if args.quick else ""
+    args.stems = (f"serving_fig12{quick}", f"serving_fig13{quick}") if args.workload == "basic" else (
+        f"serving_fig14_{args.workload}{quick}", f"serving_fig14_{args.workload}_batched{quick}")
+    check_outputs(p, args)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    t_start, load_start = time.perf_counter(), os.getloadavg()[0]
+    record = provenance.collect("experiments.serving_figures", argv,
+                                seeds={"sharegpt_shuffle": args.seed, "arrivals": args.seed})
+    print(setup_compile_cache(args))
+    model_name, requests, spec, setup = online.load_setup(args)
+    requests = args.workload_.apply(requests)
+    basic = args.workload == "basic"
+    paper12, paper13 = (PAPER_FIG12, PAPER_FIG13) if basic else ({}, {})
+    fig = "Figure 12" if basic else f"Figure 14 ({args.workload_.description})"
+    print(setup)
+    print(online.warm_up_line(spec, args.workload_))
+
+    def serve(policy, rate):
+        result = online.serve_online(spec.build, requests, policy=policy, request_rate=rate,
+                                     burstiness=args.burstiness, seed=args.seed, progress=True)
+        m = result.metrics
+        print(f"{online.POLICY_LABELS[policy]:>14} at {rate:7.3f} req/s: normalized latency "
+              f"{m.normalized_latency:.4f} s/token, {m.request_throughput:.3f} req/s served, mean running "
+              f"{m.mean_running:.2f}, {m.preemptions} preemptions ({time.perf_counter() - t_start:.0f} s so far)")
+        return result
+
+    capacity_run = serve("paged", math.inf)
+    capacity = capacity_run.metrics.request_throughput
+    rates = args.rates or [round(f * capacity, 4) for f in args.loads]
+    print(f"paged capacity: {capacity:.3f} req/s (every request at once); rates: {rates}")
+
+    runs: dict[str, dict[float, online.OnlineResult]] = {p: {} for p in args.policy}
+    for rate in rates:  # policies interleaved at each rate: they see the machine in the same state
+        for policy in args.policy:
+            runs[policy][rate] = serve(policy, rate)
+    threshold = args.latency_threshold or round(
+        THRESHOLD_FACTOR * min(runs["paged"][r].metrics.normalized_latency for r in rates), 4)
+    sustained = {p: online.sustained_rate(rates, [runs[p][r].metrics.normalized_latency for r in rates], threshold)
+                 for p in args.policy}
+    fig13_rate = args.fig13_rate or rates[-1]
+    for policy in args.policy:
+        if fig13_rate not in runs[policy]:
+            runs[policy][fig13_rate] = serve(policy, fig13_rate)
+
+    # Figure 12: every run, the sustained rates, the curves.
+    all_runs = [capacity_run] + [runs[p][r] for p in args.policy for r in sorted(runs[p])]
+    rows12 = [dict(r.row(), load=round(r.request_rate / capacity, 3)) for r in all_runs]
+    pivot = [{"request_rate": r, "load": round(r / capacity, 3),
+              **{p: runs[p][r].metrics.normalized_latency if r in runs[p] else None for p in args.policy}}
+             for r in sorted({r for p in args.policy for r in runs[p]})]
+    pivot_table = markdown_table(
+        pivot, ["request_rate", "load", *args.policy],
+        headers=["request rate (req/s)", "load", *(online.POLICY_LABELS[p] for p in args.policy)],
+        cell=lambda c, v: "-" if v is None else f"{v:.4f}" if c in args.policy else str(v))
+    summary = []
+    served = {p: runs[p][rates[-1]].metrics.request_throughput for p in args.policy}
+    for p in args.policy:
+        lats = [runs[p][r].metrics.normalized_latency for r in sorted(runs[p])]
+        summary.append({"policy": p, "sustained_rate": str(sustained[p]),
+                        "paged_over_policy": "-" if p == "paged" else online.ratio(sustained["paged"], sustained[p]),
+                        "paper_paged_over_policy": paper12.get(p, "-"), "served_at_top": round(served[p], 3),
+                        "paged_over_policy_served": "-" if p == "paged" else f"{served['paged'] / served[p]:.2f}x",
+                        "min_normalized_latency_s": round(min(lats), 4),
+                        "max_normalized_latency_s": round(max(lats), 4)})
+    summary_table = markdown_table(
+        summary, FIG12_COLUMNS, cell=online.cell,
+        headers=["policy", "highest rate sustained (req/s)", "paged / policy", "paper: vLLM / policy",
+                 f"served at {rates[-1]:g} req/s", "paged / policy, served", "min normalized latency (s/token)",
+                 "max normalized latency (s/token)"])
+    png12 = args.out / f"{args.stems[0]}.png"
+    online.plot_latency_vs_rate(
+        png12, {p: (sorted(runs[p]), [runs[p][r].metrics.normalized_latency for r in sorted(runs[p])])
+                for p in args.policy},
+        threshold=threshold, title=f"{model_name}, {len(requests)} ShareGPT requests ({args.workload}), Poisson "
+                                   "arrivals")
+    took = (f"The run took {time.perf_counter() - t_start:.0f} s; load average {load_start:.1f} when it began, "
+            f"{os.getloadavg()[0]:.1f} at the end (on 2 cores, other work on the machine slows every run and "
+            "blurs the curves).")
+    scaled = (f"{setup}.\n\n{took}\n\nArrivals: gamma process, burstiness {args.burstiness:g} (1 is Poisson), seed "
+              f"{args.seed}, the same trace stretched to each rate. Paged capacity, every request at once: "
+              f"{capacity:.3f} req/s; rates swept: {', '.join(f'{r:g}' for r in rates)} req/s "
+              f"({'given' if args.rates else 'loads ' + ', '.join(f'{f:g}' for f in args.loads) + ' of it'}). "
+              f"Latency threshold: {threshold:g} s/token"
+              f"{'' if args.latency_threshold else f' ({THRESHOLD_FACTOR:g}x paged at its best)'}.\n\n"
+              "Scaled down from the paper (OPT-13B on an A100, hour-long traces, ShareGPT outputs of 204 "
+              f"tokens on average): {model_name} on {os.cpu_count()} CPU cores, a KV budget of "
+              f"{spec.kv_tokens:,} tokens (Max holds {spec.kv_tokens // MAX_SEQ_LEN} requests), "
+              f"{len(requests)} requests, outputs capped at {args.max_output_len} tokens. Two things shrink the "
+              "gaps: capped outputs leave Oracle and Pow2 little to reserve beyond what paged holds, so that "
+              "memory binds Max alone; and with prompts longer than outputs, prefill compute rather than memory "
+              "limits paged (a CPU step also slows with the batch far more than a GPU's). Expect smaller ratios "
+              f"than the paper's. {memory_line(requests, spec)}")
+    text12 = (f"# {fig}: normalized latency against request rate ({model_name})\n\n"
+              f"![normalized latency against request rate]({png12.name})\n\n"
+              f"Normalized latency (s/token: end-to-end latency / output tokens, averaged over requests):\n\n"
+              f"{pivot_table}\n\n{summary_table}\n\n{scaled}\n\nThe CSV has every run's metrics (the first row: "
+              f"paged with every request at once, the capacity run).")
+    md12, csv12 = write_table(args.out, args.stems[0], rows12, ("load", *online.METRIC_COLUMNS),
+                              text12, record)
+
+    # Figure 13: mean batched requests at one rate.
+    paged13 = runs["paged"][fig13_rate].metrics.mean_running
+    rows13 = []
+    for p in args.policy:
+        m = runs[p][fig13_rate].metrics
+        paper = paper13.get(p)
+        rows13.append({"policy": p, "request_rate": fig13_rate, "mean_running": round(m.mean_running, 2),
+                       "peak_running": m.peak_running,
+                       "paged_over_policy": "-" if p == "paged" else f"{paged13 / m.mean_running:.2f}x",
+                       "paper_mean_batched": paper,
+                       "paper_paged_over_policy": "-" if p == "paged" or paper is None else
+                       f"{paper13['paged'] / paper:.2f}x",
+                       "request_throughput": round(m.request_throughput, 4),
+                       "normalized_latency_s": round(m.normalized_latency, 4), "preemptions": m.preemptions})
+    table13 = markdown_table(
+        rows13, FIG13_COLUMNS, cell=online.cell,
+        headers=["policy", "request rate (req/s)", "mean batched requests", "peak", "paged / policy",
+                 "paper: mean batched", "paper: vLLM / policy", "served (req/s)", "normalized latency (s/token)",
+                 "preemptions"])
+    png13 = args.out / f"{args.stems[1]}.png"
+    online.plot_batched_requests(png13, {p: runs[p][fig13_rate].metrics.mean_running for p in args.policy},
+                                 {p: paper13[p] for p in args.policy} if basic else None,
+                                 title=f"{model_name} at {fig13_rate:g} req/s ({args.workload})"
+                                       + ("; paper: OPT-13B at 2 req/s" if basic else ""))
+    text13 = (f"# {'Figure 13' if basic else fig}: mean batched requests ({model_name}, {fig13_rate:g} req/s)\n\n"
+              f"![mean batched requests]({png13.name})\n\n{table13}\n\n"
+              f"Mean batched requests: running sequences after each engine step, averaged over the run weighted "
+              f"by time (idle time counts 0). "
+              + ("Paper: OPT-13B serving ShareGPT at 2 requests/s (its Figure 13, values read from the bars). "
+                 if basic else "") + f"Rate {fig13_rate:g} req/s: "
+              f"{'given' if args.fig13_rate else 'the highest swept'}.\n\n{scaled}")
+    md13, csv13 = write_table(args.out, args.stems[1], rows13, FIG13_COLUMNS, text13, record)
+
+    print(f"\n{pivot_table}\n\n{summary_table}\n\n{table13}\n")
+    print(f"wrote {md12}, {csv12}, {png12}, {md13}, {csv13}, {png13} in {time.perf_counter() - t_start:.0f} s")
+    return summary, rows13
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
