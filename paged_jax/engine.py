@@ -376,7 +376,7 @@ class Engine:
         prev, self._inflight = self._inflight, None
         current = self._dispatch(scheduled, prev) if scheduled else None
         finished: list[Sequence] = []
-        touched: list[SequenceGroup] = []  # groups that got tokens
+        touched: dict[SequenceGroup, None] = {}  # groups that got tokens, in order
         if prev is not None:
             self._complete(prev, finished, touched)
         if current is not None:
@@ -459,7 +459,7 @@ class Engine:
                               seconds=time.perf_counter() - t0 - compile_s, compile_s=compile_s),
         )
 
-    def _complete(self, call: _InFlight, finished: list[Sequence], touched: list[SequenceGroup]) -> None:
+    def _complete(self, call: _InFlight, finished: list[Sequence], touched: dict[SequenceGroup, None]) -> None:
         """Reads a call's sampled tokens (the one transfer), checks the
         device's page state against the host's plan, and records tokens
         (their times, log-probs and text); ``touched`` gets the groups that
@@ -506,8 +506,7 @@ class Engine:
                 k = seq.request.sampling.logprobs
                 seq.logprobs.append({**{int(t): float(v) for t, v in zip(top_ids[slot, :k], top_lps[slot, :k])},
                                      tok: lp})
-            if group not in touched:
-                touched.append(group)
+            touched[group] = None
             stop_str = seq.detok.push(tok) if seq.detok is not None else None
             stop = tok in self.stop_ids and not seq.request.ignore_eos
             if stop_str is not None or stop or seq.num_generated >= seq.request.max_new_tokens:

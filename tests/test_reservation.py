@@ -189,7 +189,7 @@ def _paged_groups():
 
 
 @pytest.mark.parametrize("policy, mode", [
-    ("pow2", "recompute"), ("oracle", "swap"),
+    ("oracle", "swap"), pytest.param("pow2", "recompute", marks=pytest.mark.slow),
     pytest.param("pow2", "swap", marks=pytest.mark.slow), pytest.param("oracle", "recompute", marks=pytest.mark.slow),
 ])
 def test_preemption_keeps_outputs_under_a_reservation(policy, mode):

@@ -57,7 +57,9 @@ SAMPLINGS = {
 }
 
 
-@pytest.mark.parametrize("name,overlap", [(name, True) for name in SAMPLINGS] + [("n3", False)])
+@pytest.mark.parametrize("name,overlap", [("greedy", True), ("n3", True)] + [
+    pytest.param("sampled", True, marks=pytest.mark.slow), pytest.param("beams", True, marks=pytest.mark.slow),
+    pytest.param("n3", False, marks=pytest.mark.slow)])
 def test_deltas_concatenate_to_the_final_output(name, overlap):
     requests = toy_requests(6, seed=3, max_new=(3, 14), sampling=SAMPLINGS[name])
     final = {o.request_id: o for o in engine_with(overlap=overlap).run(requests)}
@@ -158,8 +160,8 @@ def log_softmax64(logits):
     return z - np.log(np.exp(z).sum())
 
 
-@pytest.mark.parametrize("k", [0, 5])
-@pytest.mark.parametrize("temperature", [0.0, 0.7])
+@pytest.mark.parametrize("k,temperature", [(5, 0.0), (0, 0.7), pytest.param(0, 0.0, marks=pytest.mark.slow),
+                                           pytest.param(5, 0.7, marks=pytest.mark.slow)])
 def test_logprobs_equal_a_float64_log_softmax(k, temperature):
     params = toy_params()
     requests = toy_requests(5, seed=4, max_new=(2, 9), prompt_len=(1, 20),
