@@ -281,23 +281,35 @@ class Engine:
           params: a pytree like the model's ``params``.
 
         Raises:
-          ValueError: a different tree structure, or a leaf of another shape
-            or dtype (named by its path). The engine is then unchanged.
+          ValueError: a different tree structure, a leaf of another shape or
+            dtype, or one holding NaN or inf (named by its path). The engine
+            is then unchanged.
           RuntimeError: requests are unfinished (their K/V came from the old
             weights: finish or abort them first), or the engine failed.
         """
         self._raise_if_failed()
-        if self.has_unfinished():
+        if self._live:
             raise RuntimeError(f"update_weights with {len(self._live)} unfinished requests: their K/V came from the "
                                "old weights; finish or abort them first")
+        while self.has_unfinished():  # an aborted request's call still in flight: read it (its tokens are dropped)
+            self.step()
         old_leaves, old_tree = jax.tree_util.tree_flatten_with_path(self.params)
         new_leaves, new_tree = jax.tree_util.tree_flatten_with_path(params)
         if old_tree != new_tree:
-            raise ValueError(f"params: a different tree structure from the model's ({new_tree} vs {old_tree})")
+            old_paths = [jax.tree_util.keystr(p) for p, _ in old_leaves]
+            new_paths = [jax.tree_util.keystr(p) for p, _ in new_leaves]
+            extra = [p for p in new_paths if p not in set(old_paths)]
+            missing = [p for p in old_paths if p not in set(new_paths)]
+            what = (f"params{extra[0]} is not in the model's params" if extra else
+                    f"params{missing[0]} is missing" if missing else "params: the same leaves in another container")
+            raise ValueError(f"{what} (a different tree structure: {len(extra)} leaves extra, {len(missing)} missing)")
         for (path, old), (_, new) in zip(old_leaves, new_leaves):
             if np.shape(new) != np.shape(old) or jnp.result_type(new) != jnp.result_type(old):
                 raise ValueError(f"params{jax.tree_util.keystr(path)}: shape {np.shape(new)} dtype "
                                  f"{jnp.result_type(new)}, expected {np.shape(old)} {jnp.result_type(old)}")
+            if jnp.issubdtype(jnp.result_type(new), jnp.inexact) and not bool(jnp.all(jnp.isfinite(new))):
+                raise ValueError(f"params{jax.tree_util.keystr(path)}: holds NaN or inf; the engine would fail on "
+                                 "its first step")
         self.params = jax.tree.map(
             lambda new, old: jax.device_put(new, old.sharding) if isinstance(old, jax.Array) else new,
             params, self.params)

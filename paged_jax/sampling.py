@@ -53,6 +53,7 @@ class SamplingParams:
         "final" (its output once, when it finishes), "delta" (after every
         call that gave it tokens, only what is new) or "cumulative" (after
         every such call, everything so far); vLLM's ``RequestOutputKind``.
+        Beam search reports once, when it finishes, whatever the kind.
       skip_special_tokens: leave special tokens out of the text.
 
     Raises:
@@ -98,7 +99,7 @@ class SamplingParams:
             raise ValueError(f"logprobs is not supported with beam search (beam_width={self.beam_width}): each "
                              "hypothesis reports its cumulative_logprob")
         if self.logprobs is not None:
-            check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS + 1)
+            object.__setattr__(self, "logprobs", check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS + 1))
         check_choice("output_kind", self.output_kind, OUTPUT_KINDS)
         check_bool("skip_special_tokens", self.skip_special_tokens)
 

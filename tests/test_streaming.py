@@ -208,8 +208,12 @@ def test_update_weights_refuses_and_leaves_the_engine_as_it_was():
     bad_shape = {**toy_params(1), "wq": toy_params(1)["wq"][:, :4]}
     with pytest.raises(ValueError, match=r"params\['wq'\]: shape"):
         engine.update_weights(bad_shape)
-    with pytest.raises(ValueError, match="tree structure"):
+    with pytest.raises(ValueError, match=r"params\['wo'\] is missing"):
         engine.update_weights({k: v for k, v in toy_params(1).items() if k != "wo"})
+    with pytest.raises(ValueError, match=r"params\['extra'\] is not in the model's params"):
+        engine.update_weights({**toy_params(1), "extra": np.zeros(3, np.float32)})
+    with pytest.raises(ValueError, match=r"params\['wv'\]: holds NaN or inf"):
+        engine.update_weights({**toy_params(1), "wv": toy_params(1)["wv"].at[0, 0].set(np.nan)})
     with pytest.raises(ValueError, match=r"params\['emb'\].*dtype"):
         engine.update_weights({**toy_params(1), "emb": toy_params(1)["emb"].astype(np.float16)})
     engine.add_request(Request(request_id=0, prompt_ids=[1, 2, 3], max_new_tokens=4))
@@ -239,3 +243,13 @@ def test_run_refuses_delta_requests():
     with pytest.raises(ValueError, match="output_kind='delta' streams through step"):
         engine.run([r])
     assert not engine.has_unfinished()
+
+
+def test_update_weights_after_an_abort_reads_the_call_in_flight():
+    engine = engine_with(model=make_toy_step(toy_params(0)))
+    engine.add_request(Request(request_id="a", prompt_ids=[1, 2, 3], max_new_tokens=8))
+    engine.step()
+    engine.abort("a")
+    engine.update_weights(toy_params(1))  # no request left: the aborted one's call in flight is read and dropped
+    [out] = engine.run([Request(request_id="b", prompt_ids=[1, 2, 3], max_new_tokens=4)])
+    assert out.output_ids == greedy_reference(toy_params(1), [1, 2, 3], 4)
