@@ -153,8 +153,8 @@ class LLM:
       max_seqs: most sequences running at once.
       max_seq_len: most tokens per sequence, prompt plus output; default
         ``min(the model's context, 2048)``; at most the model's context.
-      max_num_batched_tokens: tokens per model call (default 256), raised
-        to ``max_seqs``.
+      max_num_batched_tokens: tokens per model call (default 256, raised
+        to ``max_seqs``); a value given must be ``>= max_seqs``.
       enable_prefix_caching: reuse cached K/V of equal prompt prefixes.
       engine_config: further :class:`paged_jax.engine.EngineConfig` fields
         (``async_scheduling``, ``preemption_mode``, ``reservation``, ...).
@@ -212,8 +212,17 @@ class LLM:
 
         if max_seq_len is not None:
             check_pool(max_seq_len)
-        kv_dtype = jnp.dtype(default_kv_dtype() if kv_dtype is None else kv_dtype)
+        try:
+            kv_dtype = jnp.dtype(default_kv_dtype() if kv_dtype is None else kv_dtype)
+        except TypeError:
+            raise ValueError(f"kv_dtype must be a dtype (float32, bfloat16, int8, ...), got {kv_dtype=!r}") from None
         dtype = _float_dtype("dtype", default_dtype() if dtype is None else dtype)
+        batched = DEFAULT_MAX_BATCHED_TOKENS if max_num_batched_tokens is None else max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            batched = max(batched, max_seqs)  # the default follows max_seqs; a value given is checked as given
+        engine_options = dict(max_seqs=max_seqs, max_num_batched_tokens=batched,
+                              enable_prefix_caching=enable_prefix_caching, **engine_config)
+        EngineConfig(**engine_options)  # every engine option checked before the checkpoint is read
 
         if isinstance(model, tuple):
             if len(model) != 2 or not isinstance(model[0], Llama) or not (
@@ -231,10 +240,7 @@ class LLM:
             raise ValueError(f"max_seq_len must be at most the model's context ({context} tokens), got "
                              f"{max_seq_len=}")
         check_pool(max_seq_len)
-        config = EngineConfig(
-            max_seqs=max_seqs, max_seq_len=max_seq_len,
-            max_num_batched_tokens=max(max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS, max_seqs),
-            enable_prefix_caching=enable_prefix_caching, **engine_config)
+        config = EngineConfig(max_seq_len=max_seq_len, **engine_options)
         self.engine = Engine(RaggedModel(llama), llama.config.make_kv_pool(num_pages, page_size, kv_dtype), config,
                              stop_ids=tokenizer.stop_ids if tokenizer is not None else (), tokenizer=tokenizer)
         self.tokenizer = tokenizer
@@ -423,8 +429,8 @@ class LLM:
         for i, r in enumerate(requests):
             try:
                 self.engine.check_request(r)
-            except ValueError as e:
-                raise ValueError(f"{names[i]}: {e}") from None
+            except ValueError as e:  # the engine names its request id, which the caller never chose
+                raise ValueError(f"{names[i]}: {str(e).removeprefix(f'request {r.request_id!r}: ')}") from None
         self._next_id += len(requests)
         outputs = self.engine.run(requests, progress=use_tqdm)
         return sorted(outputs, key=lambda o: o.request_id)

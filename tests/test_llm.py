@@ -191,3 +191,13 @@ def test_bad_specs_are_named(tmp_path):
     with pytest.raises(ValueError, match="hold one sequence of max_seq_len"):
         LLM("smollm2-135m", kv_tokens=64, max_seq_len=128)
 
+
+
+def test_engine_options_are_checked_before_the_checkpoint_is_read():
+    # An unknown model would fail on loading: each bad option must be named first.
+    with pytest.raises(ValueError, match="reservation"):
+        LLM("no-such-model", reservation="bogus")
+    with pytest.raises(ValueError, match="kv_dtype"):
+        LLM("no-such-model", kv_dtype="bogus")
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= max_seqs"):
+        LLM("no-such-model", max_seqs=8, max_num_batched_tokens=4)
