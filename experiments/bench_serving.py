@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 
 from experiments import latency, online, provenance
@@ -73,6 +74,11 @@ def parse_args(argv=None):
         args.workload_ = online.workload(args.workload)
     except ValueError as e:
         p.error(f"--workload: {e}")
+    if len(set(args.policy)) != len(args.policy):
+        p.error(f"--policy: each policy once, got {' '.join(args.policy)}")
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", args.name):
+        p.error(f"--name must be a file stem of letters, digits, '_', '.' and '-' (the files land in --out), "
+                f"got {args.name!r}")
     check_outputs(p, args)
     return args
 

@@ -228,6 +228,8 @@ def test_engine_spec_builds_each_policy_on_one_model():
     (["--goodput", "e2el:-3"], "--goodput"),
     (["--workload", "parallel-0"], "--workload"),
     (["--num-requests", "0"], "--num-requests"),
+    (["--policy", "paged", "paged"], "--policy"),
+    (["--name", "../elsewhere"], "--name"),
 ])
 def test_bench_serving_refuses_bad_flags(argv, flag, capsys):
     with pytest.raises(SystemExit):
