@@ -28,6 +28,9 @@ so an accelerator host with no network measures serving at real scale.
 Weights in ``--dtype`` and K/V in ``--kv-dtype``: f32 on CPU, bf16 on GPU
 and TPU by default.
 
+``--profile DIR`` serves paged once more, untimed, and writes a
+``jax.profiler`` trace of a few of its steps (:mod:`experiments.profiling`).
+
 The engine, the timing and the result row are :mod:`experiments.serving`'s;
 this script holds the flags and the printing.
 
@@ -57,6 +60,7 @@ from experiments.cli import (
     resolve_dtype,
     setup_compile_cache,
 )
+from experiments.profiling import ProfileSpec, add_profile_args, check_profile_args
 from experiments.serving import CSV_COLUMNS, MODES, MatmulFloor, ServeResult, load_model, serve
 from experiments.sharegpt import MAX_SEQ_LEN, PACKAGED_LIMIT, PACKAGED_REQUESTS, build_requests, packaged_requests
 from experiments.tables import markdown_table, write_table
@@ -126,8 +130,10 @@ def parse_args(argv=None):
                    help="how a preempted request gives back its pages (default recompute)")
     add_flag(p, "out")
     add_compile_cache_args(p)
+    add_profile_args(p)
     args = p.parse_args(argv)
     check_flags(p, args)
+    check_profile_args(p, args)
     require_positive(p, args, "max_batched_tokens")
     if args.kv_budget_tokens // args.page_size * args.page_size < MAX_SEQ_LEN:
         p.error(
@@ -197,6 +203,7 @@ def main(argv=None) -> list[ServeResult]:
           f"{sum(r.max_new_tokens for r in requests)} output tokens")
     paged_model = RaggedModel(model)
     floor = MatmulFloor(model)
+    profile = ProfileSpec.from_args(args)
     results, outputs = [], {}
     for mode in MODES:
         print(f"serving: {mode}")
@@ -248,6 +255,13 @@ def main(argv=None) -> list[ServeResult]:
         record,
     )
     print(f"\nwrote {md} and {csv}")
+    if profile is not None:  # a run of its own: tracing slows the steps it traces, so no table row reads it
+        print(f"\nserving: paged once more, tracing steps {profile.skip}-{profile.skip + profile.steps - 1}")
+        serve(model, requests, mode="paged", page_size=args.page_size, kv_budget_tokens=args.kv_budget_tokens,
+              max_seqs=args.max_seqs, max_batched_tokens=args.max_batched_tokens, paged_model=paged_model,
+              prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode, floor=False,
+              mesh=mesh, kv_dtype=kv_dtype, profile=profile)
+        print(f"wrote the trace to {profile.out_dir} (Perfetto: plugins/profile/*/perfetto_trace.json.gz)")
     return results
 
 

@@ -30,6 +30,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from experiments.profiling import ProfileSpec
 from experiments.sharegpt import MAX_SEQ_LEN
 from models import llm
 from models.llama import RaggedModel, weight_matmuls
@@ -39,6 +40,7 @@ from paged_jax.data_parallel import DataParallelEngine, merged_stats
 from paged_jax.engine import Engine, EngineConfig, EngineStats
 from paged_jax.jit_stats import CompileCounts, CompileMonitor
 from paged_jax.kv_cache import default_kv_dtype
+from paged_jax.outputs import drain
 from paged_jax.requests import Request, RequestOutput
 
 MODE_RESERVATIONS = {"paged": "paged", "contiguous": "max", "contiguous-pow2": "pow2", "contiguous-oracle": "oracle"}
@@ -140,13 +142,16 @@ def make_engine(model, *, kv_tokens: int, page_size: int, max_seqs: int, max_seq
 
 
 def run_timed(engine: Engine | DataParallelEngine, requests: list[Request], *, progress: bool = False,
-              stream: bool = False) -> tuple[list[RequestOutput], float, CompileCounts]:
+              stream: bool = False, profile: ProfileSpec | None = None,
+              ) -> tuple[list[RequestOutput], float, CompileCounts]:
     """Runs ``requests`` to completion on ``engine``.
 
     Args:
       stream: every request streams deltas (``output_kind="delta"``), read
         after every step and joined here (ids, text, token times), as a
         server streaming every request would.
+      profile: trace a few steps of the run (``--profile``,
+        :class:`experiments.profiling.StepProfiler`).
 
     Returns:
       ``(outputs in finishing order, wall seconds less the compilation
@@ -154,21 +159,32 @@ def run_timed(engine: Engine | DataParallelEngine, requests: list[Request], *, p
     """
     with CompileMonitor() as compiles:
         t0 = time.perf_counter()
-        outputs = run_streamed(engine, requests) if stream else engine.run(requests, progress=progress)
+        if profile is None:
+            outputs = run_streamed(engine, requests) if stream else engine.run(requests, progress=progress)
+        else:
+            with profile.wrap(engine) as stepper:
+                if stream:
+                    outputs = run_streamed(engine, requests, stepper=stepper)
+                else:
+                    for r in requests:
+                        engine.add_request(r)
+                    outputs = drain(stepper, len(requests), progress)
         wall = time.perf_counter() - t0 - compiles.counts.seconds
     return outputs, wall, compiles.counts
 
 
-def run_streamed(engine: Engine, requests: list[Request]) -> list[RequestOutput]:
-    """Adds ``requests`` as delta streams, steps ``engine`` until it has no
-    work and joins each request's deltas into its final output (in
-    finishing order)."""
+def run_streamed(engine: Engine, requests: list[Request], *, stepper=None) -> list[RequestOutput]:
+    """Adds ``requests`` as delta streams, steps ``engine`` (through
+    ``stepper``'s ``step()`` if given: a profiler) until it has no work and
+    joins each request's deltas into its final output (in finishing
+    order)."""
+    stepper = engine if stepper is None else stepper
     for r in requests:
         engine.add_request(dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, output_kind="delta")))
     joined: dict = {}
     done = []
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in stepper.step():
             have = joined.setdefault(out.request_id, {})
             for c in out.outputs:
                 if c.index not in have:
@@ -246,6 +262,7 @@ def serve(
     kv_dtype=None,
     stream: bool = False,
     tokenizer=None,
+    profile: ProfileSpec | None = None,
 ) -> tuple[ServeResult, list[RequestOutput]]:
     """Serves ``requests`` in one mode and measures it.
 
@@ -270,6 +287,7 @@ def serve(
       stream: stream every request's deltas (:func:`run_streamed`); the
         row's mode then reads "<mode>, streamed".
       tokenizer: detokenize the outputs (:func:`make_engine`).
+      profile: trace a few of the run's steps (:func:`run_timed`).
 
     Returns:
       ``(the mode's row, outputs sorted by request id)``.
@@ -293,7 +311,7 @@ def serve(
                          max_batched_tokens=max_batched_tokens, paged_model=paged_model, mesh=mesh,
                          stop_ids=stop_ids, kv_dtype=kv_dtype, reservation=MODE_RESERVATIONS[mode],
                          enable_prefix_caching=prefix_caching, preemption_mode=preemption_mode, tokenizer=tokenizer)
-    outputs, wall, compiles = run_timed(engine, requests, progress=progress, stream=stream)
+    outputs, wall, compiles = run_timed(engine, requests, progress=progress, stream=stream, profile=profile)
     st = merged_stats(engine)
     floor_s = 0.0 if floor is False else (floor or MatmulFloor(model)).seconds(st)
     generated = sum(len(o.output_ids) for o in outputs)

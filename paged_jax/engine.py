@@ -384,18 +384,22 @@ class Engine:
             return []
         self.clock()  # starts it
         t_start, c_start = time.perf_counter(), compile_seconds()
-        scheduled = self.scheduler.schedule()
+        # Named phases for a profiler's trace (experiments.profiling): nearly free when none runs.
+        with jax.profiler.TraceAnnotation("schedule"):
+            scheduled = self.scheduler.schedule()
         prev, self._inflight = self._inflight, None
-        current = self._dispatch(scheduled, prev) if scheduled else None
+        with jax.profiler.TraceAnnotation("dispatch"):
+            current = self._dispatch(scheduled, prev) if scheduled else None
         finished: list[Sequence] = []
         touched: dict[SequenceGroup, None] = {}  # groups that got tokens, in order
-        if prev is not None:
-            self._complete(prev, finished, touched)
-        if current is not None:
-            if self.config.async_scheduling:
-                self._inflight = current
-            else:
-                self._complete(current, finished, touched)
+        with jax.profiler.TraceAnnotation("complete"):
+            if prev is not None:
+                self._complete(prev, finished, touched)
+            if current is not None:
+                if self.config.async_scheduling:
+                    self._inflight = current
+                else:
+                    self._complete(current, finished, touched)
 
         held, used = self.kv_manager.usage()
         tokens = sum(s.num_computed for s in self.running)

@@ -187,6 +187,7 @@ def smollm2():
     return model, prompts, decode_unsharded(model, prompts, steps=3, page_size=16)
 
 
+@pytest.mark.slow  # ~70 s; TINY_GQA has SmolLM2's 9 / 3 heads and runs every mesh by default
 @pytest.mark.parametrize("data, model_size", MESHES)
 def test_smollm2_sharded_decode_equals_unsharded(smollm2, data, model_size):
     """SmolLM2 (9 query heads, 3 KV heads: replicated and padded on model
@@ -285,6 +286,7 @@ def test_init_distributed_refuses_half_an_environment(monkeypatch):
         init_distributed()
 
 
+@pytest.mark.slow  # ~95 s on 2 cores (two processes compiling); the tiny meshes cover sharding by default
 def test_two_processes_on_localhost_agree_with_one():
     """``jax.distributed`` over two local processes (4 faked CPU devices
     each, gloo collectives): a (2, 4) mesh with one data shard per process,

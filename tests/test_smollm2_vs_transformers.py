@@ -132,6 +132,7 @@ def test_mixed_batches_match_transformers(ours, hf, prompts):
             assert logits[row].argmax() == want[row][seen[row] - 1].argmax()
 
 
+@pytest.mark.slow  # ~18 s; tests/test_train.py covers the loss and its gradients on tiny models by default
 def test_dense_loss_matches_transformers_and_gradients_are_finite(ours, hf):
     """The training path on SmolLM2: our dense next-token loss of a chat
     exchange equals transformers' ``labels=`` loss on the same GGUF (both f32

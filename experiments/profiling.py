@@ -1,0 +1,160 @@
+"""``--profile DIR``: a ``jax.profiler`` trace of a few engine steps after
+warm-up, for the serving and benchmark scripts.
+
+Why only a few steps, and not the first ones: the first steps of a run
+compile their programs (seconds each, against milliseconds for a step), and
+a trace of a whole run is hundreds of megabytes that Perfetto will not open.
+:class:`StepProfiler` passes ``--profile-skip`` steps through untraced, then
+traces ``--profile-steps`` steps, each inside a
+``jax.profiler.StepTraceAnnotation("engine_step", step_num=i)`` (TensorBoard's
+step view and Perfetto's slices both read it). Inside a step the engine
+marks its phases (``schedule``, ``dispatch``, ``complete``:
+:meth:`paged_jax.engine.Engine._step`), so the trace says how much of a step
+is the host's scheduling, the launch, and the wait for the device's tokens.
+
+The trace lands in ``DIR/plugins/profile/<timestamp>/``: open
+``perfetto_trace.json.gz`` at https://ui.perfetto.dev, or point TensorBoard
+(with ``tensorboard-plugin-profile``) at ``DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+
+import jax
+
+from experiments.cli import check_out_dir
+
+DEFAULT_SKIP = 8
+"""Steps run untraced first (``--profile-skip``): compilation happens there."""
+
+DEFAULT_STEPS = 8
+"""Steps traced (``--profile-steps``)."""
+
+
+def add_profile_args(p: argparse.ArgumentParser) -> None:
+    """Adds ``--profile DIR``, ``--profile-skip`` and ``--profile-steps``."""
+    p.add_argument("--profile", type=pathlib.Path, default=None, metavar="DIR",
+                   help="write a jax.profiler trace (Perfetto / TensorBoard) of a few engine steps after warm-up "
+                        "to DIR")
+    p.add_argument("--profile-skip", type=int, default=DEFAULT_SKIP,
+                   help="engine steps run before the trace starts (default %(default)s: compilation happens there)")
+    p.add_argument("--profile-steps", type=int, default=DEFAULT_STEPS,
+                   help="engine steps traced (default %(default)s)")
+    p.add_argument("--profile-python", action="store_true",
+                   help="also trace every Python call (large traces; off by default)")
+
+
+def check_profile_args(p: argparse.ArgumentParser, args) -> None:
+    """Exits with an argparse error naming the flag: a negative
+    ``--profile-skip``, ``--profile-steps`` below 1, or a ``--profile``
+    folder that cannot be written."""
+    if args.profile_skip < 0:
+        p.error(f"--profile-skip must be >= 0, got {args.profile_skip}")
+    if args.profile_steps < 1:
+        p.error(f"--profile-steps must be >= 1, got {args.profile_steps}")
+    if args.profile is not None:
+        check_out_dir(p, args.profile, "--profile")
+
+
+class StepProfiler:
+    """Steps an engine like the engine itself, tracing steps
+    ``[skip, skip + steps)`` into ``out_dir``.
+
+    It has the two methods :func:`paged_jax.outputs.drain` and the scripts'
+    loops call (``step``, ``has_unfinished``); everything else is the
+    engine's. The trace stops after its last step, or at :meth:`close`
+    (also on leaving a ``with`` block) if the run ends sooner.
+
+    Args:
+      engine: a :class:`paged_jax.engine.Engine` (or anything with
+        ``step()`` and ``has_unfinished()``).
+      out_dir: the trace's folder (created).
+      skip: steps before the trace starts, >= 0.
+      steps: steps traced, >= 1.
+      python: also trace every Python function call (JAX's Python tracer;
+        off by default: it records about a million events in a few steps,
+        where Perfetto's trace is cut).
+
+    Attributes:
+      traced: steps traced so far.
+
+    Raises:
+      ValueError: ``skip`` or ``steps`` out of range.
+    """
+
+    def __init__(self, engine, out_dir: str | pathlib.Path, *, skip: int = DEFAULT_SKIP, steps: int = DEFAULT_STEPS,
+                 python: bool = False):
+        if not isinstance(skip, int) or skip < 0:
+            raise ValueError(f"skip must be an int >= 0, got {skip=!r}")
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an int >= 1, got {steps=!r}")
+        self.engine, self.out_dir, self.skip, self.steps = engine, pathlib.Path(out_dir), skip, steps
+        self.python = bool(python)
+        self.traced = 0
+        self._count = 0
+        self._tracing = False
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def step(self):
+        """One engine step, traced when its turn has come."""
+        i = self._count
+        self._count += 1
+        if i == self.skip and self.traced == 0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            options = jax.profiler.ProfileOptions()
+            options.python_tracer_level = int(self.python)  # every Python call: 1M events in a few steps
+            jax.profiler.start_trace(str(self.out_dir), create_perfetto_trace=True, profiler_options=options)
+            self._tracing = True
+        if not self._tracing:
+            return self.engine.step()
+        try:
+            with jax.profiler.StepTraceAnnotation("engine_step", step_num=i):
+                out = self.engine.step()
+        finally:
+            self.traced += 1
+            if self.traced == self.steps:
+                self.close()
+        return out
+
+    def close(self) -> None:
+        """Stops the trace if it is running (idempotent)."""
+        if self._tracing:
+            self._tracing = False
+            jax.profiler.stop_trace()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __getattr__(self, name):
+        if name == "engine":  # not set yet (copying, unpickling): never recurse
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProfileSpec:
+    """What ``--profile`` asked for: the trace's folder and which steps."""
+
+    out_dir: pathlib.Path
+    skip: int = DEFAULT_SKIP
+    steps: int = DEFAULT_STEPS
+    python: bool = False
+
+    @classmethod
+    def from_args(cls, args) -> "ProfileSpec | None":
+        """The spec of parsed ``--profile*`` flags; None without ``--profile``."""
+        if args.profile is None:
+            return None
+        return cls(out_dir=args.profile, skip=args.profile_skip, steps=args.profile_steps, python=args.profile_python)
+
+    def wrap(self, engine) -> StepProfiler:
+        """A :class:`StepProfiler` of ``engine`` with this spec."""
+        return StepProfiler(engine, self.out_dir, skip=self.skip, steps=self.steps, python=self.python)

@@ -1,0 +1,69 @@
+"""``--profile``: a jax.profiler trace of a few engine steps after warm-up."""
+
+import argparse
+import gzip
+import json
+
+import pytest
+
+from engine_helpers import make_engine, toy_requests
+from experiments.profiling import ProfileSpec, StepProfiler, add_profile_args, check_profile_args
+from paged_jax.outputs import drain
+
+
+def _slices(folder):
+    [trace] = list(folder.glob("plugins/profile/*/perfetto_trace.json.gz"))
+    data = json.loads(gzip.decompress(trace.read_bytes()))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    return [e for e in events if e.get("ph") == "X"]
+
+
+def test_traces_only_the_asked_steps_with_the_engine_phases(tmp_path):
+    engine = make_engine()
+    requests = toy_requests(4, max_new=(8, 12))
+    for r in requests:
+        engine.add_request(r)
+    with StepProfiler(engine, tmp_path / "trace", skip=3, steps=2) as stepper:
+        outputs = drain(stepper, len(requests), progress=False)
+    assert stepper.traced == 2 and len(outputs) == 4
+    slices = _slices(tmp_path / "trace")
+    steps = sorted(int(e["args"]["step_num"]) for e in slices if e["name"] == "engine_step")
+    assert steps == [3, 4]
+    names = {e["name"] for e in slices}
+    assert {"schedule", "dispatch", "complete"} <= names
+    assert not any(n.startswith("$builtins") for n in names)  # the Python tracer is off by default
+
+
+def test_a_run_shorter_than_the_skip_writes_no_trace_and_outputs_are_unchanged(tmp_path):
+    want = sorted((o.request_id, o.output_ids) for o in make_engine().run(toy_requests(3)))
+    engine = make_engine()
+    for r in toy_requests(3):
+        engine.add_request(r)
+    with StepProfiler(engine, tmp_path / "never", skip=10_000, steps=1) as stepper:
+        got = sorted((o.request_id, o.output_ids) for o in drain(stepper, 3, progress=False))
+    assert got == want and stepper.traced == 0 and not (tmp_path / "never").exists()
+    assert stepper.num_free_pages == engine.num_free_pages  # everything else is the engine's
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--profile-skip", "-1"], "--profile-skip must be >= 0, got -1"),
+    (["--profile-steps", "0"], "--profile-steps must be >= 1, got 0"),
+])
+def test_bad_flags_are_named(argv, message, capsys):
+    p = argparse.ArgumentParser()
+    add_profile_args(p)
+    with pytest.raises(SystemExit):
+        check_profile_args(p, p.parse_args(argv))
+    assert message in capsys.readouterr().err
+
+
+def test_spec_from_flags_and_bad_arguments(tmp_path):
+    p = argparse.ArgumentParser()
+    add_profile_args(p)
+    assert ProfileSpec.from_args(p.parse_args([])) is None
+    spec = ProfileSpec.from_args(p.parse_args(["--profile", str(tmp_path), "--profile-steps", "3"]))
+    assert (spec.out_dir, spec.skip, spec.steps, spec.python) == (tmp_path, 8, 3, False)
+    with pytest.raises(ValueError, match="skip must be an int >= 0, got skip=-2"):
+        StepProfiler(None, tmp_path, skip=-2)
+    with pytest.raises(ValueError, match="steps must be an int >= 1, got steps=0"):
+        StepProfiler(None, tmp_path, steps=0)
