@@ -5,8 +5,13 @@ Modules: ``gguf_loader`` (GGUF -> config + f32 numpy weights), ``tokenizer``
 Llama-family decoder over a paged KV pool), ``smollm2`` (SmolLM2-135M-Instruct
 from its GGUF, and a greedy generation helper for tests), ``train`` (the
 dense forward's loss and an optax train step), ``checkpoint`` (weights and
-config in one safetensors file), ``hf_loader`` (Hugging Face Llama / Mistral /
-Qwen2 folders: safetensors weights, ``tokenizer.json``, chat template).
+config in one safetensors file), ``hf_config`` (a Hugging Face ``config.json``
+of Llama 2-3.3, Mistral, Qwen2/3, Gemma 2/3 or OLMo 2 as a ``LlamaConfig``, or a
+refusal naming the field), ``hf_loader`` (those folders: safetensors weights,
+``tokenizer.json``, chat template), ``rope`` (RoPE and its ``linear``,
+``llama3`` and YaRN scalings), ``presets`` (random-weight models of published
+shapes), ``llm`` (offline generation: a checkpoint and text prompts in, text
+out).
 
 Axis alphabet, stated here once and used in every einsum and shape comment
 of ``models/``, ``paged_jax/`` and ``pallas_kernels/``:

@@ -2,20 +2,11 @@
 ``*.safetensors`` and ``tokenizer.json`` -> :class:`models.llama.Llama` and
 :class:`models.tokenizer.Tokenizer`.
 
-Supported ``model_type`` values of ``config.json``:
-
-  llama    Llama 2, Llama 3 (without rope scaling), SmolLM2, TinyLlama, ...
-  mistral  Mistral: ``sliding_window`` becomes ``LlamaConfig.sliding_window``
-  qwen2    Qwen2 / Qwen2.5: biases on q/k/v (always); a sliding window only
-           when every layer uses it
-
-What the decoder cannot compute exactly is refused, never approximated: rope
-scaling of any kind (Llama 3.1's ``llama3``, ``linear``, ``dynamic``, YaRN),
-an activation other than SiLU, MLP biases, Llama's ``attention_bias`` (it adds
-an ``o_proj`` bias too), quantized weights (``quantization_config``), a Qwen2
-window on some layers only, tensors of a dtype other than BF16 / F16 / F32.
-Each such error is a ``ValueError`` that names the file, the field or tensor,
-and the value found; a missing file is a ``FileNotFoundError`` naming it.
+Which ``model_type`` values are supported (Llama 2 / 3 / 3.x, Mistral,
+Qwen2, Qwen3, Gemma 2, Gemma 3 text, OLMo 2), and what is refused, is
+:mod:`models.hf_config`'s business: it turns ``config.json`` into a
+:class:`models.config.LlamaConfig` or a ``ValueError`` naming the file, the
+field and the value. A missing file is a ``FileNotFoundError`` naming it.
 
 Weights are read with ``safetensors`` from ``model.safetensors``, or from the
 shards that ``model.safetensors.index.json`` lists. Hugging Face stores each
@@ -24,20 +15,28 @@ projection as ``[out, in]`` and its RoPE rotates halves (``rotate_half``), as
 by layer, no permutation (unlike a GGUF, :mod:`models.gguf_loader`):
 
   model.embed_tokens.weight                    [V, D]      embed
-  model.layers.{i}.input_layernorm.weight      [D]         blocks.attn_norm.scale[i]
+  model.layers.{i}.input_layernorm.weight      [D]         blocks.attn_norm.scale[i]  (not OLMo 2)
   model.layers.{i}.self_attn.q_proj.weight     [N*H, D]    blocks.attn.wq[i]      [D, N, H]
   model.layers.{i}.self_attn.k_proj.weight     [K*H, D]    blocks.attn.wk[i]      [D, K, H]
   model.layers.{i}.self_attn.v_proj.weight     [K*H, D]    blocks.attn.wv[i]      [D, K, H]
   model.layers.{i}.self_attn.{q,k,v}_proj.bias [N*H|K*H]   blocks.attn.b{q,k,v}[i] (Qwen2)
   model.layers.{i}.self_attn.o_proj.weight     [D, N*H]    blocks.attn.wo[i]      [N, H, D]
-  model.layers.{i}.post_attention_layernorm.weight [D]     blocks.mlp_norm.scale[i]
+  model.layers.{i}.self_attn.{q,k}_norm.weight [H|N*H|K*H] blocks.attn.{q,k}_norm.scale[i] (Qwen3,
+                                                           Gemma 3: [H]; OLMo 2: [N*H], [K*H])
+  model.layers.{i}.post_attention_layernorm.weight [D]     blocks.mlp_norm.scale[i] (Llama's pre-MLP
+                                                           norm), blocks.post_attn_norm.scale[i]
+                                                           (Gemma, OLMo 2: after attention)
+  model.layers.{i}.pre_feedforward_layernorm.weight [D]    blocks.mlp_norm.scale[i] (Gemma)
+  model.layers.{i}.post_feedforward_layernorm.weight [D]   blocks.post_mlp_norm.scale[i] (Gemma, OLMo 2)
   model.layers.{i}.mlp.gate_proj.weight        [F, D]      blocks.mlp.w_gate[i]   [D, F]
   model.layers.{i}.mlp.up_proj.weight          [F, D]      blocks.mlp.w_up[i]     [D, F]
   model.layers.{i}.mlp.down_proj.weight        [D, F]      blocks.mlp.w_down[i]   [F, D]
   model.norm.weight                            [D]         final_norm.scale
   lm_head.weight                               [V, D]      lm_head (absent when tied)
 
-The weights are cast to ``param_dtype`` (default f32) as they are read, one
+Gemma's norm weights are stored as ``w`` of ``x * (1 + w)`` and kept so
+(``LlamaConfig.norm_plus_one``). The weights are cast to ``param_dtype``
+(f32, bf16 or f16; default f32) as they are read, one
 tensor at a time into the stacked arrays, so the host holds about one copy of
 the model in that dtype plus one tensor.
 
@@ -53,7 +52,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -63,15 +62,16 @@ import tokenizers
 from flax import nnx
 
 from models.checkpoint import assign_params
+from models.hf_config import CONFIG, config_from_hf
 from models.llama import Llama, LlamaConfig
 from models.tokenizer import Tokenizer
-from paged_jax.checks import is_float, is_int
+from paged_jax.checks import check_choice, is_int
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 WEIGHT_DTYPES = ("BF16", "F16", "F32")
 """safetensors dtypes the loader reads (anything else is refused)."""
+PARAM_DTYPES = ("float32", "bfloat16", "float16")
+"""The ``param_dtype`` values :func:`load_hf_model` takes."""
 
-CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 TOKENIZER = "tokenizer.json"
@@ -80,7 +80,6 @@ GENERATION_CONFIG = "generation_config.json"
 CHAT_TEMPLATE = "chat_template.jinja"
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers older exports saved; recomputed from the config
-_MISSING = object()
 
 
 def _read_json(path: pathlib.Path) -> dict:
@@ -104,141 +103,6 @@ def _folder(path: str | os.PathLike) -> pathlib.Path:
 
 
 # ----------------------------------------------------------------------------- config
-
-
-def config_from_hf(cfg: dict[str, Any], path: str = CONFIG) -> LlamaConfig:
-    """The :class:`LlamaConfig` of a Hugging Face ``config.json`` (parsed).
-
-    Args:
-      cfg: the JSON object.
-      path: the file, for error messages.
-
-    Raises:
-      ValueError: an unsupported ``model_type``, a missing or mistyped
-        field, or a feature the decoder cannot compute exactly (see the
-        module docstring); names ``path``, the field and its value.
-    """
-
-    def bad(name, value, why):
-        return ValueError(f"{path}: field {name!r} is {value!r}; {why}")
-
-    def get(name, default=_MISSING):
-        if name not in cfg:
-            if default is _MISSING:
-                raise ValueError(f"{path}: field {name!r} is missing")
-            return default
-        return cfg[name]
-
-    def integer(name, default=_MISSING):
-        value = get(name, default)
-        if not is_int(value, 1):
-            raise bad(name, value, "expected an int >= 1")
-        return value
-
-    def number(name, value):
-        if not is_float(value, 0, low_open=True):
-            raise bad(name, value, "expected a finite number > 0")
-        return float(value)
-
-    def flag(name, default):
-        value = get(name, default)
-        if not isinstance(value, bool):
-            raise bad(name, value, "expected true or false")
-        return value
-
-    model_type = get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise bad("model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if get("quantization_config", None) is not None:
-        raise bad("quantization_config", cfg["quantization_config"],
-                  "quantized checkpoints are not supported (BF16 / F16 / F32 weights only)")
-    act = get("hidden_act", "silu")
-    if act != "silu":
-        raise bad("hidden_act", act, "the decoder's MLP is SwiGLU: only 'silu' is supported")
-    if flag("mlp_bias", False):
-        raise bad("mlp_bias", True, "the decoder's MLP has no biases")
-
-    heads = integer("num_attention_heads")
-    kv_heads = integer("num_key_value_heads", heads) if cfg.get("num_key_value_heads") is not None else heads
-    model_dim = integer("hidden_size")
-    if cfg.get("head_dim") is not None:
-        head_dim = integer("head_dim")
-    elif model_dim % heads:
-        raise bad("hidden_size", model_dim, f"without head_dim it must be a multiple of num_attention_heads={heads}")
-    else:
-        head_dim = model_dim // heads
-
-    # RoPE: transformers < 5 writes rope_theta and rope_scaling at the top
-    # level; 5.x writes rope_parameters {rope_type, rope_theta, ...}.
-    theta = get("rope_theta", None)
-    for name in ("rope_scaling", "rope_parameters"):
-        rope = get(name, None)
-        if rope is None:
-            continue
-        if not isinstance(rope, dict):
-            raise bad(name, rope, "expected an object or null")
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind != "default":
-            raise bad(name, rope, f"rope type {kind!r} is not supported (plain RoPE only: 'default')")
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise bad(name, rope, "partial rotary embeddings are not supported")
-        theta = rope.get("rope_theta", theta)
-    rope_theta = number("rope_theta", 10000.0 if theta is None else theta)
-
-    qkv_bias, window = False, None
-    if model_type == "llama":
-        if flag("attention_bias", False):
-            raise bad("attention_bias", True, "Llama's attention_bias adds an o_proj bias, which the decoder lacks")
-    elif model_type == "mistral":
-        if get("sliding_window", None) is not None:
-            window = integer("sliding_window")
-    else:  # qwen2: q/k/v always carry biases; the window applies to the layers layer_types marks
-        qkv_bias = True
-        layers = integer("num_hidden_layers")
-        if flag("use_sliding_window", False) and get("sliding_window", None) is not None:
-            window = integer("sliding_window")
-        types = get("layer_types", None)
-        if types is None:
-            first = get("max_window_layers", 28) if window is not None else layers
-            if not is_int(first, 0):
-                raise bad("max_window_layers", first, "expected an int >= 0")
-            types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
-        if not isinstance(types, list) or len(types) != layers:
-            raise bad("layer_types", types, f"expected a list of {layers} layer types")
-        unknown = sorted({str(t) for t in types} - {"full_attention", "sliding_attention"})
-        if unknown:
-            raise bad("layer_types", types, f"unknown layer types {unknown}; expected 'full_attention' or "
-                      "'sliding_attention'")
-        sliding = [t == "sliding_attention" for t in types]
-        if window is None and any(sliding):
-            raise bad("layer_types", types, "marks sliding layers, but use_sliding_window / sliding_window "
-                      "give no window")
-        if window is not None and not all(sliding):
-            if any(sliding):
-                raise bad("layer_types" if "layer_types" in cfg else "max_window_layers",
-                          cfg.get("layer_types", cfg.get("max_window_layers")),
-                          "a sliding window on some layers only is not supported (one window for all layers)")
-            window = None  # sliding_window set, but no layer uses it
-
-    fields = dict(
-        vocab_size=integer("vocab_size"),
-        model_dim=model_dim,
-        mlp_dim=integer("intermediate_size"),
-        num_layers=integer("num_hidden_layers"),
-        num_q_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        rope_theta=rope_theta,
-        rms_norm_eps=number("rms_norm_eps", get("rms_norm_eps", 1e-6)),
-        tie_embeddings=flag("tie_word_embeddings", False),
-        max_seq_len=integer("max_position_embeddings", 2048),
-        qkv_bias=qkv_bias,
-        sliding_window=window,
-    )
-    try:
-        return LlamaConfig(**fields)
-    except ValueError as e:  # e.g. heads not a multiple of KV heads
-        raise ValueError(f"{path}: the fields do not make a valid decoder: {e}") from e
 
 
 def read_hf_config(folder: str | os.PathLike) -> LlamaConfig:
@@ -334,9 +198,20 @@ def _layout(config: LlamaConfig) -> dict[str, tuple[tuple[str, ...], int | None,
     n, k, h = config.num_q_heads, config.num_kv_heads, config.head_dim
     same = lambda w: w  # noqa: E731
     transposed = lambda w: w.T  # noqa: E731  [out, in] -> [in, out]
-    layer_tensors = [
-        ("input_layernorm.weight", ("attn_norm", "scale"), (d,), same),
-        ("post_attention_layernorm.weight", ("mlp_norm", "scale"), (d,), same),
+    norms = {
+        "pre": [("input_layernorm", "attn_norm"), ("post_attention_layernorm", "mlp_norm")],
+        "pre_post": [("input_layernorm", "attn_norm"), ("post_attention_layernorm", "post_attn_norm"),
+                     ("pre_feedforward_layernorm", "mlp_norm"), ("post_feedforward_layernorm", "post_mlp_norm")],
+        "post": [("post_attention_layernorm", "post_attn_norm"), ("post_feedforward_layernorm", "post_mlp_norm")],
+    }[config.norm_placement]
+    layer_tensors = [(f"{hf}.weight", (ours, "scale"), (d,), same) for hf, ours in norms]
+    if config.qk_norm is not None:
+        full = config.qk_norm == "full"
+        layer_tensors += [
+            ("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), (n * h if full else h,), same),
+            ("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), (k * h if full else h,), same),
+        ]
+    layer_tensors += [
         ("self_attn.q_proj.weight", ("attn", "wq"), (n * h, d), lambda w: w.T.reshape(d, n, h)),
         ("self_attn.k_proj.weight", ("attn", "wk"), (k * h, d), lambda w: w.T.reshape(d, k, h)),
         ("self_attn.v_proj.weight", ("attn", "wv"), (k * h, d), lambda w: w.T.reshape(d, k, h)),
@@ -369,9 +244,9 @@ def load_hf_model(folder: str | os.PathLike, *, param_dtype=jnp.float32) -> Llam
     Args:
       folder: the checkpoint folder (``config.json`` and ``model.safetensors``
         or ``model.safetensors.index.json`` with its shards).
-      param_dtype: dtype of the module's weights; the stored BF16 / F16 /
-        F32 tensors are cast to it (default f32: the decoder then computes
-        in f32).
+      param_dtype: dtype of the module's weights, f32, bf16 or f16; the
+        stored BF16 / F16 / F32 tensors are cast to it (default f32: the
+        decoder then computes in f32).
 
     Raises:
       FileNotFoundError: the folder, ``config.json``, the weights or a shard
@@ -379,8 +254,14 @@ def load_hf_model(folder: str | os.PathLike, *, param_dtype=jnp.float32) -> Llam
       ValueError: an unsupported config (:func:`config_from_hf`); a tensor
         missing, misshapen or of another dtype; a tensor the decoder has no
         place for (a bias the config does not announce, say). Each names
-        the file and the field or tensor.
+        the file and the field or tensor. A ``param_dtype`` other than f32,
+        bf16 or f16.
     """
+    try:
+        dtype_name = jnp.dtype(param_dtype).name
+    except TypeError:
+        dtype_name = repr(param_dtype)
+    check_choice("param_dtype", dtype_name, PARAM_DTYPES)
     folder = _folder(folder)
     config = read_hf_config(folder)
     tensors = _Tensors(folder)

@@ -5,6 +5,20 @@ attention, SwiGLU MLP, tied or untied output embedding. Per-layer weights are
 stacked along a leading layer axis and the layers run under ``jax.lax.scan``,
 so a 30-layer model compiles one layer body instead of thirty.
 
+The config's family options (:class:`models.config.LlamaConfig`) add what
+Llama 3.1, Qwen3, Gemma 2 / 3 and OLMo 2 compute: scaled RoPE
+(:mod:`models.rope`), q/k RMSNorm, ``1 + w`` norms, norms after the
+sublayers, GeGLU, a scaled embedding, soft caps and a query scale.
+
+Sliding and global layers mixed (Gemma 2 / 3, Qwen3's ``layer_types``) keep
+one scan body: each kind's RoPE table is computed once per call and indexed
+by the layer's kind, and the attention is a ``jax.lax.cond`` on the kind
+between two calls with static windows. Not a window as a traced int per
+layer, because every attention path (the XLA work list, the Pallas kernels)
+takes the window as a static option and specialises on it (the sliding
+branch skips the key blocks before the window): none of them changes, only
+the taken branch runs, and the cost is compiling the attention twice.
+
 The KV cache is never module state. :func:`forward` takes a
 :class:`paged_jax.kv_cache.KVPool` and returns the updated one; the pool
 rides in the scan carry and each layer scatters its new K/V into its own
@@ -32,6 +46,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import LlamaConfig
+from models.rope import apply_rope, rope_angles
 from paged_jax import attention as paged_attn
 from paged_jax import ragged_attention
 from paged_jax.batch import RaggedBatch
@@ -45,52 +60,32 @@ def _normal(rngs: nnx.Rngs, shape, std: float, dtype):
 
 
 class RMSNorm(nnx.Module):
-    """``x / sqrt(mean(x^2) + eps) * scale``, computed in f32.
+    """``x / sqrt(mean(x^2) + eps) * scale``, computed in f32; with
+    ``plus_one`` (Gemma) the factor is ``1 + scale`` and ``scale`` starts at 0.
 
     ``stack`` prepends axes to the scale (the layer axis of stacked blocks).
     """
 
-    def __init__(self, dim: int, *, eps: float, stack: tuple[int, ...] = (), param_dtype=jnp.float32):
+    def __init__(self, dim: int, *, eps: float, stack: tuple[int, ...] = (), param_dtype=jnp.float32,
+                 plus_one: bool = False):
         self.eps = eps
-        self.scale = nnx.Param(jnp.ones(stack + (dim,), param_dtype))  # [*stack, D]
+        self.plus_one = plus_one
+        self.scale = nnx.Param(jnp.full(stack + (dim,), 0.0 if plus_one else 1.0, param_dtype))  # [*stack, D]
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (self.scale[...].astype(jnp.float32) * x32).astype(x.dtype)
+        scale = self.scale[...].astype(jnp.float32)
+        return ((1.0 + scale if self.plus_one else scale) * x32).astype(x.dtype)
 
 
-def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of RoPE angles.
-
-    Args:
-      positions: i32[B, T] token positions.
-
-    Returns:
-      ``(cos, sin)``, each f32[B, T, H/2]: angle ``pos * theta^(-2i/H)`` for
-      pair ``i`` (dims ``i`` and ``i + H/2``).
-    """
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))  # [H/2]
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
-    return jnp.cos(angles), jnp.sin(angles)
+def _norm(config: LlamaConfig, dim: int, stack: tuple[int, ...], param_dtype) -> RMSNorm:
+    return RMSNorm(dim, eps=config.rms_norm_eps, stack=stack, param_dtype=param_dtype,
+                   plus_one=config.norm_plus_one)
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates pairs ``(x[i], x[i + H/2])`` (Hugging Face's ``rotate_half``).
-
-    Args:
-      x: [B, T, heads, H].
-      cos, sin: f32[B, T, H/2].
-
-    Returns:
-      [B, T, heads, H] in ``x.dtype``.
-    """
-    half = x.shape[-1] // 2
-    x1 = x[..., :half].astype(jnp.float32)
-    x2 = x[..., half:].astype(jnp.float32)
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, T, 1, H/2]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+def _maybe(norm: RMSNorm | None, x: jax.Array) -> jax.Array:
+    return x if norm is None else norm(x)
 
 
 class Attention(nnx.Module):
@@ -108,6 +103,10 @@ class Attention(nnx.Module):
         self.bq = nnx.Param(jnp.zeros(stack + (n, h), param_dtype)) if config.qkv_bias else None  # [*, N, H]
         self.bk = nnx.Param(jnp.zeros(stack + (k, h), param_dtype)) if config.qkv_bias else None  # [*, K, H]
         self.bv = nnx.Param(jnp.zeros(stack + (k, h), param_dtype)) if config.qkv_bias else None  # [*, K, H]
+        # q/k RMSNorm: over H (Qwen3, Gemma 3) or the whole N*H / K*H projection (OLMo 2).
+        full = config.qk_norm == "full"
+        self.q_norm = _norm(config, n * h if full else h, stack, param_dtype) if config.qk_norm else None
+        self.k_norm = _norm(config, k * h if full else h, stack, param_dtype) if config.qk_norm else None
 
     def __call__(self, x, cos, sin, cache, layer, attend):
         """One layer's attention: ``(out [B, T, D], cache)``.
@@ -123,13 +122,18 @@ class Attention(nnx.Module):
         v = jnp.einsum("BTD,DKH->BTKH", x, self.wv[...])
         if self.bq is not None:  # before RoPE, as Qwen2
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+        if self.q_norm is not None:  # before RoPE, on the projections' output
+            flat = self.config.qk_norm == "full"
+            q = self.q_norm(q.reshape(*q.shape[:2], -1)).reshape(q.shape) if flat else self.q_norm(q)
+            k = self.k_norm(k.reshape(*k.shape[:2], -1)).reshape(k.shape) if flat else self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, cache = attend(q, k, v, cache, layer)  # [B, T, N, H]
         return jnp.einsum("BTNH,NHD->BTD", out, self.wo[...]), cache
 
 
 class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(x @ gate) * (x @ up))``."""
+    """SwiGLU: ``down(silu(x @ gate) * (x @ up))``; GeGLU (tanh-approximate
+    GELU in place of SiLU) with ``config.mlp_activation == "gelu_tanh"``."""
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, stack: tuple[int, ...] = (),
                  param_dtype=jnp.float32):
@@ -137,34 +141,41 @@ class MLP(nnx.Module):
         self.w_gate = nnx.Param(_normal(rngs, stack + (d, f), d**-0.5, param_dtype))  # [*, D, F]
         self.w_up = nnx.Param(_normal(rngs, stack + (d, f), d**-0.5, param_dtype))  # [*, D, F]
         self.w_down = nnx.Param(_normal(rngs, stack + (f, d), f**-0.5, param_dtype))  # [*, F, D]
+        self.activation = config.mlp_activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate = jnp.einsum("BTD,DF->BTF", x, self.w_gate[...])
         up = jnp.einsum("BTD,DF->BTF", x, self.w_up[...])
-        return jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, self.w_down[...])
+        act = jax.nn.silu(gate) if self.activation == "silu" else jax.nn.gelu(gate, approximate=True)
+        return jnp.einsum("BTF,FD->BTD", act * up, self.w_down[...])
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """Decoder block. ``config.norm_placement``: ``"pre"``: ``x + attn(norm(x))``
+    then ``x + mlp(norm(x))``; ``"pre_post"``: ``x + norm(attn(norm(x)))``
+    then the same around the MLP; ``"post"``: ``x + norm(attn(x))`` then
+    ``x + norm(mlp(x))``. Absent norms are None."""
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, stack: tuple[int, ...] = (),
                  param_dtype=jnp.float32):
-        self.attn_norm = RMSNorm(config.model_dim, eps=config.rms_norm_eps, stack=stack,
-                                 param_dtype=param_dtype)
+        pre, post = config.norm_placement != "post", config.norm_placement != "pre"
+        d = config.model_dim
+        self.attn_norm = _norm(config, d, stack, param_dtype) if pre else None
         self.attn = Attention(config, rngs=rngs, stack=stack, param_dtype=param_dtype)
-        self.mlp_norm = RMSNorm(config.model_dim, eps=config.rms_norm_eps, stack=stack,
-                                param_dtype=param_dtype)
+        self.post_attn_norm = _norm(config, d, stack, param_dtype) if post else None
+        self.mlp_norm = _norm(config, d, stack, param_dtype) if pre else None
         self.mlp = MLP(config, rngs=rngs, stack=stack, param_dtype=param_dtype)
+        self.post_mlp_norm = _norm(config, d, stack, param_dtype) if post else None
 
     def __call__(self, x, cos, sin, cache, layer, attend, reduce=None):
         """``reduce`` (default none) sums the attention and MLP outputs over
         the devices that each computed part of them (tensor parallelism:
         ``psum`` over the model axis, :mod:`models.sharded`) before each
-        residual add."""
+        residual add (and before a post-norm, which needs the whole sum)."""
         reduce = reduce or (lambda y: y)
-        h, cache = self.attn(self.attn_norm(x), cos, sin, cache, layer, attend)
-        x = x + reduce(h)
-        x = x + reduce(self.mlp(self.mlp_norm(x)))
+        h, cache = self.attn(_maybe(self.attn_norm, x), cos, sin, cache, layer, attend)
+        x = x + _maybe(self.post_attn_norm, reduce(h))
+        x = x + _maybe(self.post_mlp_norm, reduce(self.mlp(_maybe(self.mlp_norm, x))))
         return x, cache
 
 
@@ -192,7 +203,7 @@ class Llama(nnx.Module):
         v, d = config.vocab_size, config.model_dim
         self.embed = nnx.Param(_normal(rngs, (v, d), embed_std, param_dtype))  # [V, D]
         self.blocks = Block(config, rngs=rngs, stack=(config.num_layers,), param_dtype=param_dtype)
-        self.final_norm = RMSNorm(d, eps=config.rms_norm_eps, param_dtype=param_dtype)
+        self.final_norm = _norm(config, d, (), param_dtype)
         self.lm_head = (
             None if config.tie_embeddings else nnx.Param(_normal(rngs, (v, d), d**-0.5, param_dtype))
         )
@@ -223,22 +234,55 @@ def _query_struct(model: Llama, *tokens: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((*tokens, *wq.shape[-2:]), jnp.result_type(model.embed[...].dtype, wq.dtype))
 
 
-def _run_layers(model: Llama, x, cos, sin, cache, attend, reduce=None):
+def _rope_tables(config: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin: f32[kinds, B, T, H/2] for i32[B, T] positions: the global
+    layers' RoPE, then the sliding layers' own when ``local_rope_theta`` is
+    set (Gemma 3)."""
+    tables = [rope_angles(positions, config.head_dim, config.rope_theta, config.rope_scaling)]
+    if config.local_rope_theta is not None:
+        tables.append(rope_angles(positions, config.head_dim, config.local_rope_theta))
+    return jnp.stack([c for c, _ in tables]), jnp.stack([s for _, s in tables])
+
+
+def _embed(model: Llama, tokens: jax.Array) -> jax.Array:
+    """Token embeddings [..., D]; times ``embed_scale`` rounded to the
+    embedding's dtype first, as transformers rounds Gemma's ``sqrt(D)``."""
+    x = model.embed[...][tokens]
+    scale = model.config.embed_scale
+    return x if scale is None else x * jnp.asarray(scale, x.dtype)
+
+
+def _windowed(config: LlamaConfig, layer: jax.Array, attention):
+    """``attention(sliding_window)`` for this layer: the window is static
+    when every layer is of one kind, else a ``lax.cond`` on the layer's
+    kind picks between the two static calls (module docstring)."""
+    sliding = config.sliding_layers
+    if not config.mixed_layers:
+        return attention(config.sliding_window if sliding[0] else None)
+    return jax.lax.cond(jnp.asarray(sliding)[layer], lambda: attention(config.sliding_window),
+                        lambda: attention(None))
+
+
+def _run_layers(model: Llama, x, positions, cache, attend, reduce=None):
     """The decoder blocks under ``lax.scan`` (one compiled layer body):
-    x [B, T, D] -> [B, T, D]. ``cache`` (a :class:`KVPool`, or None for the
-    dense path) rides in the carry; ``attend`` is as in
-    :meth:`Attention.__call__`; ``reduce`` as in :meth:`Block.__call__`.
-    Returns ``(x, cache)``."""
+    x [B, T, D] at i32[B, T] ``positions`` -> [B, T, D]. ``cache`` (a
+    :class:`KVPool`, or None for the dense path) rides in the carry;
+    ``attend`` is as in :meth:`Attention.__call__`; ``reduce`` as in
+    :meth:`Block.__call__`. Returns ``(x, cache)``."""
+    config = model.config
+    cos, sin = _rope_tables(config, positions)  # [kinds, B, T, H/2]
+    local = config.local_rope_theta is not None
+    kinds = jnp.asarray([int(local and s) for s in config.sliding_layers], jnp.int32)  # [layers]
     graphdef, block_state = nnx.split(model.blocks)  # leaves: [layers, ...]
 
     def layer_body(carry, xs):
         x, cache = carry
-        layer, state = xs
-        x, cache = nnx.merge(graphdef, state)(x, cos, sin, cache, layer, attend, reduce)
+        layer, kind, state = xs
+        x, cache = nnx.merge(graphdef, state)(x, cos[kind], sin[kind], cache, layer, attend, reduce)
         return (x, cache), None
 
-    layers = jnp.arange(model.config.num_layers, dtype=jnp.int32)
-    (x, cache), _ = jax.lax.scan(layer_body, (x, cache), (layers, block_state))
+    layers = jnp.arange(config.num_layers, dtype=jnp.int32)
+    (x, cache), _ = jax.lax.scan(layer_body, (x, cache), (layers, kinds, block_state))
     return x, cache
 
 
@@ -260,7 +304,9 @@ def _paged(slots: jax.Array, attend_pages):
 def _logits(model: Llama, x: jax.Array) -> jax.Array:
     """[..., D] final hidden states -> f32[..., V] logits."""
     x = model.final_norm(x)
-    return jnp.einsum("...D,VD->...V", x, model.output_weight()).astype(jnp.float32)
+    logits = jnp.einsum("...D,VD->...V", x, model.output_weight()).astype(jnp.float32)
+    cap = model.config.final_soft_cap
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 def _check_pool(config: LlamaConfig, kv: KVPool) -> None:
@@ -325,22 +371,20 @@ def forward(
     impl, kv_lens, q_lens, _ = paged_attn.check_paged_attention(
         _query_struct(model, batch, num_q_tokens), kv.k, kv.v, block_tables, kv_lens.astype(jnp.int32),
         q_lens.astype(jnp.int32), impl=impl, k_scales=kv.k_scale, v_scales=kv.v_scale,
-        sliding_window=config.sliding_window,
+        sliding_window=config.sliding_window, scale=config.query_scale, soft_cap=config.attn_soft_cap,
         layer=0)  # the scan's layers are the pool's (_check_pool): the layer's type and rank are what is checked
 
     positions = paged_attn.query_positions(kv_lens, q_lens, num_q_tokens)  # [B, T]
     real = jnp.arange(num_q_tokens, dtype=jnp.int32)[None, :] < q_lens[:, None]  # [B, T]
     slots = slot_mapping(block_tables, positions, real, page_size=kv.page_size).reshape(-1)  # [B * T]
-    cos, sin = rope_angles(positions, config.head_dim, config.rope_theta)  # [B, T, H/2]
-
-    x = model.embed[...][tokens]  # [B, T, D]
+    x = _embed(model, tokens)  # [B, T, D]
 
     def attend_pages(q, kv, layer):
-        return paged_attn.unchecked_paged_attention(q, kv.k, kv.v, block_tables, kv_lens, q_lens, impl=impl,
-                                                    layer=layer, k_scales=kv.k_scale, v_scales=kv.v_scale,
-                                                    sliding_window=config.sliding_window)
+        return _windowed(config, layer, lambda window: paged_attn.unchecked_paged_attention(
+            q, kv.k, kv.v, block_tables, kv_lens, q_lens, impl=impl, layer=layer, k_scales=kv.k_scale,
+            v_scales=kv.v_scale, sliding_window=window, scale=config.query_scale, soft_cap=config.attn_soft_cap))
 
-    x, kv = _run_layers(model, x, cos, sin, kv, _paged(slots, attend_pages), reduce)
+    x, kv = _run_layers(model, x, positions, kv, _paged(slots, attend_pages), reduce)
 
     if not all_logits:
         last = jnp.clip(q_lens - 1, 0, num_q_tokens - 1)  # [B]
@@ -386,16 +430,16 @@ def forward_ragged(model: Llama, batch: RaggedBatch, kv: KVPool, *, impl: str = 
     check_slots(kv, batch.slots, batch.tokens.shape[0])
     impl, _, checked = ragged_attention.check_attend(
         _query_struct(model, batch.tokens.shape[0]), kv.k, kv.v, 0, batch, impl=impl, k_scales=kv.k_scale,
-        v_scales=kv.v_scale, sliding_window=config.sliding_window)  # layer 0: the scan's layers are the pool's
-    positions = batch.positions[None, :]  # [1, T]
-    cos, sin = rope_angles(positions, config.head_dim, config.rope_theta)  # [1, T, H/2]
-    x = model.embed[...][batch.tokens][None]  # [1, T, D]
+        v_scales=kv.v_scale, sliding_window=config.sliding_window, scale=config.query_scale,
+        soft_cap=config.attn_soft_cap)  # layer 0: the scan's layers are the pool's
+    x = _embed(model, batch.tokens)[None]  # [1, T, D]
 
     def attend_pages(q, kv, layer):
-        return ragged_attention.unchecked_attend(q[0], kv.k, kv.v, layer, checked, impl=impl, k_scales=kv.k_scale,
-                                                 v_scales=kv.v_scale, sliding_window=config.sliding_window)[None]
+        return _windowed(config, layer, lambda window: ragged_attention.unchecked_attend(
+            q[0], kv.k, kv.v, layer, checked, impl=impl, k_scales=kv.k_scale, v_scales=kv.v_scale,
+            sliding_window=window, scale=config.query_scale, soft_cap=config.attn_soft_cap))[None]
 
-    x, kv = _run_layers(model, x, cos, sin, kv, _paged(batch.slots, attend_pages), reduce)
+    x, kv = _run_layers(model, x, batch.positions[None, :], kv, _paged(batch.slots, attend_pages), reduce)
     return _logits(model, x[0, batch.logits_rows]), kv  # [R, V]
 
 
@@ -436,13 +480,14 @@ def forward_dense(
                          f"got {segment_ids.dtype}{list(segment_ids.shape)}")
     segment_ids = segment_ids.astype(jnp.int32)
     positions = paged_attn.segment_positions(segment_ids)  # [B, T]
-    cos, sin = rope_angles(positions, config.head_dim, config.rope_theta)  # [B, T, H/2]
-    x = model.embed[...][tokens]  # [B, T, D]
+    x = _embed(model, tokens)  # [B, T, D]
 
     def attend(q, k, v, cache, layer):
-        return paged_attn.causal_attention(q, k, v, segment_ids, sliding_window=config.sliding_window), cache
+        return _windowed(config, layer, lambda window: paged_attn.causal_attention(
+            q, k, v, segment_ids, sliding_window=window, scale=config.query_scale,
+            soft_cap=config.attn_soft_cap)), cache
 
-    x, _ = _run_layers(model, x, cos, sin, None, attend)
+    x, _ = _run_layers(model, x, positions, None, attend)
     return _logits(model, x)  # [B, T, V]
 
 

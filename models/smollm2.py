@@ -39,7 +39,8 @@ def gguf_to_params(weights: dict[str, np.ndarray], config: LlamaConfig, path: st
       Nested dict of f32 numpy arrays keyed like :class:`Llama`'s state.
 
     Raises:
-      ValueError: a missing tensor (names it and ``path``).
+      ValueError: a missing tensor, or one the decoder would not read (a
+        bias, ``rope_freqs.weight``: names them and ``path``).
     """
     n, k, h, d = config.num_q_heads, config.num_kv_heads, config.head_dim, config.model_dim
     layers = config.num_layers
@@ -75,7 +76,22 @@ def gguf_to_params(weights: dict[str, np.ndarray], config: LlamaConfig, path: st
     }
     if not config.tie_embeddings:
         params["lm_head"] = get("output.weight")  # [V, D]
+    # A tensor the decoder does not read would change what the checkpoint computes: llama.cpp stores Llama
+    # 3.1+'s scaled RoPE as `rope_freqs.weight`, which a plain-RoPE load would drop into wrong outputs.
+    known = {"token_embd.weight", "output_norm.weight", "output.weight"} | {
+        f"blk.{i}.{name}.weight" for i in range(layers) for name in _LAYER_TENSORS}
+    extra = sorted(set(weights) - known)
+    if extra:
+        why = (" (llama.cpp's RoPE frequency factors: Llama 3.1+ scaled RoPE; load the Hugging Face folder, whose "
+               "rope_parameters the decoder applies)") if "rope_freqs.weight" in extra else ""
+        raise ValueError(f"GGUF {path!r} has tensors the decoder does not read: {extra[:5]}"
+                         f"{' ...' if len(extra) > 5 else ''}{why}")
     return params
+
+
+_LAYER_TENSORS = ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                  "ffn_down")
+"""Per-layer tensors (``blk.{i}.<name>.weight``) of a llama-family GGUF that the decoder reads."""
 
 
 def load_llama_gguf(gguf_path: str | os.PathLike | None = None, *, param_dtype=jnp.float32) -> Llama:

@@ -110,6 +110,18 @@ def test_missing_tensor_and_shape_mismatch_are_named(ckpt):
         assign_params(model, params, ckpt.path)
 
 
+def test_tensors_the_decoder_would_not_read_are_refused(ckpt):
+    """Llama 3.1+ GGUFs carry llama.cpp's RoPE frequency factors as
+    ``rope_freqs.weight``: loaded with plain RoPE they would compute wrong
+    outputs, so the loader names the tensor instead."""
+    weights = {**ckpt.weights, "rope_freqs.weight": np.ones(32, np.float32)}
+    with pytest.raises(ValueError, match=r"tensors the decoder does not read: \['rope_freqs.weight'\].*Llama 3.1"):
+        gguf_to_params(weights, SMOLLM2_135M, ckpt.path)
+    weights = {**ckpt.weights, "blk.0.attn_q.bias": np.zeros(576, np.float32)}
+    with pytest.raises(ValueError, match=r"\['blk.0.attn_q.bias'\]"):
+        gguf_to_params(weights, SMOLLM2_135M, ckpt.path)
+
+
 def test_nan_in_tensor_data_is_reported(tmp_path):
     import shutil
 
