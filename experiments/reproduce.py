@@ -2,7 +2,7 @@
 
     python -m experiments.reproduce [--out results] [--sim-requests 2000] [--skip-serving]
 
-Writes to ``--out``: ``kv_sizes``, ``capacity``, ``final_length_waste``,
+Writes to ``--out``: ``kv_sizes``, ``kv_hybrid``, ``capacity``, ``final_length_waste``,
 ``waste_breakdown``, ``block_size`` and ``serving`` as ``.md`` and ``.csv``;
 ``layout.png``, ``declared_max_sweep.png``, ``waste_breakdown.png`` and
 ``block_size.png``; and ``README.md`` gathering them. Every ``.md`` and
@@ -32,7 +32,7 @@ from experiments.waste_sim import PAPER_TOKEN_SHARE, SCHEMES, SimConfig, simulat
 from models.llama import RaggedModel
 from models.smollm2 import load_smollm2
 from models.tokenizer import load_tokenizer
-from paged_jax.memory import GB, KiB, PRESETS, get_preset, paged_slots, plan_capacity
+from paged_jax.memory import GB, KiB, PRESETS, get_preset, hybrid_capacity, paged_slots, plan_capacity
 
 PAPER = "Kwon et al., SOSP 2023"
 SHAREGPT_SEED = 0
@@ -43,6 +43,19 @@ SEEDS = {"sharegpt_shuffle": SHAREGPT_SEED, "arrivals": ARRIVAL_SEED}
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
 SERVE_BUDGETS = (2048, 4096, 8192)
 """KV budgets (tokens) of the serving table: 1, 2 and 4 reservations of 2,048."""
+
+HYBRID_CONTEXTS = (8_192, 32_768, 131_072)
+"""Contexts of the hybrid table, tokens ("8k", "32k", "128k")."""
+HYBRID_KV_BUDGET = 40 * GB
+"""The hybrid table's KV budget: a fixed 40 GB of pool, not device memory
+minus weights, so every model is measured against the same pool."""
+HYBRID_PAGE_SIZE = 16
+HYBRID_REFERENCE = "llama-3.1-8b"
+"""A model without sliding layers, shown beside the hybrid ones."""
+HYBRID_TARGET = 4.0
+"""Issue 21's target: a Gemma-3-style model (5 sliding layers, window 1,024,
+to 1 global) at a 32k-token context holds at least this many times the
+sequences hybrid-aware as with every layer's pages kept."""
 
 CAPACITY_CASES = (
     # model, device memory (GB), devices, weight dtype
@@ -114,6 +127,12 @@ def load_workload(num_requests: int) -> Workload:
     )
 
 
+def _layer_mix(p) -> str:
+    if not p.is_hybrid:
+        return "all full"
+    return f"{p.num_sliding_layers} sliding (window {p.sliding_window:,}) + {p.num_full_layers} full"
+
+
 def kv_size_table() -> Table:
     rows = []
     for p in PRESETS.values():
@@ -123,6 +142,7 @@ def kv_size_table() -> Table:
                 "model": p.name,
                 "attention": "MLA" if p.is_mla else "MHA/GQA",
                 "layers": p.num_layers,
+                "layer mix": _layer_mix(p),
                 "cached per layer": (
                     f"latent {p.kv_lora_rank} + RoPE key {p.qk_rope_head_dim}" if p.is_mla
                     else f"K, V: {p.num_kv_heads} heads x {p.head_dim}"
@@ -138,8 +158,59 @@ def kv_size_table() -> Table:
         "KV cache per token",
         rows,
         "GQA/MHA: 2 x layers x KV heads x head dim x 2 bytes; MLA: layers x (kv_lora_rank + "
-        "qk_rope_head_dim) x 2 bytes. GB = 10^9 bytes. The seeds' figures: a 70B GQA model costs about "
-        "300 KB per token (Llama-2-70B: 320 KiB) and an 8,000-token conversation about 2.5 GB.",
+        "qk_rope_head_dim) x 2 bytes. Every layer counted for every token (the sliding layers of the "
+        "hybrid models too: what they hold instead is in the hybrid table). GB = 10^9 bytes. The seeds' "
+        "figures: a 70B GQA model costs about 300 KB per token (Llama-2-70B: 320 KiB) and an 8,000-token "
+        "conversation about 2.5 GB. Gemma 3 counts the text decoder's parameters only (no vision encoder).",
+    )
+
+
+def hybrid_target() -> str:
+    """Issue 21's target in numbers: Gemma-3-12B (the Gemma-3 pattern) at
+    32,768 tokens, hybrid-aware versus every layer's pages kept."""
+    cap = hybrid_capacity(get_preset("gemma-3-12b"), context=32_768, kv_budget_bytes=HYBRID_KV_BUDGET,
+                          page_size=HYBRID_PAGE_SIZE)
+    verdict = "met" if cap.ratio >= HYBRID_TARGET else "NOT met"
+    return (f"Target (issue 21): a Gemma-3-style model (5 sliding, window 1,024 : 1 global) at 32,768 tokens, "
+            f"page {HYBRID_PAGE_SIZE}: hybrid-aware holds {cap.ratio:.2f}x the sequences of keeping every "
+            f"layer's pages ({cap.hybrid_bytes / GB:.2f} vs {cap.full_bytes / GB:.2f} GB a sequence; "
+            f"{cap.hybrid_sequences} vs {cap.full_sequences} sequences in {HYBRID_KV_BUDGET / GB:.0f} GB); "
+            f"target >= {HYBRID_TARGET:g}x: {verdict}.")
+
+
+def hybrid_table() -> Table:
+    rows = []
+    budget = f"{HYBRID_KV_BUDGET / GB:.0f} GB"
+    models = [p for p in PRESETS.values() if p.is_hybrid] + [get_preset(HYBRID_REFERENCE)]
+    for p in models:
+        for context in HYBRID_CONTEXTS:
+            cap = hybrid_capacity(p, context=context, kv_budget_bytes=HYBRID_KV_BUDGET, page_size=HYBRID_PAGE_SIZE)
+            rows.append(
+                {
+                    "model": p.name,
+                    "layer mix": _layer_mix(p),
+                    "context": context,
+                    "GB a sequence, every layer": cap.full_bytes / GB,
+                    "GB a sequence, hybrid-aware": cap.hybrid_bytes / GB,
+                    f"sequences in {budget}, every layer": cap.full_sequences,
+                    f"sequences in {budget}, hybrid-aware": cap.hybrid_sequences,
+                    "every layer / hybrid-aware": cap.ratio,
+                }
+            )
+    return Table(
+        "kv_hybrid",
+        f"Hybrid sliding-window models: KV a sequence holds, and sequences in a {budget} KV pool",
+        rows,
+        f"K/V in bf16, pages of {HYBRID_PAGE_SIZE} tokens, a fixed KV budget of {budget} "
+        "(10^9 bytes; not device memory minus weights), every sequence at the context's length (its peak). "
+        f"Every layer: each layer keeps ceil(n / {HYBRID_PAGE_SIZE}) pages, as a manager that frees nothing "
+        "before the sequence ends does (the engine, per `models.config.LlamaConfig.sliding_window`). Hybrid-aware: "
+        "a sliding layer of window W keeps only the pages covering positions [max(0, n - W), n), the keys "
+        "the last token attended to: min(n, W) tokens in whole pages, plus one page when the window starts "
+        "far enough inside a page to end on one more (`paged_jax.memory.layer_pages`). Last column: the ratio "
+        "of bytes a "
+        "sequence, the factor by which a large enough pool holds more sequences (the counts are floored). "
+        + hybrid_target(),
     )
 
 
@@ -378,6 +449,7 @@ def main(argv=None) -> list[Table]:
     work = load_workload(args.sim_requests)
     bar.update(1)
     kv = kv_size_table()
+    hybrid = hybrid_table()
     bar.update(1)
     first_1000 = work.final[:1000]
     cap = capacity_table(first_1000)
@@ -414,7 +486,7 @@ def main(argv=None) -> list[Table]:
     bar.update(1)
     bar.close()
 
-    tables = [kv, cap, bound, waste, block]
+    tables = [kv, hybrid, cap, bound, waste, block]
     if serve_budget is not None:
         tables.append(
             serving_table(

@@ -21,6 +21,29 @@ Waste for one request that ends with ``used`` tokens:
   slots, unbounded as the declaration grows;
 * paged: ``ceil(used / page_size) * page_size - used`` slots, always below one
   page (PagedAttention, Kwon et al., SOSP 2023, section 4.1).
+
+Hybrid models (Gemma 2 / 3, gpt-oss) mix sliding-window layers, where a query
+at position ``p`` attends only to keys in ``(p - W, p]``, with full-attention
+layers. With ``n`` tokens in a sequence (positions ``[0, n)``), page size
+``L`` and window ``W``:
+
+* a full layer holds ``ceil(n / L)`` pages;
+* a sliding layer, under a *hybrid-aware* manager that frees a page once no
+  later query can see any of its slots, holds the pages covering the keys
+  the last token attended to, positions ``[max(0, n - W), n)``:
+  ``ceil(n / L) - floor(max(0, n - W) / L)`` pages. That is ``min(n, W)``
+  tokens rounded up to whole pages, plus one page more when the window
+  starts inside a page far enough to spill onto one more: for ``n > W``,
+  exactly when ``(n - W) mod L + W > L * ceil(W / L)`` (with ``W`` a
+  multiple of ``L``: whenever ``n - W`` is not). Never more than
+  ``ceil(W / L) + 1`` pages, whatever ``n``;
+* a manager that is not hybrid-aware keeps every layer's pages, ``ceil(n /
+  L)`` per layer (this repository's engine does: it leaves the pages before
+  the window allocated until the sequence ends).
+
+Each layer holds its own pages of ``2 * KV heads * head dim`` elements per
+slot (K and V), so a sequence's bytes are the sum over layers (vLLM's hybrid
+KV-cache manager, one ``KVCacheSpec`` per layer group, counts the same way).
 """
 
 from __future__ import annotations
@@ -31,7 +54,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from paged_jax.checks import check_choice, check_float, check_int
+from paged_jax.checks import check_bool, check_choice, check_float, check_int
 
 GB = 10**9
 KiB = 2**10
@@ -65,6 +88,17 @@ class ModelPreset:
       qk_rope_head_dim: MLA decoupled RoPE key dimension; 0 for GQA.
       num_params: total parameters (all experts for MoE models).
       source: where the numbers come from.
+      sliding_window: W, the keys a sliding layer's query sees (its own
+        included); None: every layer is full attention.
+      num_sliding_layers: layers that attend within ``sliding_window``; the
+        other ``num_layers - num_sliding_layers`` are full attention. Where
+        they sit does not change the KV size, so only the count is kept
+        (:func:`sliding_layer_count` gives it for the published patterns).
+
+    Raises:
+      ValueError: a count that is not an int in range, GQA and MLA fields
+        mixed, a ``sliding_window`` that is not an int >= 1, sliding layers
+        without a window, or a window on no layer; each names the field.
     """
 
     name: str
@@ -75,6 +109,8 @@ class ModelPreset:
     qk_rope_head_dim: int = 0
     num_params: int
     source: str
+    sliding_window: int | None = None
+    num_sliding_layers: int = 0
 
     def __post_init__(self):
         check_int("num_layers", self.num_layers, 1)
@@ -91,17 +127,39 @@ class ModelPreset:
                 f"qk_rope_head_dim (MLA), got {self.num_kv_heads=} {self.head_dim=} "
                 f"{self.kv_lora_rank=} {self.qk_rope_head_dim=}"
             )
+        if self.sliding_window is None:
+            if self.num_sliding_layers != 0:
+                raise ValueError(f"num_sliding_layers={self.num_sliding_layers!r} needs a sliding_window, got "
+                                 "sliding_window=None")
+        else:
+            check_int("sliding_window", self.sliding_window, 1)
+            check_int("num_sliding_layers", self.num_sliding_layers, 1, self.num_layers + 1)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers slide (a window on every layer counts too)."""
+        return self.num_sliding_layers > 0
+
+    @property
+    def num_full_layers(self) -> int:
+        """Layers that attend to every earlier position."""
+        return self.num_layers - self.num_sliding_layers
 
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
 
     @property
+    def kv_elements_per_layer_token(self) -> int:
+        """Cached elements per token in one layer."""
+        if self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.num_kv_heads * self.head_dim
+
+    @property
     def kv_elements_per_token(self) -> int:
         """Cached elements per token, all layers."""
-        if self.is_mla:
-            return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim)
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+        return self.num_layers * self.kv_elements_per_layer_token
 
     def kv_bytes_per_token(self, dtype: str = "bfloat16") -> int:
         """Bytes of KV cache per token (one slot), all layers."""
@@ -115,6 +173,129 @@ class ModelPreset:
     def weight_bytes(self, dtype: str = "bfloat16") -> int:
         """Bytes of weights: parameters * bytes per element."""
         return math.ceil(self.num_params * dtype_bytes(dtype))
+
+    def sequence_kv_bytes(self, num_tokens: int, *, page_size: int = 16, dtype: str = "bfloat16",
+                          hybrid_aware: bool = True) -> int:
+        """Bytes of KV pages one sequence of ``num_tokens`` tokens holds, all
+        layers (the module docstring gives the rule per layer).
+
+        Args:
+          num_tokens: n, tokens in the sequence (>= 0).
+          page_size: L, tokens per page (>= 1; 1 counts tokens, unpaged).
+          dtype: KV dtype, a key of :data:`DTYPE_BYTES`.
+          hybrid_aware: sliding layers hold only the pages their window
+            covers; False: every layer keeps all ``ceil(n / L)`` pages.
+
+        Returns:
+          ``ceil(layer slots * elements per layer slot * bytes per element)``,
+          where layer slots sum each layer's pages times ``L``.
+
+        Raises:
+          ValueError: an argument out of range or an unknown dtype.
+        """
+        check_bool("hybrid_aware", hybrid_aware)
+        full = layer_pages(num_tokens, page_size)
+        sliding = layer_pages(num_tokens, page_size, self.sliding_window) if hybrid_aware and self.is_hybrid else full
+        slots = (self.num_full_layers * full + self.num_sliding_layers * sliding) * page_size
+        return math.ceil(slots * self.kv_elements_per_layer_token * dtype_bytes(dtype))
+
+
+def sliding_layer_count(num_layers: int, global_every: int) -> int:
+    """Sliding layers in a stack where every ``global_every``-th layer is
+    global (full attention) and the others slide: layer ``i`` (from 0) is
+    global iff ``(i + 1) % global_every == 0``, the rule transformers
+    applies to Gemma 2 (2), Gemma 3 (6, its ``sliding_window_pattern``) and
+    the alternation gpt-oss's ``layer_types`` spells out (2).
+
+    Returns:
+      ``num_layers - num_layers // global_every``.
+
+    Raises:
+      ValueError: ``num_layers`` not an int >= 1, or ``global_every`` not an
+        int >= 2 (1 would make every layer global: no pattern).
+    """
+    check_int("num_layers", num_layers, 1)
+    check_int("global_every", global_every, 2)
+    return num_layers - num_layers // global_every
+
+
+def layer_pages(num_tokens: int, page_size: int, window: int | None = None) -> int:
+    """Pages one layer holds for a sequence of ``num_tokens`` tokens.
+
+    Full attention (``window`` None): ``ceil(n / L)``. Sliding window ``W``:
+    the pages covering positions ``[max(0, n - W), n)``, the keys the last
+    token attended to, ``ceil(n / L) - floor(max(0, n - W) / L)``: that is
+    ``ceil(min(n, W) / L)``, plus one when ``n > W`` and ``(n - W) mod L + W
+    > L * ceil(W / L)`` (the window starts far enough inside its first page
+    to end on one more page).
+
+    Raises:
+      ValueError: ``num_tokens`` not an int >= 0, ``page_size`` or ``window``
+        not an int >= 1.
+    """
+    check_int("num_tokens", num_tokens, 0)
+    check_int("page_size", page_size, 1)
+    pages = -(-num_tokens // page_size)
+    if window is None:
+        return pages
+    check_int("window", window, 1)
+    return pages - max(0, num_tokens - window) // page_size
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HybridCapacity:
+    """KV bytes per sequence and sequences a KV budget holds at one context,
+    hybrid-aware versus every layer's pages kept.
+
+    Attributes:
+      model: preset name.
+      context: tokens per sequence.
+      page_size: tokens per page.
+      kv_budget_bytes: bytes of KV pool.
+      full_bytes: bytes one sequence holds when every layer keeps its pages.
+      hybrid_bytes: bytes when sliding layers keep only their window's pages.
+      full_sequences: ``kv_budget_bytes // full_bytes``.
+      hybrid_sequences: ``kv_budget_bytes // hybrid_bytes``.
+    """
+
+    model: str
+    context: int
+    page_size: int
+    kv_budget_bytes: int
+    full_bytes: int
+    hybrid_bytes: int
+    full_sequences: int
+    hybrid_sequences: int
+
+    @property
+    def ratio(self) -> float:
+        """``full_bytes / hybrid_bytes``: how many times the sequences a
+        hybrid-aware manager holds, the limit of ``hybrid_sequences /
+        full_sequences`` as the budget grows (each count is floored, which a
+        small budget feels)."""
+        return self.full_bytes / self.hybrid_bytes
+
+
+def hybrid_capacity(model: ModelPreset, *, context: int, kv_budget_bytes: int, page_size: int = 16,
+                    dtype: str = "bfloat16") -> HybridCapacity:
+    """Sequences of ``context`` tokens that ``kv_budget_bytes`` of KV pool
+    hold, hybrid-aware and with every layer's pages kept (equal for a model
+    without sliding layers). Every sequence is counted at ``context`` tokens,
+    its peak.
+
+    Raises:
+      ValueError: ``context`` or ``kv_budget_bytes`` not an int >= 1, or a
+        bad ``page_size`` / ``dtype``.
+    """
+    check_int("context", context, 1)
+    check_int("kv_budget_bytes", kv_budget_bytes, 1)
+    full = model.sequence_kv_bytes(context, page_size=page_size, dtype=dtype, hybrid_aware=False)
+    hybrid = model.sequence_kv_bytes(context, page_size=page_size, dtype=dtype, hybrid_aware=True)
+    return HybridCapacity(
+        model=model.name, context=context, page_size=page_size, kv_budget_bytes=kv_budget_bytes,
+        full_bytes=full, hybrid_bytes=hybrid, full_sequences=kv_budget_bytes // full,
+        hybrid_sequences=kv_budget_bytes // hybrid,
+    )
 
 
 # Numbers from each model's published Hugging Face config.json (layers =
@@ -134,6 +315,54 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset(
             name="llama-3-8b", num_layers=32, num_kv_heads=8, head_dim=128,
             num_params=8_030_261_248, source="meta-llama/Meta-Llama-3-8B config.json",
+        ),
+        # meta-llama/Llama-3.1-8B: Llama-3-8B's shapes, llama3-scaled RoPE.
+        ModelPreset(
+            name="llama-3.1-8b", num_layers=32, num_kv_heads=8, head_dim=128,
+            num_params=8_030_261_248, source="meta-llama/Llama-3.1-8B config.json",
+        ),
+        # Qwen/Qwen3-8B: 36 layers, 32 heads, 8 KV heads, head_dim 128, untied, no
+        # window; 8,190,735,360 = its shapes counted (and torch's count, in public logs).
+        ModelPreset(
+            name="qwen3-8b", num_layers=36, num_kv_heads=8, head_dim=128,
+            num_params=8_190_735_360, source="Qwen/Qwen3-8B config.json",
+        ),
+        # google/gemma-2-9b: 42 layers, 16 heads, 8 KV heads, head_dim 256; window
+        # 4096 on every other layer, sliding first (transformers' Gemma 2 default).
+        ModelPreset(
+            name="gemma-2-9b", num_layers=42, num_kv_heads=8, head_dim=256,
+            num_params=9_241_705_984, source="google/gemma-2-9b config.json",
+            sliding_window=4096, num_sliding_layers=sliding_layer_count(42, 2),
+        ),
+        # google/gemma-3-12b-it text_config: 48 layers, 16 heads, 8 KV heads, head_dim
+        # 256, sliding_window 1024, sliding_window_pattern 6 (5 sliding, 1 global).
+        # The text decoder's shapes counted; 10,759,151,616 of them outside the
+        # embedding: the Gemma 3 report's 10,759M (Table 1). Plus a 417M vision encoder.
+        ModelPreset(
+            name="gemma-3-12b", num_layers=48, num_kv_heads=8, head_dim=256,
+            num_params=11_766_034_176, source="google/gemma-3-12b-it config.json (text_config)",
+            sliding_window=1024, num_sliding_layers=sliding_layer_count(48, 6),
+        ),
+        # google/gemma-3-27b-it text_config: 62 layers, 32 heads, 16 KV heads, head_dim
+        # 128, window 1024, pattern 6; counted as above (report: 25,600M non-embedding).
+        ModelPreset(
+            name="gemma-3-27b", num_layers=62, num_kv_heads=16, head_dim=128,
+            num_params=27_009_346_304, source="google/gemma-3-27b-it config.json (text_config)",
+            sliding_window=1024, num_sliding_layers=sliding_layer_count(62, 6),
+        ),
+        # openai/gpt-oss-20b: 24 layers, 64 heads, 8 KV heads, head_dim 64, layer_types
+        # alternating sliding (window 128) and full, sliding first; MoE, 20.91 B
+        # parameters (model card, arXiv 2508.10925).
+        ModelPreset(
+            name="gpt-oss-20b", num_layers=24, num_kv_heads=8, head_dim=64,
+            num_params=20_910_000_000, source="openai/gpt-oss-20b config.json",
+            sliding_window=128, num_sliding_layers=sliding_layer_count(24, 2),
+        ),
+        # openai/gpt-oss-120b: the same attention, 36 layers; 116.83 B parameters.
+        ModelPreset(
+            name="gpt-oss-120b", num_layers=36, num_kv_heads=8, head_dim=64,
+            num_params=116_830_000_000, source="openai/gpt-oss-120b config.json",
+            sliding_window=128, num_sliding_layers=sliding_layer_count(36, 2),
         ),
         # meta-llama/Llama-2-70b-hf: 80 layers, 64 heads, 8 KV heads, hidden 8192.
         ModelPreset(

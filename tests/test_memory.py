@@ -14,10 +14,13 @@ from paged_jax.memory import (
     contiguous_waste,
     dtype_bytes,
     get_preset,
+    hybrid_capacity,
+    layer_pages,
     paged_slots,
     paged_waste,
     plan_capacity,
     pow2_reservation,
+    sliding_layer_count,
     token_state_share,
 )
 
@@ -67,10 +70,20 @@ def test_dtypes_scale_kv_and_weights():
 
 def test_all_presets_valid_and_named():
     assert set(PRESETS) == {
-        "llama-2-7b", "llama-3-8b", "llama-2-70b", "llama-3-70b", "mixtral-8x7b",
+        "llama-2-7b", "llama-3-8b", "llama-3.1-8b", "qwen3-8b", "gemma-2-9b", "gemma-3-12b", "gemma-3-27b",
+        "gpt-oss-20b", "gpt-oss-120b", "llama-2-70b", "llama-3-70b", "mixtral-8x7b",
         "qwen2.5-7b", "smollm2-135m", "deepseek-v3", "kimi-k2",
     }
     assert sum(p.is_mla for p in PRESETS.values()) == 2
+    # (layers, KV heads, head dim, window, sliding layers) of the published configs.
+    assert {n: (p.num_layers, p.num_kv_heads, p.head_dim, p.sliding_window, p.num_sliding_layers)
+            for n, p in PRESETS.items() if p.is_hybrid} == {
+        "gemma-2-9b": (42, 8, 256, 4096, 21),
+        "gemma-3-12b": (48, 8, 256, 1024, 40),
+        "gemma-3-27b": (62, 16, 128, 1024, 52),
+        "gpt-oss-20b": (24, 8, 64, 128, 12),
+        "gpt-oss-120b": (36, 8, 64, 128, 18),
+    }
     assert get_preset("Llama-3-70B") is PRESETS["llama-3-70b"]
 
 
@@ -87,6 +100,113 @@ def test_all_presets_valid_and_named():
 def test_bad_preset(kwargs, name):
     with pytest.raises(ValueError, match=name):
         ModelPreset(name="x", num_params=1, source="test", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"sliding_window": 0, "num_sliding_layers": 1}, "sliding_window must be an int >= 1, got sliding_window=0"),
+        ({"sliding_window": 4096.0, "num_sliding_layers": 1}, "sliding_window must be an int >= 1"),
+        ({"sliding_window": True, "num_sliding_layers": 1}, "sliding_window must be an int >= 1"),
+        ({"num_sliding_layers": 2}, "num_sliding_layers=2 needs a sliding_window, got sliding_window=None"),
+        ({"sliding_window": 128}, r"num_sliding_layers must be an int in \[1, 5\), got num_sliding_layers=0"),
+        ({"sliding_window": 128, "num_sliding_layers": 5}, r"num_sliding_layers must be an int in \[1, 5\)"),
+    ],
+)
+def test_bad_layer_mix(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ModelPreset(name="x", num_layers=4, num_kv_heads=1, head_dim=4, num_params=1, source="test", **kwargs)
+
+
+def test_sliding_layer_count_follows_the_published_patterns():
+    # Gemma 3: layer i global iff (i + 1) % 6 == 0 -> 48 layers: 8 global (5, 11, ..., 47), 40 sliding;
+    # 62 layers: 10 global, 52 sliding. Alternating (Gemma 2, gpt-oss): half, the odd layer sliding.
+    assert sliding_layer_count(48, 6) == 40 and sliding_layer_count(62, 6) == 52
+    assert sliding_layer_count(42, 2) == 21 and sliding_layer_count(5, 2) == 3 and sliding_layer_count(5, 6) == 5
+    with pytest.raises(ValueError, match="global_every must be an int >= 2, got global_every=1"):
+        sliding_layer_count(48, 1)
+    with pytest.raises(ValueError, match="num_layers must be an int >= 1, got num_layers=0"):
+        sliding_layer_count(0, 6)
+
+
+# A small hybrid model: 3 layers (2 sliding with window W = 10, 1 full), 1 KV head of dim 4 in f32:
+# 2 (K, V) * 1 * 4 * 4 B = 32 B per layer per slot; pages of L = 4.
+SMALL_HYBRID = ModelPreset(name="small-hybrid", num_layers=3, num_kv_heads=1, head_dim=4, num_params=1,
+                           source="test", sliding_window=10, num_sliding_layers=2)
+
+
+def test_small_hybrid_hand_worked():
+    def nbytes(n, hybrid_aware=True):
+        return SMALL_HYBRID.sequence_kv_bytes(n, page_size=4, dtype="float32", hybrid_aware=hybrid_aware)
+
+    # n = 33, window not page-aligned: positions [23, 33) lie on pages 5 (20-23) .. 8 (32-35): 4 pages,
+    # ceil(10 / 4) = 3 and one more, as 23 mod 4 + 10 = 13 > 12 slots. The full layer: ceil(33 / 4) = 9.
+    assert layer_pages(33, 4, 10) == 4 and layer_pages(33, 4) == 9
+    # (9 + 2 * 4) pages * 4 slots * 32 B = 2,176 B; every layer full: 3 * 9 * 4 * 32 = 3,456 B.
+    assert nbytes(33) == 2176 and nbytes(33, hybrid_aware=False) == 3456
+    # n = 30, window aligned: [20, 30) on pages 5 .. 7: 3 pages, no extra. (8 + 2 * 3) * 4 * 32 = 1,792 B.
+    assert layer_pages(30, 4, 10) == 3 and nbytes(30) == 1792
+    # n = 31: [21, 31) still fits 3 pages (5 .. 7, slots 20-31): misaligned, but 21 mod 4 + 10 = 11 <= 12 slots.
+    assert layer_pages(31, 4, 10) == 3
+    # n = 7 < W: the sliding layers hold what the full one does, ceil(7 / 4) = 2 pages: 3 * 2 * 4 * 32 = 768 B.
+    assert layer_pages(7, 4, 10) == layer_pages(7, 4) == 2 and nbytes(7) == nbytes(7, hybrid_aware=False) == 768
+    assert nbytes(0) == 0
+    # Page size 1 (no paging): the sliding layers hold exactly min(n, W) tokens: (33 + 2 * 10) * 32 = 1,696 B.
+    assert SMALL_HYBRID.sequence_kv_bytes(33, page_size=1, dtype="float32") == 1696
+    # 10,000 B of pool at n = 33: 10,000 // 2,176 = 4 sequences hybrid-aware, 10,000 // 3,456 = 2 otherwise.
+    cap = hybrid_capacity(SMALL_HYBRID, context=33, kv_budget_bytes=10_000, page_size=4, dtype="float32")
+    assert (cap.hybrid_bytes, cap.full_bytes, cap.hybrid_sequences, cap.full_sequences) == (2176, 3456, 4, 2)
+    assert cap.ratio == pytest.approx(3456 / 2176)
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(0, 600), window=st.integers(1, 300), page_size=st.integers(1, 40))
+def test_layer_pages_counts_the_pages_the_window_touches(n, window, page_size):
+    touched = {p // page_size for p in range(max(0, n - window), n)}  # the rule, by enumeration
+    pages = layer_pages(n, page_size, window)
+    assert pages == len(touched)
+    rounded = -(-min(n, window) // page_size)
+    spills = n > window and (n - window) % page_size + window > page_size * -(-window // page_size)
+    assert pages == rounded + spills and pages <= layer_pages(n, page_size)
+
+
+def test_dense_models_gain_nothing():
+    for name in ("llama-3.1-8b", "qwen3-8b", "deepseek-v3"):
+        model = get_preset(name)
+        for n in (1, 8192, 131_072):
+            assert model.sequence_kv_bytes(n) == model.sequence_kv_bytes(n, hybrid_aware=False) \
+                == paged_slots([n], 16)[0] * model.kv_bytes_per_token()
+
+
+def test_gemma3_style_holds_over_4x_the_sequences_at_32k():
+    """Issue 21's target. Gemma-3-12B, bf16, pages of 16, 32,768 tokens:
+    full layers: 32,768 / 16 = 2,048 pages; sliding: [31,744, 32,768) = 64 pages (aligned).
+    Every layer: 48 * 2,048 = 98,304 layer-pages; hybrid-aware: 8 * 2,048 + 40 * 64 = 18,944.
+    A layer-page is 16 slots * 2 * 8 heads * 256 * 2 B = 131,072 B, so 12,884,901,888 B against
+    2,483,027,968 B: 98,304 / 18,944 = 192 / 37 = 5.19x; 40 GB holds 3 against 16 sequences."""
+    cap = hybrid_capacity(get_preset("gemma-3-12b"), context=32_768, kv_budget_bytes=40 * GB, page_size=16)
+    assert (cap.full_bytes, cap.hybrid_bytes) == (98_304 * 131_072, 18_944 * 131_072)
+    assert (cap.full_sequences, cap.hybrid_sequences) == (3, 16)
+    assert cap.ratio == pytest.approx(192 / 37) and cap.ratio >= 4
+    # The ratio is the layer pattern's alone: six layers, 5 sliding (window 1,024) to 1 global, any head shape.
+    six = ModelPreset(name="g3-style", num_layers=6, num_kv_heads=1, head_dim=2, num_params=1, source="test",
+                      sliding_window=1024, num_sliding_layers=sliding_layer_count(6, 6))
+    assert hybrid_capacity(six, context=32_768, kv_budget_bytes=GB).ratio == pytest.approx(192 / 37)
+
+
+def test_hybrid_refusals():
+    with pytest.raises(ValueError, match="window must be an int >= 1, got window=0"):
+        layer_pages(10, 4, 0)
+    with pytest.raises(ValueError, match="num_tokens must be an int >= 0, got num_tokens=-1"):
+        layer_pages(-1, 4, 10)
+    with pytest.raises(ValueError, match="page_size must be an int >= 1, got page_size=0"):
+        SMALL_HYBRID.sequence_kv_bytes(10, page_size=0)
+    with pytest.raises(ValueError, match="hybrid_aware must be a bool, got hybrid_aware=1"):
+        SMALL_HYBRID.sequence_kv_bytes(10, hybrid_aware=1)
+    with pytest.raises(ValueError, match="context must be an int >= 1, got context=0"):
+        hybrid_capacity(SMALL_HYBRID, context=0, kv_budget_bytes=GB)
+    with pytest.raises(ValueError, match="kv_budget_bytes must be an int >= 1, got kv_budget_bytes=40000000000.0"):
+        hybrid_capacity(SMALL_HYBRID, context=8, kv_budget_bytes=40e9)
 
 
 def test_unknown_names():

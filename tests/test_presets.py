@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -11,14 +13,20 @@ import pytest
 from flax import nnx
 
 from experiments import provenance, serve_sharegpt, serving, sharegpt
-from models.llama import Llama, LlamaConfig
-from models.presets import PRESETS, random_model
+from models.llama import Llama, LlamaConfig, forward_dense
+from models.presets import PRESETS, PUBLISHED_CONFIGS, bytes_to_build, random_model
+from models.rope import RopeScaling
 
 PUBLISHED_PARAMS = {
     # Parameter counts of the published checkpoints (Hugging Face model cards / safetensors index totals).
     "llama-3-8b": 8_030_261_248,
+    "llama-3.1-8b": 8_030_261_248,
     "qwen2.5-7b": 7_615_616_512,
+    "qwen3-8b": 8_190_735_360,
     "smollm2-135m": 134_515_008,
+    # The text decoder of google/gemma-3-12b-it: 262,208 * 3,840 = 1,006,878,720 embedding (tied), plus the
+    # final norm's 3,840, plus 10,759,151,616 in the layers: the Gemma 3 report's "10,759M non-embedding".
+    "gemma-3-12b": 1_006_878_720 + 3_840 + 10_759_151_616,
 }
 
 
@@ -28,6 +36,66 @@ def test_preset_shapes_hold_the_published_parameter_count(name):
     leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
     assert sum(int(np.prod(x.shape)) for x in leaves) == PUBLISHED_PARAMS[name] == PRESETS[name].num_params
     assert {x.dtype for x in leaves} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_published_configs_map_to_the_family_fields():
+    """The presets built from published config.json values carry each family's
+    options (models.hf_config.config_from_hf, the checkpoint loader's mapping)."""
+    assert set(PUBLISHED_CONFIGS) <= set(PRESETS)
+    llama = PRESETS["llama-3.1-8b"]
+    assert llama.rope_theta == 500000.0 and llama.max_seq_len == 131072 and not llama.tie_embeddings
+    assert llama.rope_scaling == RopeScaling(rope_type="llama3", factor=8.0, original_max_position_embeddings=8192,
+                                             low_freq_factor=1.0, high_freq_factor=4.0)
+    assert dataclasses.replace(llama, rope_scaling=None, max_seq_len=8192) == PRESETS["llama-3-8b"]
+    qwen = PRESETS["qwen3-8b"]
+    assert (qwen.num_layers, qwen.num_q_heads, qwen.num_kv_heads, qwen.head_dim, qwen.model_dim, qwen.mlp_dim,
+            qwen.vocab_size) == (36, 32, 8, 128, 4096, 12288, 151936)
+    assert qwen.qk_norm == "head" and qwen.rope_theta == 1e6 and qwen.sliding_window is None and not qwen.qkv_bias
+    gemma = PRESETS["gemma-3-12b"]
+    assert (gemma.num_layers, gemma.model_dim, gemma.mlp_dim, gemma.num_q_heads, gemma.num_kv_heads, gemma.head_dim,
+            gemma.vocab_size) == (48, 3840, 15360, 16, 8, 256, 262208)
+    # Five sliding layers, then a global one: layers 5, 11, ..., 47 are global.
+    assert [i for i, sliding in enumerate(gemma.sliding_layers) if not sliding] == list(range(5, 48, 6))
+    assert gemma.sliding_window == 1024 and gemma.local_rope_theta == 10000.0 and gemma.rope_theta == 1e6
+    assert gemma.rope_scaling == RopeScaling(rope_type="linear", factor=8.0)
+    assert gemma.query_scale == 256 ** -0.5 and gemma.embed_scale == math.sqrt(3840)
+    assert gemma.final_soft_cap is None and gemma.attn_soft_cap is None and gemma.tie_embeddings
+    assert (gemma.qk_norm, gemma.norm_plus_one, gemma.norm_placement, gemma.mlp_activation) == (
+        "head", True, "pre_post", "gelu_tanh")
+
+
+def test_bytes_to_build_gemma_3_12b():
+    # bf16 weights: 11,766,034,176 * 2 = 23,532,068,352 B; the largest stacked tensor is one MLP
+    # projection, 48 * 3,840 * 15,360 = 2,831,155,200 elements, drawn in f32: 11,324,620,800 B.
+    assert bytes_to_build("gemma-3-12b", jnp.bfloat16) == 23_532_068_352 + 11_324_620_800
+    with pytest.raises(ValueError, match="unknown preset 'gemma-3-12B'"):
+        bytes_to_build("gemma-3-12B", jnp.bfloat16)
+
+
+def _small_gemma_3(monkeypatch) -> LlamaConfig:
+    """The Gemma-3-12B preset cut to 6 layers (its 5 sliding : 1 global) of
+    width 16; one width for all keeps the eager draws' compilations few."""
+    small = dataclasses.replace(PRESETS["gemma-3-12b"], vocab_size=16, model_dim=16, mlp_dim=16, num_layers=6,
+                                num_q_heads=1, num_kv_heads=1, head_dim=16, sliding_window=4,
+                                layer_types=PRESETS["gemma-3-12b"].layer_types[:6])
+    monkeypatch.setitem(PRESETS, "gemma-3-small", small)
+    return small
+
+
+def test_scaled_down_gemma_3_preset_builds(monkeypatch):
+    small = _small_gemma_3(monkeypatch)
+    model = random_model("gemma-3-small", param_dtype=jnp.float32)
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert sum(int(np.prod(x.shape)) for x in leaves) == small.num_params
+    assert {x.dtype for x in leaves} == {jnp.dtype(jnp.float32)}
+
+
+@pytest.mark.slow  # compiles the mixed sliding/global layer scan: about 40 s on 2 busy cores
+def test_scaled_down_gemma_3_preset_runs(monkeypatch):
+    _small_gemma_3(monkeypatch)
+    model = random_model("gemma-3-small", param_dtype=jnp.float32)
+    logits = forward_dense(model, jnp.arange(10, dtype=jnp.int32)[None] % 16)
+    assert logits.shape == (1, 10, 16) and bool(jnp.isfinite(logits).all())
 
 
 def test_random_model_refuses_bad_input():
@@ -120,3 +188,4 @@ def test_presets_agree_with_the_memory_tables(name):
     assert (config.num_layers, config.num_kv_heads, config.head_dim, config.num_params) == (
         table.num_layers, table.num_kv_heads, table.head_dim, table.num_params)
     assert config.kv_bytes_per_token(jnp.bfloat16) == table.kv_bytes_per_token("bfloat16")
+    assert (config.sliding_window, sum(config.sliding_layers)) == (table.sliding_window, table.num_sliding_layers)

@@ -198,7 +198,7 @@ def test_compare_names_file_row_and_column(tmp_path):
 def test_reproduce_twice_agrees(tmp_path, capsys):
     # Two fresh processes of `python -m experiments.reproduce` on a small configuration (~15-25 s each).
     assert check_reproducible.main(["--keep", str(tmp_path)]) == 0, capsys.readouterr().out
-    assert "reproducible: 11 files" in capsys.readouterr().out
+    assert "reproducible: 13 files" in capsys.readouterr().out
     for path in sorted((tmp_path / "run1").iterdir()):
         if path.suffix == ".csv":
             prov, rows = provenance.read_csv(path)
