@@ -27,9 +27,14 @@ tables: setup
 # for CPU (about 10 minutes on 2 cores); --quick on a toy model in seconds, written outside results/.
 serving-figures: setup
 	$(PY) -m experiments.serving_figures
+	$(PY) -m experiments.serving_figures --workload prefix-1
+	$(PY) -m experiments.serving_figures --workload prefix-5
+	$(PY) -m experiments.serving_figures --workload chatbot
 
 serving-figures-quick: setup
 	$(PY) -m experiments.serving_figures --quick --model toy --out /tmp/paged_jax_serving_quick
+	$(PY) -m experiments.serving_figures --quick --model toy --workload prefix-5 --out /tmp/paged_jax_serving_quick
+	$(PY) -m experiments.serving_figures --quick --model toy --workload chatbot --out /tmp/paged_jax_serving_quick
 
 bench-serving: setup
 	$(PY) -m experiments.bench_serving --request-rate 0.5 1 2 inf --policy paged max pow2 oracle

@@ -26,13 +26,15 @@ The pieces, in the order a run uses them:
   second meeting every SLO given, vLLM's ``--goodput``, a request of one
   output token counting TPOT 0); and the time-weighted mean of running
   sequences (the paper's Figure 13 "batched requests").
-* the policies (:data:`POLICIES`, ``EngineConfig.reservation``): ``paged``
+* the policies (:mod:`experiments.policies`, ``EngineConfig.reservation``): ``paged``
   (vLLM) against the paper's Orca baselines, which reserve KV for each
   request at admission: its maximum length (``max``, 2,048 tokens), its
   prompt plus its true output length rounded up to a power of two
   (``pow2``), or its prompt plus exactly its true output length
   (``oracle``); :func:`paged_jax.config.reserved_tokens`. Only the
-  reservation differs: same engine, model, batching and kernels.
+  reservation differs: same engine, model, batching and kernels. A name
+  ending ``-nocache`` (``oracle-nocache``) serves without prefix caching.
+* the workloads (:mod:`experiments.workloads`): what the requests ask for.
 * :func:`warm_up`: compiles every program an engine of the same model
   object can run (each token bucket with decode tokens only, prefill chunks
   only, and both), so that compilation, which an engine's programs share
@@ -65,21 +67,17 @@ from experiments.latency import (  # noqa: E402
     PERCENTILES, RequestRecord, ServingMetrics, arrival_times, check_rate, compute_metrics,
 )
 from experiments.cli import add_flag, add_flags, check_flags, machine, require_positive, resolve_dtype  # noqa: E402
-from experiments.sharegpt import MAX_SEQ_LEN, PACKAGED_LIMIT, build_requests, packaged_requests  # noqa: E402
+from experiments.policies import ALL_POLICIES, POLICIES, POLICY_LABELS, split_policy  # noqa: E402, F401
+from experiments.sharegpt import MAX_SEQ_LEN, PACKAGED_LIMIT  # noqa: E402
+from experiments.workloads import Workload, describe, workload  # noqa: E402, F401  (re-exported: bench_serving)
 from models.config import LlamaConfig  # noqa: E402
 from models.llama import Llama, RaggedModel  # noqa: E402
 from models.presets import PRESETS  # noqa: E402
 from paged_jax.checks import check_choice  # noqa: E402
-from paged_jax.config import RESERVATIONS  # noqa: E402
 from paged_jax.engine import Engine  # noqa: E402
 from paged_jax.jit_stats import CompileCounts, CompileMonitor  # noqa: E402
 from paged_jax.kv_cache import default_kv_dtype  # noqa: E402
 from paged_jax.requests import Request, RequestOutput  # noqa: E402
-from paged_jax.sampling import SamplingParams  # noqa: E402
-
-POLICIES = RESERVATIONS
-"""KV reservation policies (``EngineConfig.reservation``), paper section 6.1."""
-POLICY_LABELS = {"paged": "paged (vLLM)", "max": "Orca (Max)", "pow2": "Orca (Pow2)", "oracle": "Orca (Oracle)"}
 
 TOY_CONFIG = LlamaConfig(vocab_size=49152, model_dim=64, mlp_dim=128, num_layers=2, num_q_heads=4,
                          num_kv_heads=2, head_dim=16)
@@ -261,10 +259,17 @@ class EngineSpec:
     kv_dtype: object = None
 
     def build(self, policy: str) -> Engine:
+        """An engine of ``policy`` (:data:`experiments.policies.ALL_POLICIES`:
+        a reservation, ``-nocache`` turning prefix caching off).
+
+        Raises:
+          ValueError: an unknown policy.
+        """
+        reservation, caching = split_policy(policy)
         return serving.make_engine(self.model, kv_tokens=self.kv_tokens, page_size=self.page_size,
                                    max_seqs=self.max_seqs, max_batched_tokens=self.max_batched_tokens,
                                    paged_model=self.paged_model, kv_dtype=self.kv_dtype,
-                                   enable_prefix_caching=self.prefix_caching, reservation=policy)
+                                   enable_prefix_caching=self.prefix_caching and caching, reservation=reservation)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -294,8 +299,14 @@ class OnlineResult:
                 row[f"{stat}_{name}_ms"] = None if s is None else round(getattr(s, stat) * 1000, 2)
         row.update(normalized_latency_s=round(m.normalized_latency, 4), mean_running=round(m.mean_running, 2),
                    peak_running=m.peak_running, preemptions=m.preemptions,
-                   compiled=self.compiles.requests)
+                   mean_cached_tokens=round(self.mean_cached_tokens, 1), compiled=self.compiles.requests)
         return row
+
+    @property
+    def mean_cached_tokens(self) -> float:
+        """Prompt tokens per request served from the prefix cache, on average
+        (``RequestOutput.num_cached_tokens``)."""
+        return float(np.mean([o.num_cached_tokens for o in self.run.outputs])) if self.run.outputs else 0.0
 
     def request_rows(self) -> list[dict]:
         """One row per request (:data:`REQUEST_COLUMNS`), times from the run's start."""
@@ -314,9 +325,10 @@ METRIC_COLUMNS = (
     "total_token_throughput", "goodput",
     *(f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el")
       for stat in ("mean", *(f"p{p}" for p in PERCENTILES))),
-    "normalized_latency_s", "mean_running", "peak_running", "preemptions", "compiled",
+    "normalized_latency_s", "mean_running", "peak_running", "preemptions", "mean_cached_tokens", "compiled",
 )
-"""The columns of :meth:`OnlineResult.row`, in order; ``compiled``: XLA
+"""The columns of :meth:`OnlineResult.row`, in order; ``mean_cached_tokens``:
+prompt tokens per request served from the prefix cache; ``compiled``: XLA
 programs requested during the run (compiled or loaded from the cache)."""
 REQUEST_COLUMNS = ("policy", "request_rate", "request_id", "prompt_len", "output_len", "arrival_s", "added_s",
                    "first_token_s", "finish_s", "ttft_ms", "tpot_ms", "e2el_ms", "normalized_latency_s",
@@ -346,7 +358,7 @@ def serve_online(make_engine: Callable[[str], Engine], requests: Sequence[Reques
     Raises:
       ValueError: from :func:`arrival_times` or :func:`run_online`.
     """
-    check_choice("policy", policy, POLICIES)
+    check_choice("policy", policy, ALL_POLICIES)
     arrivals = arrival_times(len(requests), request_rate, burstiness=burstiness, seed=seed)
     engine = make_engine(policy)
     with CompileMonitor() as monitor:
@@ -436,12 +448,15 @@ def load_setup(args) -> tuple[str, list[Request], EngineSpec, str]:
     kv_dtype = jnp.dtype(default_kv_dtype())
     t0 = time.perf_counter()
     model, tokenizer, model_name = load_model(args.model, dtype)
-    requests, source = load_requests(model, tokenizer, args.num_requests, args.max_output_len, seed=args.seed)
+    requests, source = args.workload_.requests(tokenizer, vocab_size=model.config.vocab_size,
+                                               num_requests=args.num_requests, max_output_len=args.max_output_len,
+                                               seed=args.seed)
     spec = EngineSpec(model=model, paged_model=RaggedModel(model), kv_tokens=args.kv_budget_tokens,
                       page_size=args.page_size, max_seqs=args.max_seqs, max_batched_tokens=args.max_batched_tokens,
                       prefix_caching=not args.no_prefix_caching, kv_dtype=kv_dtype)
     setup = (f"{model_name}, weights {dtype.name}, K/V {kv_dtype.name}, loaded in {time.perf_counter() - t0:.1f} s; "
-             f"{len(requests)} requests ({source}): {sum(len(r.prompt_ids) for r in requests)} prompt tokens, "
+             f"{len(requests)} requests ({source}; {describe(requests)}): "
+             f"{sum(len(r.prompt_ids) for r in requests)} prompt tokens, "
              f"{sum(r.max_new_tokens for r in requests)} output tokens (true lengths capped at "
              f"{args.max_output_len}, EOS ignored); KV budget {args.kv_budget_tokens} tokens, page size "
              f"{args.page_size}, max {args.max_seqs} running, {max(args.max_batched_tokens, args.max_seqs)} tokens "
@@ -465,53 +480,6 @@ def load_model(spec: str, dtype=jnp.float32):
     if spec == "toy":
         return Llama(TOY_CONFIG, rngs=nnx.Rngs(0), param_dtype=dtype), None, "toy decoder (random weights)"
     return serving.load_model(spec, dtype)
-
-
-def load_requests(model, tokenizer, num_requests: int, max_output_len: int, *,
-                  seed: int = 0) -> tuple[list[Request], str]:
-    """ShareGPT requests (with ``tokenizer``) or the packaged ShareGPT
-    lengths with random prompt ids (without): greedy, EOS ignored, each
-    with its true output length capped at ``max_output_len``. Returns
-    ``(requests, a line saying which)``."""
-    if tokenizer is None:
-        requests = packaged_requests(num_requests, max_output_len, vocab_size=model.config.vocab_size, seed=seed)
-        return requests, "packaged ShareGPT request lengths, random prompt ids"
-    requests, _, report_ = build_requests(tokenizer, num_requests, max_output_len, seed=seed)
-    return requests, f"ShareGPT ({report_.records} conversations recovered), shuffle seed {seed}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    """What each request asks for, beyond its prompt and length: the paper's
-    serving workloads (Figure 12 basic sampling; Figure 14 parallel
-    sampling and beam search). ``sampling(i)`` gives request ``i``'s
-    :class:`SamplingParams`."""
-
-    name: str
-    description: str
-    sampling: Callable[[int], SamplingParams]
-
-    def apply(self, requests: Sequence[Request]) -> list[Request]:
-        return [dataclasses.replace(r, sampling=self.sampling(i)) for i, r in enumerate(requests)]
-
-
-def workload(name: str) -> Workload:
-    """``basic`` (greedy, one output), ``parallel-N`` (N samples at
-    temperature 1, seeded per request) or ``beam-W`` (beam width W).
-
-    Raises:
-      ValueError: another name, or N / W not an int >= 1.
-    """
-    kind, _, k = name.partition("-")
-    if name == "basic":
-        return Workload("basic", "greedy, one output per request", lambda i: SamplingParams())
-    if kind in ("parallel", "beam") and k.isdigit() and int(k) >= 1:
-        k = int(k)
-        if kind == "parallel":
-            return Workload(name, f"parallel sampling, n={k}, temperature 1",
-                            lambda i: SamplingParams(n=k, temperature=1.0, seed=i))
-        return Workload(name, f"beam search, width {k}", lambda i: SamplingParams(beam_width=k))
-    raise ValueError(f"workload must be 'basic', 'parallel-N' or 'beam-W' (N, W >= 1), got {name!r}")
 
 
 # ------------------------------------------------------------- the figures

@@ -36,9 +36,19 @@ Writes ``serving_fig12.{md,csv,png}`` and ``serving_fig13.{md,csv,png}``
 (``--quick``: ``*_quick``) to ``--out``. ``--quick`` is a smoke run of a few
 requests and two loads, meant for ``--model toy``. ``--workload parallel-N``
 or ``beam-W`` runs the same sweep on Figure 14's workloads (parallel
-sampling, beam search) and writes ``serving_fig14_<workload>*``; the shared
-prefix and chatbot workloads (Figures 16, 17) would be further
-:class:`experiments.online.Workload` values.
+sampling, beam search) and writes ``serving_fig14_<workload>*``.
+
+Figure 16 (``--workload prefix-1``, ``prefix-5``): every prompt opens with
+one few-shot prefix (:mod:`experiments.workloads`); the policies are
+``paged`` with prefix caching against ``paged-nocache`` and
+``oracle-nocache`` (Orca-Oracle shares nothing), and the table shows the
+prompt tokens each served from the cache; the paper's vLLM reaches 1.67x
+(one shot) and 3.58x (five shots) Orca-Oracle's throughput. Figure 17
+(``--workload chatbot``): conversation histories as prompts, cut to their
+last ``--max-prompt-len`` tokens, against the three Orca baselines, which
+the paper's vLLM serves at 2x the request rate. Each writes one figure,
+``serving_fig16_<workload>*`` or ``serving_fig17*`` (no batched-requests
+figure), with its own default sizes (:data:`WORKLOAD_SIZES`).
 
 Usage: ``python -m experiments.serving_figures [--quick] [--model toy] ...``
 """
@@ -51,7 +61,7 @@ import os
 import sys
 import time
 
-from experiments import online, provenance
+from experiments import online, provenance, workloads
 from experiments.cli import add_compile_cache_args, add_flag, check_outputs, setup_compile_cache
 from experiments.sharegpt import MAX_SEQ_LEN
 from experiments.tables import markdown_table, write_table
@@ -63,11 +73,29 @@ than each baseline at similar latency (the text gives no Pow2 range)."""
 PAPER_FIG13 = {"max": 7.00, "pow2": 9.81, "oracle": 13.62, "paged": 30.42}
 """Paper Figure 13, ShareGPT at 2 requests/s with OPT-13B: mean batched
 requests per policy, as read from the figure's bars."""
-FULL = dict(num_requests=24, max_output_len=48, max_seqs=64, max_batched_tokens=256, loads=(0.5, 1.0, 2.0, 3.0))
-QUICK = dict(num_requests=6, max_output_len=6, max_seqs=16, max_batched_tokens=32, loads=(0.5, 1.5))
+PAPER_FIG16 = {1: "1.67x", 5: "3.58x"}
+"""Paper section 6.4 (LLaMA-13B, WMT16 translation): vLLM's throughput over
+Orca-Oracle's with a one-shot and a five-shot prefix shared."""
+PAPER_FIG17 = {"max": "2x", "pow2": "2x", "oracle": "2x"}
+"""Paper section 6.5 (OPT-13B, ShareGPT chats): vLLM sustains 2x the request
+rate of each Orca baseline, whose buddy allocator reserves 1,024 output
+tokens whatever the prediction."""
+FULL = dict(num_requests=24, max_output_len=48, max_seqs=64, max_batched_tokens=256, kv_budget_tokens=8192,
+            loads=(0.5, 1.0, 2.0, 3.0))
+QUICK = dict(num_requests=6, max_output_len=6, max_seqs=16, max_batched_tokens=32, kv_budget_tokens=8192,
+             loads=(0.5, 1.5))
 """Sizes of the full run (about 10-15 minutes with SmolLM2 on 2 CPU cores)
 and of ``--quick`` (fewer step programs to compile), each used where its
 flag is not given."""
+WORKLOAD_SIZES = {"prefix": dict(num_requests=16, kv_budget_tokens=4096, loads=(0.5, 1.0, 2.0)),
+                  "chatbot": dict(num_requests=16, loads=(0.5, 1.0, 2.0))}
+"""The full run's sizes that differ for Figures 16 and 17 (by
+``Workload.prompts``), over :data:`FULL`, each about 10 minutes with
+SmolLM2 on 2 busy CPU cores: fewer requests and rates, since the slowest
+policies take several times paged's time to prefill prompts of hundreds of
+tokens. Figure 16 also serves a pool of 4,096 tokens, so that memory binds
+the policies holding the five-shot prefix once per request, as it does in
+the paper."""
 THRESHOLD_FACTOR = 1.5
 """Without ``--latency-threshold``: this many times paged's lowest
 normalized latency over the sweep. With tens of requests a queue cannot
@@ -76,7 +104,8 @@ request at once, 2.5-4x the lightly loaded one with SmolLM2 (measured: 0.56
 to 0.78 against 0.18 to 0.26 s/token), so a factor of 2 or more was hardly
 ever crossed."""
 FIG12_COLUMNS = ("policy", "sustained_rate", "paged_over_policy", "paper_paged_over_policy", "served_at_top",
-                 "paged_over_policy_served", "min_normalized_latency_s", "max_normalized_latency_s")
+                 "paged_over_policy_served", "min_normalized_latency_s", "max_normalized_latency_s", "cached_tokens",
+                 "cached_share")
 FIG13_COLUMNS = ("policy", "request_rate", "mean_running", "peak_running", "paged_over_policy", "paper_mean_batched",
                  "paper_paged_over_policy", "request_throughput", "normalized_latency_s", "preemptions")
 
@@ -87,10 +116,47 @@ def memory_line(requests, spec: online.EngineSpec) -> str:
                                              reserved_tokens(p, len(r.prompt_ids), r.max_new_tokens, MAX_SEQ_LEN))
                    for r in requests)
             for p in online.POLICIES}
-    return (f"Every request at once, at its final length, would hold {held['paged']:,} tokens paged (no "
-            f"sharing counted); reserved: "
+    # The full pages of the prefix every prompt shares, held once by paged with the prefix cache.
+    shared = workloads.shared_prefix_len(requests) // spec.page_size * spec.page_size
+    once = held["paged"] - (sum(r.sampling.num_seqs for r in requests) - 1) * shared
+    return (f"Every request at once, at its final length, would hold {held['paged']:,} tokens paged without "
+            f"sharing, {once:,} with the {shared} tokens of shared prefix pages held once; reserved: "
             f"{held['oracle']:,} Oracle, {held['pow2']:,} Pow2, {held['max']:,} Max; the pool holds "
             f"{spec.kv_tokens:,}.")
+
+
+def scale_note(args, model_name: str, requests, spec: online.EngineSpec) -> str:
+    """How the run is scaled down from the paper's, for its workload."""
+    w = args.workload_
+    where = (f"{model_name} on {os.cpu_count()} CPU cores, a KV budget of {spec.kv_tokens:,} tokens"
+             + ("" if w.prompts == "prefix" else f" (Max holds {spec.kv_tokens // MAX_SEQ_LEN} requests)")
+             + f", {len(requests)} requests, outputs capped at {args.max_output_len} tokens")
+    if w.prompts == "prefix":
+        shared = workloads.shared_prefix_len(requests)
+        return ("Scaled down from the paper (LLaMA-13B on an A100, WMT16 English-to-German translation after a "
+                f"one-shot prefix of 80 tokens or a five-shot one of 341): {where}. Translations become ShareGPT "
+                f"rounds: the prefix is the first {w.shots} round{'s' * (w.shots > 1)} vLLM's sampling accepts, "
+                f"each side cut to {w.shot_tokens} tokens, after the chat template's system prompt (every prompt "
+                f"opens with the same {shared} tokens); the requests are the rounds accepted after them among "
+                f"prompts of at most {w.max_prompt_len} tokens. Paged keeps the prefix cache (the "
+                "cached prompt tokens show its hits); paged without it and Orca-Oracle compute and hold the prefix "
+                "once per request. On a CPU, prefill compute binds as much as memory, and the cache saves both: "
+                "paged against paged without the cache shows what sharing gains, paged without the cache against "
+                "Oracle what paging alone gains. The paper's ratios are of throughput: compare them with "
+                "'paged / policy, served'.")
+    if w.prompts == "chatbot":
+        return ("Scaled down from the paper (OPT-13B on an A100, ShareGPT conversations as prompts cut to their "
+                f"last 1,024 tokens, outputs up to 1,024): {where}, prompts cut to their last {w.max_prompt_len} "
+                "tokens. The paper's 2x comes from its Orca baselines' buddy allocator, which reserves 1,024 "
+                "output tokens for each request whatever the predicted length, with most prompts at the 1,024 "
+                "cap; here Oracle and Pow2 reserve the capped true output, little more than paged holds at the "
+                "end, so memory binds Max first and most, and the others stay close to paged. Expect smaller "
+                "ratios than the paper's.")
+    return ("Scaled down from the paper (OPT-13B on an A100, hour-long traces, ShareGPT outputs of 204 tokens on "
+            f"average): {where}. Two things shrink the gaps: capped outputs leave Oracle and Pow2 little to reserve "
+            "beyond what paged holds, so that memory binds Max alone; and with prompts longer than outputs, "
+            "prefill compute rather than memory limits paged (a CPU step also slows with the batch far more than "
+            "a GPU's). Expect smaller ratios than the paper's.")
 
 
 def parse_args(argv=None):
@@ -101,25 +167,40 @@ def parse_args(argv=None):
                    help=f"a smoke run: {QUICK['num_requests']} requests, outputs <= {QUICK['max_output_len']}, "
                         f"max {QUICK['max_seqs']} running, {QUICK['max_batched_tokens']} tokens per call, loads "
                         f"{' '.join(map(str, QUICK['loads']))} (each unless given); files named *_quick")
-    p.add_argument("--policy", nargs="+", choices=online.POLICIES, default=list(online.POLICIES),
-                   help="policies to compare (default all; paged is always run, first)")
+    p.add_argument("--policy", nargs="+", choices=online.ALL_POLICIES, default=None,
+                   help="policies to compare: a reservation (paged, max, pow2, oracle), '-nocache' appended for "
+                        "no prefix caching (default the workload's: all four reservations, or for prefix-K "
+                        "paged, paged-nocache, oracle-nocache; paged is always run, first)")
     p.add_argument("--loads", type=float, nargs="+", default=None,
                    help="request rates as fractions of paged's measured capacity (default "
-                        f"{' '.join(map(str, FULL['loads']))})")
+                        f"{' '.join(map(str, FULL['loads']))}; prefix-K "
+                        f"{' '.join(map(str, WORKLOAD_SIZES['prefix']['loads']))}; chatbot "
+                        f"{' '.join(map(str, WORKLOAD_SIZES['chatbot']['loads']))})")
     p.add_argument("--rates", type=float, nargs="+", default=None,
                    help="request rates in requests/s, instead of --loads")
     p.add_argument("--latency-threshold", type=float, default=None,
                    help="normalized latency (s/token) a policy must stay at or below to sustain a rate (default "
                         f"{THRESHOLD_FACTOR:g}x paged's lowest over the sweep)")
     p.add_argument("--workload", default="basic",
-                   help="basic (default: Figures 12 and 13), or parallel-N / beam-W (N samples at temperature 1, "
-                        "beam width W: Figure 14's workloads, written as serving_fig14_<workload>*)")
+                   help="basic (default: Figures 12 and 13), parallel-N / beam-W (N samples at temperature 1, "
+                        "beam width W: Figure 14's workloads, written as serving_fig14_<workload>*), prefix-K "
+                        "(a shared K-shot prefix: Figure 16, serving_fig16_<workload>*) or chatbot (conversation "
+                        "histories: Figure 17, serving_fig17*); without --quick, prefix-K serves 16 requests from "
+                        "a 4096-token pool and chatbot 16 requests unless given")
+    p.add_argument("--max-prompt-len", type=int, default=None,
+                   help="prefix-K: the longest own prompt a request may have (default "
+                        f"{workloads.PREFIX_PROMPT_LEN}); chatbot: the tokens a conversation keeps, its last "
+                        f"(default {workloads.CHATBOT_PROMPT_LEN}; the paper's 1024)")
     p.add_argument("--fig13-rate", type=float, default=None,
                    help="request rate of Figure 13 (default: the highest swept)")
     add_flag(p, "out")
     add_compile_cache_args(p)
     args = p.parse_args(argv)
-    sizes = QUICK if args.quick else FULL
+    try:
+        args.workload_ = workloads.workload(args.workload, max_prompt_len=args.max_prompt_len)
+    except ValueError as e:
+        p.error(f"--workload / --max-prompt-len: {e}")
+    sizes = QUICK if args.quick else {**FULL, **WORKLOAD_SIZES.get(args.workload_.prompts, {})}
     for name, value in sizes.items():
         if name != "loads" and getattr(args, name) is None:
             setattr(args, name, value)
@@ -138,14 +219,15 @@ def parse_args(argv=None):
         value = getattr(args, flag)
         if value is not None and not (math.isfinite(value) and value > 0):
             p.error(f"--{flag.replace('_', '-')} must be a finite number > 0, got {value}")
-    args.policy = ["paged"] + [x for x in dict.fromkeys(args.policy) if x != "paged"]
-    try:
-        args.workload_ = online.workload(args.workload)
-    except ValueError as e:
-        p.error(f"--workload: {e}")
+    args.policy = ["paged"] + [x for x in dict.fromkeys(args.policy or args.workload_.policies) if x != "paged"]
     quick = "_quick" if args.quick else ""
-    args.stems = (f"serving_fig12{quick}", f"serving_fig13{quick}") if args.workload == "basic" else (
-        f"serving_fig14_{args.workload}{quick}", f"serving_fig14_{args.workload}_batched{quick}")
+    kind = args.workload_.prompts
+    if args.fig13_rate is not None and kind != "sharegpt":
+        p.error(f"--fig13-rate: the {args.workload} workload's figure has no batched-requests figure")
+    args.stems = ((f"serving_fig16_{args.workload}{quick}", None) if kind == "prefix" else
+                  (f"serving_fig17{quick}", None) if kind == "chatbot" else
+                  (f"serving_fig12{quick}", f"serving_fig13{quick}") if args.workload == "basic" else
+                  (f"serving_fig14_{args.workload}{quick}", f"serving_fig14_{args.workload}_batched{quick}"))
     check_outputs(p, args)
     return args
 
@@ -158,9 +240,14 @@ def main(argv=None):
     print(setup_compile_cache(args))
     model_name, requests, spec, setup = online.load_setup(args)
     requests = args.workload_.apply(requests)
-    basic = args.workload == "basic"
+    basic, kind = args.workload == "basic", args.workload_.prompts
     paper12, paper13 = (PAPER_FIG12, PAPER_FIG13) if basic else ({}, {})
     fig = "Figure 12" if basic else f"Figure 14 ({args.workload_.description})"
+    if kind == "prefix":
+        paper12 = {"oracle-nocache": PAPER_FIG16.get(args.workload_.shots, "-")}
+        fig = f"Figure 16 ({args.workload_.description})"
+    elif kind == "chatbot":
+        paper12, fig = PAPER_FIG17, "Figure 17 (chatbot)"
     print(setup)
     print(online.warm_up_line(spec, args.workload_))
 
@@ -187,7 +274,7 @@ def main(argv=None):
     sustained = {p: online.sustained_rate(rates, [runs[p][r].metrics.normalized_latency for r in rates], threshold)
                  for p in args.policy}
     fig13_rate = args.fig13_rate or rates[-1]
-    for policy in args.policy:
+    for policy in args.policy if args.stems[1] else ():
         if fig13_rate not in runs[policy]:
             runs[policy][fig13_rate] = serve(policy, fig13_rate)
 
@@ -201,8 +288,10 @@ def main(argv=None):
         pivot, ["request_rate", "load", *args.policy],
         headers=["request rate (req/s)", "load", *(online.POLICY_LABELS[p] for p in args.policy)],
         cell=lambda c, v: "-" if v is None else f"{v:.4f}" if c in args.policy else str(v))
+    mean_prompt = sum(len(r.prompt_ids) for r in requests) / len(requests)
     summary = []
-    served = {p: runs[p][rates[-1]].metrics.request_throughput for p in args.policy}
+    top = {p: runs[p][rates[-1]] for p in args.policy}
+    served = {p: top[p].metrics.request_throughput for p in args.policy}
     for p in args.policy:
         lats = [runs[p][r].metrics.normalized_latency for r in sorted(runs[p])]
         summary.append({"policy": p, "sustained_rate": str(sustained[p]),
@@ -210,18 +299,19 @@ def main(argv=None):
                         "paper_paged_over_policy": paper12.get(p, "-"), "served_at_top": round(served[p], 3),
                         "paged_over_policy_served": "-" if p == "paged" else f"{served['paged'] / served[p]:.2f}x",
                         "min_normalized_latency_s": round(min(lats), 4),
-                        "max_normalized_latency_s": round(max(lats), 4)})
+                        "max_normalized_latency_s": round(max(lats), 4),
+                        "cached_tokens": round(top[p].mean_cached_tokens, 1),
+                        "cached_share": f"{top[p].mean_cached_tokens / mean_prompt:.0%}"})
     summary_table = markdown_table(
         summary, FIG12_COLUMNS, cell=online.cell,
         headers=["policy", "highest rate sustained (req/s)", "paged / policy", "paper: vLLM / policy",
                  f"served at {rates[-1]:g} req/s", "paged / policy, served", "min normalized latency (s/token)",
-                 "max normalized latency (s/token)"])
+                 "max normalized latency (s/token)", "cached prompt tokens / request", "share of prompt cached"])
     png12 = args.out / f"{args.stems[0]}.png"
     online.plot_latency_vs_rate(
         png12, {p: (sorted(runs[p]), [runs[p][r].metrics.normalized_latency for r in sorted(runs[p])])
                 for p in args.policy},
-        threshold=threshold, title=f"{model_name}, {len(requests)} ShareGPT requests ({args.workload}), Poisson "
-                                   "arrivals")
+        threshold=threshold, title=f"{fig}: {model_name}, {len(requests)} requests")
     took = (f"The run took {time.perf_counter() - t_start:.0f} s; load average {load_start:.1f} when it began, "
             f"{os.getloadavg()[0]:.1f} at the end (on 2 cores, other work on the machine slows every run and "
             "blurs the curves).")
@@ -231,14 +321,7 @@ def main(argv=None):
               f"({'given' if args.rates else 'loads ' + ', '.join(f'{f:g}' for f in args.loads) + ' of it'}). "
               f"Latency threshold: {threshold:g} s/token"
               f"{'' if args.latency_threshold else f' ({THRESHOLD_FACTOR:g}x paged at its best)'}.\n\n"
-              "Scaled down from the paper (OPT-13B on an A100, hour-long traces, ShareGPT outputs of 204 "
-              f"tokens on average): {model_name} on {os.cpu_count()} CPU cores, a KV budget of "
-              f"{spec.kv_tokens:,} tokens (Max holds {spec.kv_tokens // MAX_SEQ_LEN} requests), "
-              f"{len(requests)} requests, outputs capped at {args.max_output_len} tokens. Two things shrink the "
-              "gaps: capped outputs leave Oracle and Pow2 little to reserve beyond what paged holds, so that "
-              "memory binds Max alone; and with prompts longer than outputs, prefill compute rather than memory "
-              "limits paged (a CPU step also slows with the batch far more than a GPU's). Expect smaller ratios "
-              f"than the paper's. {memory_line(requests, spec)}")
+              f"{scale_note(args, model_name, requests, spec)} {memory_line(requests, spec)}")
     text12 = (f"# {fig}: normalized latency against request rate ({model_name})\n\n"
               f"![normalized latency against request rate]({png12.name})\n\n"
               f"Normalized latency (s/token: end-to-end latency / output tokens, averaged over requests):\n\n"
@@ -246,6 +329,10 @@ def main(argv=None):
               f"paged with every request at once, the capacity run).")
     md12, csv12 = write_table(args.out, args.stems[0], rows12, ("load", *online.METRIC_COLUMNS),
                               text12, record)
+    if args.stems[1] is None:
+        print(f"\n{pivot_table}\n\n{summary_table}\n")
+        print(f"wrote {md12}, {csv12}, {png12} in {time.perf_counter() - t_start:.0f} s")
+        return summary, None
 
     # Figure 13: mean batched requests at one rate.
     paged13 = runs["paged"][fig13_rate].metrics.mean_running

@@ -167,6 +167,25 @@ def _first_two_turns(record: dict) -> tuple[str, str] | None:
     return texts[0], texts[1]
 
 
+def conversation_rounds(record: dict) -> list[tuple[str, str]]:
+    """The complete rounds a record opens with: ``(human text, gpt text)``
+    pairs for as long as its turns alternate ``human``, ``gpt``, ``human``,
+    ... with string values (a record opening with a ``system`` or ``gpt``
+    turn, or malformed, has none; a trailing unanswered human turn is
+    dropped). The chatbot workload's conversations
+    (:mod:`experiments.workloads`)."""
+    turns = record.get("conversations")
+    if not isinstance(turns, list):
+        return []
+    texts = []
+    for i, turn in enumerate(turns):
+        if not (isinstance(turn, dict) and turn.get("from") == ("human", "gpt")[i % 2]
+                and isinstance(turn.get("value"), str)):
+            break
+        texts.append(turn["value"])
+    return list(zip(texts[0::2], texts[1::2]))
+
+
 def sample_requests(
     conversations: Sequence[dict],
     tokenize: Tokenize,
