@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-all tables check-tables serving-figures serving-figures-quick bench-serving clean
+.PHONY: setup demo test test-all tables check-tables serving-figures serving-figures-quick bench-serving serve clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,10 @@ serving-figures-quick: setup
 
 bench-serving: setup
 	$(PY) -m experiments.bench_serving --request-rate 0.5 1 2 inf --policy paged max pow2 oracle
+
+# The OpenAI-compatible server on SmolLM2 at http://127.0.0.1:8000 (python -m server --help for the flags).
+serve: setup
+	$(PY) -m server --model smollm2
 
 # Two small runs of the tables in fresh processes; every non-timing cell must agree.
 check-tables: setup

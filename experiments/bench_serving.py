@@ -33,18 +33,34 @@ Writes ``<name>.md`` and ``<name>.csv`` (one row per policy and rate),
 ``<name>_requests.csv`` (every request's times) and, with several finite
 rates, ``<name>.png`` (normalized latency against rate) to ``--out``.
 
-Usage: ``python -m experiments.bench_serving --request-rate 0.5 1 2 --policy paged max``
+``--backend http`` sends the same requests, at the same arrival times, to
+an OpenAI-compatible server instead (``python -m server``, at
+``--base-url``): token-id prompts through streamed ``/v1/completions`` with
+exact ``max_tokens`` and ``ignore_eos``, every token timed when its chunk
+reaches the client (:mod:`experiments.http_backend`), the same tables. The
+server's engine is whatever it was started with (start it with the same
+``--max-seqs``, KV budget and model, e.g. ``python -m server --model
+smollm2 --max-seqs 64 --kv-tokens 8192``): ``--policy`` is ``paged`` only,
+a warm-up over HTTP compiles its programs first (its ``/metrics`` count
+what compiles during each timed run: the ``compiled`` column), and its
+prefix cache is reset before each run (``POST /reset_prefix_cache``).
+
+Usage: ``python -m experiments.bench_serving --request-rate 0.5 1 2 --policy paged max``;
+``python -m experiments.bench_serving --backend http --base-url http://127.0.0.1:8000 --request-rate 1 inf``
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
 import math
+import os
 import re
 import sys
 
-from experiments import latency, online, provenance
-from experiments.cli import add_compile_cache_args, add_flag, check_outputs, setup_compile_cache
+from experiments import http_backend, latency, online, provenance
+from experiments.cli import add_compile_cache_args, add_flag, check_outputs, machine, setup_compile_cache
 from experiments.tables import markdown_table, write_table
 
 
@@ -61,6 +77,15 @@ def parse_args(argv=None):
     p.add_argument("--workload", default="basic",
                    help="basic (default), parallel-N (N samples at temperature 1) or beam-W (beam width W)")
     p.add_argument("--name", default="bench_serving", help="stem of the files written (default %(default)s)")
+    p.add_argument("--backend", choices=("inprocess", "http"), default="inprocess",
+                   help="inprocess (default): drive the engine in this process; http: send the requests to a "
+                        "running OpenAI-compatible server (python -m server) at --base-url")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="the server's root URL, without /v1 (--backend http; default %(default)s)")
+    p.add_argument("--api-key", default=os.environ.get("PAGED_JAX_API_KEY"),
+                   help="the server's API key (--backend http; default $PAGED_JAX_API_KEY)")
+    p.add_argument("--served-model", default=None,
+                   help="the model name to send (--backend http; default the first of the server's /v1/models)")
     add_flag(p, "out")
     add_compile_cache_args(p)
     args = p.parse_args(argv)
@@ -76,6 +101,13 @@ def parse_args(argv=None):
         p.error(f"--workload: {e}")
     if len(set(args.policy)) != len(args.policy):
         p.error(f"--policy: each policy once, got {' '.join(args.policy)}")
+    if args.backend == "http":
+        if args.policy != ["paged"]:
+            p.error(f"--backend http: the server's engine has one policy (paged); got --policy {' '.join(args.policy)}")
+        if args.workload.startswith("beam"):
+            p.error("--backend http: beam search is not an OpenAI completion option; use --backend inprocess")
+        if args.no_prefix_caching:
+            p.error("--backend http: prefix caching is the server's setting (python -m server --no-prefix-caching)")
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", args.name):
         p.error(f"--name must be a file stem of letters, digits, '_', '.' and '-' (the files land in --out), "
                 f"got {args.name!r}")
@@ -87,33 +119,81 @@ def main(argv=None) -> list[online.OnlineResult]:
     args = parse_args(argv)
     record = provenance.collect("experiments.bench_serving", argv,
                                 seeds={"sharegpt_shuffle": args.seed, "arrivals": args.seed})
-    print(setup_compile_cache(args))
-    model_name, requests, spec, setup = online.load_setup(args)
-    requests = args.workload_.apply(requests)
-    print(setup)
-    print(online.warm_up_line(spec, args.workload_))
-    results = []
-    for rate in args.request_rate:  # policies interleaved at each rate: they see the machine in the same state
-        for policy in args.policy:
-            result = online.serve_online(spec.build, requests, policy=policy, request_rate=rate,
-                                         burstiness=args.burstiness, seed=args.seed, slos=args.slos, progress=True)
-            print(online.report(result))
-            results.append(result)
+    if args.backend == "http":
+        model_name, requests, setup, results = run_over_http(args)
+    else:
+        print(setup_compile_cache(args))
+        model_name, requests, spec, setup = online.load_setup(args)
+        requests = args.workload_.apply(requests)
+        print(setup)
+        print(online.warm_up_line(spec, args.workload_))
+        results = []
+        for rate in args.request_rate:  # policies interleaved at each rate: they see the machine in the same state
+            for policy in args.policy:
+                result = online.serve_online(spec.build, requests, policy=policy, request_rate=rate,
+                                             burstiness=args.burstiness, seed=args.seed, slos=args.slos,
+                                             progress=True)
+                print(online.report(result))
+                results.append(result)
+    write_results(args, record, model_name, requests, setup, results)
+    return results
 
+
+def run_over_http(args) -> tuple[str, list, str, list[online.OnlineResult]]:
+    """``--backend http``: ``(model name, requests, setup line, one result
+    per rate)`` from the server at ``--base-url``."""
+    served, max_len = asyncio.run(http_backend.served_model(args.base_url, args.api_key))
+    target = http_backend.Target(base_url=args.base_url, model=args.served_model or served, api_key=args.api_key)
+    tokenizer, vocab_size, model_name = http_backend.tokenizer_for(args.model)
+    requests, source = args.workload_.requests(tokenizer, vocab_size=vocab_size, num_requests=args.num_requests,
+                                               max_output_len=args.max_output_len, seed=args.seed)
+    requests = args.workload_.apply(requests)
+    setup = (f"{model_name} served over HTTP at {args.base_url} (model {target.model!r}, max_model_len {max_len}); "
+             f"{len(requests)} requests ({source}): {sum(len(r.prompt_ids) for r in requests)} prompt tokens, "
+             f"{sum(r.max_new_tokens for r in requests)} output tokens (true lengths capped at "
+             f"{args.max_output_len}, EOS ignored); streamed /v1/completions, one client task per request; "
+             f"{machine()} (the client's)")
+    print(setup)
+    batches = online.warmup_batches(max_batched_tokens=max(args.max_batched_tokens, args.max_seqs),
+                                    max_seqs=args.max_seqs, max_seq_len=max_len, vocab_size=vocab_size)
+    counts = http_backend.warm_up_http(target, [args.workload_.apply(b) for b in batches])
+    print(f"warm-up over HTTP (for --max-seqs {args.max_seqs}, --max-batched-tokens {args.max_batched_tokens}): "
+          f"the server compiled or loaded {counts.requests} programs in {counts.seconds:.1f} s")
+    results = []
+    for rate in args.request_rate:
+        asyncio.run(http_backend.reset_prefix_cache(target))
+        arrivals = latency.arrival_times(len(requests), rate, burstiness=args.burstiness, seed=args.seed)
+        run, before, after = http_backend.run_http(target, requests, arrivals, progress=True)
+        # Preemptions are the server's to count: per request they are not visible to a client.
+        metrics = dataclasses.replace(run.metrics(args.slos), preemptions=int(after.preemptions - before.preemptions))
+        result = online.OnlineResult(policy="paged", request_rate=float(rate), burstiness=float(args.burstiness),
+                                     metrics=metrics, run=run, compiles=after.since(before))
+        print(online.report(result))
+        results.append(result)
+    return model_name, requests, setup, results
+
+
+def write_results(args, record, model_name: str, requests: list, setup: str,
+                  results: list[online.OnlineResult]) -> None:
+    """The tables (and, with several finite rates, the figure) of a run."""
     rows = [r.row() for r in results]
     columns = [c for c in online.SUMMARY_COLUMNS if c != "goodput" or args.slos]
     table = markdown_table(rows, columns, cell=online.cell)
     slo_line = ("SLOs for goodput: " + ", ".join(f"{k} <= {v:g} ms" for k, v in args.slos.items()) + ". "
                 if args.slos else "")
+    clock = ("Times are the client's: from each request's due time to its chunks' arrival over HTTP; "
+             "mean_running samples the server's running sequences from its /metrics every "
+             f"{http_backend.SAMPLE_EVERY_S:g} s. " if args.backend == "http" else "")
     notes = (f"{setup}.\n\nArrivals: gamma process, burstiness {args.burstiness:g} "
              f"({'Poisson' if args.burstiness == 1 else 'not Poisson'}), seed {args.seed}; workload: "
              f"{args.workload_.description}. Latencies count from each request's arrival in the trace; times in "
              f"ms, normalized latency in seconds per output token; mean_running: time-weighted mean of running "
-             f"sequences. {slo_line}The CSV has every column (p50, p90, p99 of each latency); "
+             f"sequences. {clock}{slo_line}The CSV has every column (p50, p90, p99 of each latency); "
              f"`{args.name}_requests.csv` every request.\n\n"
              f"Programs compiled inside timed runs: {sum(r.compiles.requests for r in results)} (0 means "
              f"compilation stayed in the warm-up).")
-    text = f"# Online serving: {model_name}\n\n{table}\n\n{notes}"
+    title = f"# Online serving{' over HTTP' if args.backend == 'http' else ''}: {model_name}"
+    text = f"{title}\n\n{table}\n\n{notes}"
     finite = [r for r in results if math.isfinite(r.request_rate)]
     if len({r.request_rate for r in finite}) > 1:
         png = args.out / f"{args.name}.png"
@@ -126,7 +206,6 @@ def main(argv=None) -> list[online.OnlineResult]:
     provenance.write_csv(args.out / f"{args.name}_requests.csv", [row for r in results for row in r.request_rows()],
                          online.REQUEST_COLUMNS, record)
     print(f"\n{table}\n\nwrote {md}, {csv} and {args.out / (args.name + '_requests.csv')}")
-    return results
 
 
 if __name__ == "__main__":

@@ -1,0 +1,85 @@
+"""``python -m server``: serve a model over the OpenAI API.
+
+Usage::
+
+    python -m server --model smollm2 --port 8000
+    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+      -d '{"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}'
+
+The model is built by :class:`models.llm.LLM` (``--model smollm2``, a
+``.gguf`` file, a Hugging Face folder or a random-weight preset); its
+engine is served by :func:`server.app.build_app` with uvicorn. Binds
+127.0.0.1 unless ``--host`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import uvicorn
+
+from models.llm import LLM
+from paged_jax.jit_stats import enable_persistent_cache
+from server.app import build_app
+
+API_KEY_ENV = "PAGED_JAX_API_KEY"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m server", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' (the packaged SmolLM2-135M-Instruct GGUF, default), a .gguf file, a Hugging Face "
+                        "checkpoint folder, or a random-weight preset (token-id prompts only)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients send as 'model' (default: --model as given)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else none)")
+    p.add_argument("--kv-tokens", type=int, default=8192, help="KV pool size in tokens (default %(default)s)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default %(default)s)")
+    p.add_argument("--max-seqs", type=int, default=32, help="most sequences running at once (default %(default)s)")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="most tokens per sequence, prompt plus output (default: the model's context, at most 2048)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per model call (default 256, raised to --max-seqs)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="weight dtype (default float32 on CPU, bfloat16 on GPU and TPU)")
+    p.add_argument("--kv-dtype", choices=("float32", "bfloat16", "int8"), default=None,
+                   help="K/V page dtype (default float32 on CPU, bfloat16 on GPU and TPU)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="JAX's persistent compilation cache folder, so a restart compiles nothing (default: off)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level (default %(default)s)")
+    args = p.parse_args(argv)
+    if not 0 < args.port < 65536:
+        p.error(f"--port must be in [1, 65535], got {args.port}")
+    if args.api_key == "":
+        p.error("--api-key must not be empty")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("server").setLevel(args.log_level.upper())
+    if args.compile_cache is not None:
+        enable_persistent_cache(args.compile_cache)
+    try:
+        llm = LLM(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, kv_tokens=args.kv_tokens,
+                  page_size=args.page_size, max_seqs=args.max_seqs, max_seq_len=args.max_seq_len,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  enable_prefix_caching=not args.no_prefix_caching)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"python -m server: {e}") from None
+    app = build_app(llm, model_name=args.served_model_name or args.model, api_key=args.api_key)
+    logging.getLogger("server").info("serving %r as %r; %r", llm.name, app.state.model_name, llm)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,379 @@
+"""The completions and chat completions endpoints: an OpenAI request in,
+engine requests out, their streamed outputs back as OpenAI responses.
+
+Each HTTP request becomes one engine :class:`paged_jax.requests.Request`
+per prompt (a batch of prompts gives several; chat gives one), each asking
+for ``n`` choices; choice ``i * n + j`` is prompt ``i``'s sample ``j``, as
+OpenAI and vLLM number them. Every engine request streams deltas
+(``SamplingParams.output_kind="delta"``): the engine detokenizes and cuts
+stop strings (:mod:`paged_jax.detokenizer`), this module only formats.
+
+Why the length checks happen here and again in the engine: the engine's
+message names its own request id and ``max_new_tokens``; the client sent
+``prompt`` and ``max_tokens``, so the common cases are worded in the
+client's terms before the engine sees them. What only the engine knows
+(the pool holding ``n`` sequences) comes back as its ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from paged_jax.checks import check_float, check_int, is_int
+from paged_jax.engine import Request
+from paged_jax.requests import CompletionOutput, RequestOutput
+from paged_jax.sampling import SamplingParams
+from server.engine_loop import EngineDeadError, EngineLoop, RequestStream, admit
+from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
+
+DEFAULT_MAX_TOKENS = 16
+"""``max_tokens`` of a completion request that gives none (OpenAI's default)."""
+
+MAX_TEMPERATURE = 2.0
+"""The highest ``temperature`` accepted (OpenAI's bound)."""
+
+LOGPROB_FLOOR = -9999.0
+"""A log-probability of -inf as JSON can carry it (vLLM's choice)."""
+
+
+def _json(obj) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def sse(obj) -> str:
+    """One server-sent event: ``data: {...}\\n\\n``."""
+    return f"data: {_json(obj)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class _Choice:
+    """What one choice has so far (text, ids, log-probs, how it ended)."""
+
+    __slots__ = ("index", "text", "ids", "logprobs", "finish_reason", "stop_reason")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.text: list[str] = []
+        self.ids: list[int] = []
+        self.logprobs: list[dict] = []
+        self.finish_reason: str | None = None
+        self.stop_reason = None
+
+
+class OpenAIServing:
+    """Turns OpenAI requests into engine requests and their outputs back.
+
+    Args:
+      engine_loop: the loop that owns the engine.
+      model_name: the name clients must send as ``model``.
+      tokenizer: a :class:`models.tokenizer.Tokenizer`, or None (a
+        random-weight preset: token-id prompts only, no chat, no stop
+        strings, empty text).
+      max_seq_len: the engine's most tokens per sequence.
+      max_seqs: the engine's most running sequences (``n`` at most this).
+    """
+
+    def __init__(self, engine_loop: EngineLoop, *, model_name: str, tokenizer, max_seq_len: int, max_seqs: int):
+        self.loop = engine_loop
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.max_seq_len = max_seq_len
+        self.max_seqs = max_seqs
+        self._token_text: dict[int, str] = {}
+
+    # --------------------------------------------------------------- endpoints
+
+    async def completions(self, req: CompletionRequest):
+        """A response dict, or (``stream``) an async iterator of SSE
+        strings. Raises :class:`APIError` for anything refused."""
+        self._check_common(req)
+        prompts = self._prompt_ids(req.prompt)
+        max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        self._check_lengths(prompts, max_tokens, "max_tokens", "prompt")
+        sampling = self._sampling(req, logprobs=req.logprobs)
+        return await self._run(req, prompts, max_tokens, sampling, chat=False)
+
+    async def chat(self, req: ChatCompletionRequest):
+        """As :meth:`completions`, for ``/v1/chat/completions``."""
+        self._check_common(req)
+        if self.tokenizer is None:
+            raise bad_request(f"model {self.model_name!r} has no tokenizer (random weights): chat needs one; send "
+                              "token ids to /v1/completions", "messages")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - a template may raise anything (raise_exception, TemplateError)
+            raise bad_request(f"messages: the chat template refused them: {e}", "messages") from None
+        ids = self.tokenizer.encode(text)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+        given, name = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens is not None
+                       else (req.max_tokens, "max_tokens"))
+        if given is None:
+            if len(ids) >= self.max_seq_len:
+                self._check_lengths([ids], 1, "max_tokens", "messages")
+            given = self.max_seq_len - len(ids)
+        self._check_lengths([ids], given, name, "messages")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        sampling = self._sampling(req, logprobs=logprobs, logprobs_name="top_logprobs")
+        return await self._run(req, [ids], given, sampling, chat=True)
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_common(self, req) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found")
+        for name, why in req.unsupported():
+            raise bad_request(f"{name}: {why}", name)
+
+    def _prompt_ids(self, prompt) -> list[list[int]]:
+        """Each prompt's ids (one prompt, or a batch)."""
+        if isinstance(prompt, str) or (prompt and all(is_int(t) for t in prompt)):
+            prompts, names = [prompt], ["prompt"]
+        else:
+            prompts, names = list(prompt), [f"prompt[{i}]" for i in range(len(prompt))]
+        if not prompts:
+            raise bad_request("prompt is empty; need at least one token", "prompt")
+        out = []
+        for name, p in zip(names, prompts):
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise bad_request(f"{name} is text, but model {self.model_name!r} has no tokenizer (random "
+                                      "weights): send token ids", "prompt")
+                ids = self.tokenizer.encode(p)
+            else:
+                ids = list(p)
+            if not ids:
+                raise bad_request(f"{name} is empty; need at least one token", "prompt")
+            out.append(ids)
+        return out
+
+    def _check_lengths(self, prompts: list[list[int]], max_tokens: int, tokens_name: str, prompt_name: str) -> None:
+        _door(check_int, tokens_name, max_tokens)
+        for ids in prompts:
+            if len(ids) >= self.max_seq_len:
+                raise bad_request(
+                    f"This model's maximum context length is {self.max_seq_len} tokens (prompt plus output); the "
+                    f"prompt has {len(ids)} tokens, leaving no room for output", prompt_name)
+            if len(ids) + max_tokens > self.max_seq_len:
+                raise bad_request(
+                    f"This model's maximum context length is {self.max_seq_len} tokens; you requested "
+                    f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion). "
+                    f"Reduce {tokens_name} to at most {self.max_seq_len - len(ids)}", tokens_name)
+
+    def _sampling(self, req, *, logprobs: int | None, logprobs_name: str = "logprobs") -> SamplingParams:
+        temperature = 1.0 if req.temperature is None else req.temperature
+        _door(check_float, "temperature", temperature, 0, MAX_TEMPERATURE)
+        if req.n > self.max_seqs:
+            raise bad_request(f"n must be at most {self.max_seqs} (the server's most running sequences), got "
+                              f"n={req.n}", "n")
+        # Unseeded sampling draws a fresh seed: seed 0 for everyone would give every client the same samples.
+        seed = req.seed if req.seed is not None else (secrets.randbits(32) if temperature > 0 else 0)
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
+        if stop and self.tokenizer is None:
+            raise bad_request(f"stop strings need a tokenizer; model {self.model_name!r} has none", "stop")
+        try:
+            return SamplingParams(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
+                                  seed=seed, n=req.n, stop=tuple(stop), logprobs=logprobs, output_kind="delta",
+                                  skip_special_tokens=req.skip_special_tokens)
+        except ValueError as e:
+            name = re.match(r"(\w+)", str(e)).group(1)
+            param = {"logprobs": logprobs_name}.get(name, name)
+            message = str(e).replace(f"{name}=", f"{param}=").replace(f"{name} must", f"{param} must", 1)
+            raise bad_request(message, param) from None
+
+    # ----------------------------------------------------------------- running
+
+    async def _run(self, req, prompts: list[list[int]], max_tokens: int, sampling: SamplingParams, *, chat: bool):
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        requests = [Request(request_id=f"{rid}-{i}", prompt_ids=ids, max_new_tokens=max_tokens, sampling=sampling,
+                            ignore_eos=req.ignore_eos, cache_salt=req.cache_salt) for i, ids in enumerate(prompts)]
+        try:
+            stream = await admit(self.loop, requests)
+        except ValueError as e:
+            message = re.sub(r"^request '[^']*': ", "", str(e))
+            param = "n" if "sequences holding" in message else "prompt" if "token id" in message else None
+            raise bad_request(message, param) from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e), type="server_error", code="engine_dead") from None
+        state = _Response(self, req, rid, requests, sampling, chat=chat)
+        if req.stream:
+            return state.events(stream)
+        try:
+            async for out in stream:
+                state.add(out)
+        except EngineDeadError as e:
+            raise APIError(503, str(e), type="server_error", code="engine_dead") from None
+        finally:
+            stream.close()
+        return state.final()
+
+    # -------------------------------------------------------------- log-probs
+
+    def token_text(self, token_id: int) -> str:
+        """A token's own text, as log-probs name it (vLLM's: the token
+        decoded alone; ``token_id:N`` without a tokenizer)."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = (f"token_id:{token_id}" if self.tokenizer is None
+                    else self.tokenizer.decode([token_id], skip_special_tokens=False))
+            self._token_text[token_id] = text
+        return text
+
+
+class _Response:
+    """One HTTP request's choices as its outputs arrive, and the OpenAI
+    objects made of them."""
+
+    def __init__(self, serving: OpenAIServing, req, rid: str, requests: list[Request], sampling: SamplingParams, *,
+                 chat: bool):
+        self.serving = serving
+        self.req = req
+        self.id = rid
+        self.chat = chat
+        self.created = int(time.time())
+        self.n = sampling.n
+        self.top_k = sampling.logprobs
+        self.index_of = {r.request_id: i for i, r in enumerate(requests)}
+        self.prompts = [list(r.prompt_ids) for r in requests]
+        self.choices = [_Choice(i) for i in range(len(requests) * self.n)]
+        self.cached = [0] * len(requests)
+        self.text_offset = [0] * len(self.choices)
+
+    # ------------------------------------------------------------------ intake
+
+    def add(self, out: RequestOutput) -> list[tuple[_Choice, CompletionOutput]]:
+        """Takes one delta report; returns the choices it touched with
+        their deltas."""
+        i = self.index_of[out.request_id]
+        self.cached[i] = out.num_cached_tokens
+        touched = []
+        for c in out.outputs:
+            choice = self.choices[i * self.n + c.index]
+            choice.ids += c.output_ids
+            if c.text:
+                choice.text.append(c.text)
+            if c.logprobs is not None:
+                choice.logprobs += c.logprobs
+            if c.finish_reason is not None:
+                choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+            touched.append((choice, c))
+        return touched
+
+    def usage(self) -> dict:
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(len(c.ids) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached)}}
+
+    # ----------------------------------------------------------------- objects
+
+    def final(self) -> dict:
+        """The whole response (not streamed)."""
+        choices = []
+        for ch in self.choices:
+            text = "".join(ch.text)
+            lps = self._logprobs(ch, ch.ids, ch.logprobs) if self.top_k is not None else None
+            if self.chat:
+                choice = {"index": ch.index, "message": {"role": "assistant", "content": text}, "logprobs": lps,
+                          "finish_reason": ch.finish_reason}
+            else:
+                choice = {"index": ch.index, "text": text, "logprobs": lps, "finish_reason": ch.finish_reason}
+            choice["stop_reason"] = ch.stop_reason
+            if self.req.return_token_ids:
+                choice["token_ids"] = ch.ids
+            choices.append(choice)
+        body = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.serving.model_name, "choices": choices, "usage": self.usage()}
+        if self.req.return_token_ids:
+            body["prompt_token_ids"] = self.prompts[0] if len(self.prompts) == 1 else self.prompts
+        return body
+
+    async def events(self, stream: RequestStream) -> AsyncIterator[str]:
+        """The SSE events of a streamed response; closes ``stream`` however
+        it ends (a client that goes away cancels this generator: its
+        requests are then aborted)."""
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        head = {"id": self.id, "object": kind, "created": self.created, "model": self.serving.model_name}
+        try:
+            if self.chat:  # the role first, as OpenAI streams it
+                yield sse({**head, "choices": [{"index": ch.index, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None} for ch in self.choices]})
+            try:
+                async for out in stream:
+                    choices = [self._chunk_choice(ch, c) for ch, c in self.add(out)]
+                    if choices:
+                        yield sse({**head, "choices": choices})
+            except EngineDeadError as e:
+                yield sse(APIError(503, str(e), type="server_error", code="engine_dead").body())
+                yield SSE_DONE
+                return
+            options = self.req.stream_options
+            if options is not None and options.include_usage:
+                yield sse({**head, "choices": [], "usage": self.usage()})
+            yield SSE_DONE
+        finally:
+            stream.close()
+
+    def _chunk_choice(self, ch: _Choice, c: CompletionOutput) -> dict:
+        finish = c.finish_reason
+        lps = None
+        if self.top_k is not None and c.logprobs is not None:
+            lps = self._logprobs(ch, c.output_ids, c.logprobs)
+        if self.chat:
+            delta = {"content": c.text or ""}
+            out = {"index": ch.index, "delta": delta, "logprobs": lps, "finish_reason": finish}
+        else:
+            out = {"index": ch.index, "text": c.text or "", "logprobs": lps, "finish_reason": finish}
+        if finish is not None:
+            out["stop_reason"] = c.stop_reason
+        if self.req.return_token_ids:
+            out["token_ids"] = c.output_ids
+        return out
+
+    def _logprobs(self, ch: _Choice, ids: list[int], entries: list[dict]) -> dict:
+        """OpenAI's log-probs object for ``ids`` (chat: ``{"content":
+        [...]}``; completions: the legacy ``tokens`` / ``token_logprobs`` /
+        ``top_logprobs`` / ``text_offset`` lists, offsets counted on from the
+        choice's earlier chunks)."""
+        name = self.serving.token_text
+        if self.chat:
+            content = []
+            for tok, entry in zip(ids, entries):
+                text = name(tok)
+                content.append({"token": text, "logprob": _finite(entry[tok]), "bytes": list(text.encode()),
+                                "top_logprobs": [{"token": name(t), "logprob": _finite(lp),
+                                                  "bytes": list(name(t).encode())}
+                                                 for t, lp in list(entry.items())[: self.top_k]]})
+            return {"content": content}
+        tokens, lps, tops, offsets = [], [], [], []
+        for tok, entry in zip(ids, entries):
+            text = name(tok)
+            tokens.append(text)
+            lps.append(_finite(entry[tok]))
+            tops.append({name(t): _finite(lp) for t, lp in entry.items()})
+            offsets.append(self.text_offset[ch.index])
+            self.text_offset[ch.index] += len(text)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _finite(lp: float) -> float:
+    return lp if math.isfinite(lp) else LOGPROB_FLOOR
+
+
+def _door(check, name: str, *args):
+    """``check(name, *args)`` (a :mod:`paged_jax.checks` helper), its
+    ``ValueError`` answered as a 400 naming ``name``."""
+    try:
+        return check(name, *args)
+    except ValueError as e:
+        raise bad_request(str(e), name) from None
+

@@ -1,0 +1,433 @@
+"""server: the OpenAI-compatible HTTP server, driven by the official
+``openai`` client (and ``httpx`` where the client cannot send what is
+tested: malformed JSON, wrong types, disconnects).
+
+One server per module, on SmolLM2 (skipped when its GGUF is not
+installed), in a background thread on a free loopback port. The oracle is
+the same model object served in process: a second engine over the
+server's own compiled model (``llm.engine.model``) with a pool and limits
+of the same shapes, so it shares every compiled program, driven directly
+while the server is idle.
+
+Kept small so the module's compilation stays a handful of programs (7):
+every model call carries at most 16 tokens (one token bucket; long prompts
+prefill in 16-token chunks), outputs are a few tokens, every request is
+greedy except those that sample, which all ask for 2 log-probs too (one
+program variant). About a minute on 2 busy cores, most of it compiling.
+The module's last test fails the shared engine on purpose.
+"""
+
+import json
+import random
+import threading
+import time
+
+import httpx
+import jax.numpy as jnp
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from experiments import bench_serving, http_backend
+from models.gguf_loader import smollm2_gguf_path
+from models.llm import LLM
+from paged_jax.engine import Engine, Request, SamplingParams
+from server import ThreadedServer, build_app
+
+MODEL = "smollm2-test"
+KEY = "test-key"
+PROMPTS = ["The capital of France is", "1 2 3"]
+NEW = 6
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    try:
+        smollm2_gguf_path()
+    except FileNotFoundError as e:
+        pytest.skip(f"SmolLM2 GGUF not installed: {e}")
+    # 16 tokens a call for every program; 32 pages of 16 tokens.
+    return LLM("smollm2", dtype=jnp.float32, kv_tokens=512, page_size=16, max_seqs=8, max_seq_len=256,
+               max_num_batched_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    app = build_app(llm, model_name=MODEL, api_key=KEY)
+    with ThreadedServer(app) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def loop(server):
+    return server.app.state.engine_loop
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oracle(llm):
+    """``run(prompt_ids_list, max_tokens (one, or one per prompt), **request_fields) -> outputs in order`` on
+    an in-process engine of the same model object and shapes (sharing the server's compiled programs)."""
+    engine = Engine(llm.engine.model, llm.config.make_kv_pool(llm.engine.kv.num_pages, llm.engine.page_size,
+                                                              llm.engine.kv.k.dtype),
+                    llm.engine.config, stop_ids=llm.tokenizer.stop_ids, tokenizer=llm.tokenizer)
+    counter = iter(range(10**9))
+
+    def run(prompts, max_tokens, **fields):
+        lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+        reqs = [Request(request_id=next(counter), prompt_ids=ids, max_new_tokens=n, **fields)
+                for ids, n in zip(prompts, lengths)]
+        outs = {o.request_id: o for o in engine.run(reqs)}
+        return [outs[r.request_id] for r in reqs]
+
+    return run
+
+
+def chat_ids(llm, messages):
+    tok = llm.tokenizer
+    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def idle(loop, timeout=60.0):
+    """Waits until the engine has nothing left (aborts included); returns its page accounting."""
+    deadline = time.monotonic() + timeout
+    while True:
+        busy, pages = loop.call(lambda e: (e.has_unfinished(), e.accounting())).result(timeout)
+        if not busy:
+            return pages
+        assert time.monotonic() < deadline, "the engine did not go idle"
+        time.sleep(0.05)
+
+
+def scrape(http) -> dict:
+    """``{(name, labels as a sorted tuple): value}`` of every sample /metrics exposes."""
+    text = http.get("/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def sse_events(response) -> list:
+    """The JSON events of a streamed response, checking the stream ends in [DONE]."""
+    data = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert data and data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+# ------------------------------------------------------------------ basics
+
+
+def test_models_health_and_auth(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"})  # no key at all
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_completions_greedy_equal_the_engine_in_process(llm, client, oracle):
+    tok = llm.tokenizer
+    want = oracle([tok.encode(p) for p in PROMPTS], NEW)
+    # One prompt per request, then both as a batch (choice i is prompt i).
+    for i, p in enumerate(PROMPTS):
+        r = client.completions.create(model=MODEL, prompt=p, max_tokens=NEW, temperature=0,
+                                      extra_body={"return_token_ids": True})
+        [c] = r.choices
+        assert c.token_ids == want[i].output_ids and c.text == want[i].text and c.finish_reason == "length"
+        assert r.usage.prompt_tokens == len(want[i].prompt_ids) and r.usage.completion_tokens == NEW
+        assert r.usage.total_tokens == r.usage.prompt_tokens + NEW
+    assert want[0].text.startswith(" Paris")
+    r = client.completions.create(model=MODEL, prompt=[tok.encode(p) for p in PROMPTS], max_tokens=NEW,
+                                  temperature=0)
+    assert [(c.index, c.text) for c in r.choices] == [(0, want[0].text), (1, want[1].text)]
+    assert r.usage.completion_tokens == 2 * NEW
+
+
+def test_completions_stream_joins_to_the_same_text(llm, client, oracle):
+    [want] = oracle([llm.tokenizer.encode(PROMPTS[0])], NEW)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=NEW, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    *body, last = chunks
+    assert "".join(c.choices[0].text for c in body) == want.text
+    assert [c.choices[0].finish_reason for c in body] == [None] * (len(body) - 1) + ["length"]
+    assert last.choices == [] and last.usage.completion_tokens == NEW
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_chat_greedy_stream_and_not_equal_the_engine(llm, client, oracle):
+    [want] = oracle([chat_ids(llm, CHAT)], 12)
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == want.text == "The capital of France is Paris."
+    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens == len(want.prompt_ids) and r.usage.completion_tokens == len(want.output_ids)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=12,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_n_samples_are_seeded_distinct_and_equal_the_engine(llm, client, oracle):
+    # With log-probs, as test_logprobs_equal_the_engine: both run the same (sampled, 2 log-probs) programs.
+    ids = llm.tokenizer.encode("Once upon a time")
+    [want] = oracle([ids], NEW, sampling=SamplingParams(n=3, temperature=1.0, seed=7, logprobs=2))
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=NEW, n=3, temperature=1.0, seed=7,
+                                  logprobs=2)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    choices = sorted(r.choices, key=lambda c: c.index)
+    outs = sorted(want.outputs, key=lambda o: o.index)
+    assert [c.text for c in choices] == [o.text for o in outs]
+    assert len({c.text for c in choices}) > 1
+    for c, o in zip(choices, outs):
+        assert c.logprobs.token_logprobs == pytest.approx([d[t] for t, d in zip(o.output_ids, o.logprobs)], abs=1e-4)
+    assert r.usage.completion_tokens == 3 * NEW
+
+
+def test_stop_strings_cut_the_text(client):
+    for stream in (False, True):
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=NEW, temperature=0, stop=".",
+                                      stream=stream)
+        choices = [c.choices[0] for c in r] if stream else r.choices
+        text = "".join(c.text for c in choices)
+        assert text == " Paris" and choices[-1].finish_reason == "stop"
+
+
+def test_logprobs_equal_the_engine(llm, client, oracle):
+    # Sampled (seeded), so that the programs are test_n_samples_are_seeded_distinct_and_equal_the_engine's;
+    # log-probs are the model's log-softmax, before temperature, whatever the sampling.
+    tok = llm.tokenizer
+    sampled = dict(temperature=1.0, seed=3)
+    [want] = oracle([tok.encode(PROMPTS[0])], NEW, sampling=SamplingParams(logprobs=2, **sampled))
+    lp = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=NEW, logprobs=2,
+                                   **sampled).choices[0].logprobs
+    names = [tok.decode([t], skip_special_tokens=False) for t in want.output_ids]
+    assert lp.tokens == names
+    assert lp.token_logprobs == pytest.approx([d[t] for t, d in zip(want.output_ids, want.outputs[0].logprobs)],
+                                              abs=1e-4)
+    assert lp.text_offset == [sum(len(n) for n in names[:i]) for i in range(len(names))]
+    for top, d in zip(lp.top_logprobs, want.outputs[0].logprobs):
+        assert top == pytest.approx({tok.decode([t], skip_special_tokens=False): v for t, v in d.items()}, abs=1e-4)
+
+    [want] = oracle([chat_ids(llm, CHAT)], NEW, sampling=SamplingParams(logprobs=2, **sampled))
+    content = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=NEW, logprobs=True,
+                                             top_logprobs=2, **sampled).choices[0].logprobs.content
+    assert [c.token for c in content] == [tok.decode([t], skip_special_tokens=False) for t in want.output_ids]
+    for c, t, d in zip(content, want.output_ids, want.outputs[0].logprobs):
+        assert c.logprob == pytest.approx(d[t], abs=1e-4) and c.bytes == list(c.token.encode())
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.logprob - 1e-6  # the best first
+        assert [x.logprob for x in c.top_logprobs] == pytest.approx(list(d.values())[:2], abs=1e-4)
+
+
+def test_cached_tokens_count_prefix_hits_and_respect_the_salt(client):
+    prompt = " ".join(f"word{i}" for i in range(30))  # about 60 tokens: three full pages
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    salted = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                       extra_body={"cache_salt": "tenant-b"})
+    n = first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16 >= 48  # the last token is computed
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.choices[0].text == first.choices[0].text == salted.choices[0].text
+
+
+# ------------------------------------------------------------------ errors
+
+
+def _raw(http, path, body, **kw):
+    return http.post(path, content=body if isinstance(body, bytes) else json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json"}, **kw)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", b"{not json", None),
+    ("/v1/completions", b"[1, 2]", None),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": 5}, "prompt"),
+    ("/v1/completions", {}, "prompt"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 10**6]}, "prompt"),
+    ("/v1/completions", {"prompt": [1] * 300}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1000}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "n": 9}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 8, "max_tokens": 100}, "n"),  # the pool: 8 x 7 pages > 32
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}], "max_tokens": 1.5}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 500}, "max_completion_tokens"),
+])
+def test_bad_requests_get_an_openai_400(http, path, body, param):
+    r = _raw(http, path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+
+
+def test_errors_through_the_client_then_a_good_request(client, http):
+    with pytest.raises(openai.NotFoundError, match="The model `nope` does not exist"):
+        client.completions.create(model="nope", prompt="hi", max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 256"):
+        client.completions.create(model=MODEL, prompt="hi " * 300, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=MODEL, messages=CHAT, temperature=-0.5)
+    r = http.get("/v1/no-such-route")
+    assert r.status_code == 404 and "error" in r.json()
+    # Unknown fields are ignored, as OpenAI ignores them. (Greedy, as every request here that needs no
+    # sampling: temperature defaults to 1, whose programs are others.)
+    r = _raw(http, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1, "temperature": 0,
+                                       "frobnicate": {"x": 1}})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    r = client.completions.create(model=MODEL, prompt="hi", max_tokens=1, temperature=0)
+    assert r.usage.completion_tokens == 1
+
+
+# -------------------------------------------------------- metrics and soak
+
+
+def test_metrics_parse_and_move(http, client):
+    before = scrape(http)
+    client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=3, temperature=0)
+    after = scrape(http)
+    label = (("model_name", MODEL),)
+    assert after[("paged_jax:generation_tokens_total", label)] >= before[("paged_jax:generation_tokens_total",
+                                                                          label)] + 3
+    assert after[("paged_jax:prompt_tokens_total", label)] > before[("paged_jax:prompt_tokens_total", label)]
+    done = ("paged_jax:request_success_total", (("finished_reason", "length"), ("model_name", MODEL)))
+    assert after[done] == before.get(done, 0) + 1
+    assert after[("paged_jax:time_to_first_token_seconds_count", label)] > before.get(
+        ("paged_jax:time_to_first_token_seconds_count", label), 0)
+    assert after[("paged_jax:inter_token_latency_seconds_count", label)] >= before.get(
+        ("paged_jax:inter_token_latency_seconds_count", label), 0) + 2
+    pages = {s: after[("paged_jax:kv_cache_pages", (("model_name", MODEL), ("state", s)))]
+             for s in ("free", "cached", "used")}
+    assert sum(pages.values()) == after[("paged_jax:kv_cache_pages_total", label)] == 32
+    assert after[("paged_jax:num_requests_running", label)] == 0
+
+
+def _soak_client(url, prompt, max_tokens, quit_after, results, i):
+    """One client thread: streams a completion; with ``quit_after`` chunks seen it drops the connection
+    (streamed) or, with ``quit_after == 0``, times out a plain request."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": quit_after != 0, "return_token_ids": True}
+    with httpx.Client(base_url=url, headers=headers, timeout=120) as c:
+        if quit_after == 0:
+            with pytest.raises(httpx.ReadTimeout):
+                c.post("/v1/completions", json=body, timeout=httpx.Timeout(120, read=1.0))
+            results[i] = "gone"
+            return
+        ids, seen = [], 0
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ids += json.loads(line[6:])["choices"][0]["token_ids"]
+                seen += 1
+                if quit_after is not None and seen >= quit_after:
+                    results[i] = "gone"
+                    return
+        results[i] = ids
+
+
+@pytest.mark.parametrize("num_clients", [6, pytest.param(12, marks=pytest.mark.slow)])
+def test_soak_with_disconnects_frees_every_page(llm, server, loop, http, oracle, num_clients):
+    tok = llm.tokenizer
+    prompts = [tok.encode(f"Request {i}: count the letters in the word number {i}.") for i in range(num_clients)]
+    gone = random.Random(num_clients).sample(range(num_clients), num_clients // 3)
+    # Clients that go away: after 2 or 3 streamed chunks, or (the first) a plain request timed out. Their
+    # outputs are long enough (200 tokens, hundreds of steps) to be running still when they leave.
+    quits = {i: 0 if k == 0 else 2 + k % 2 for k, i in enumerate(gone)}
+    lengths = [200 if i in quits else 3 + i % 4 for i in range(num_clients)]
+    before = scrape(http)
+    results = [None] * num_clients
+    threads = [threading.Thread(target=_soak_client, args=(server.url, prompts[i], lengths[i], quits.get(i),
+                                                           results, i)) for i in range(num_clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    pages = idle(loop)
+    assert pages["used"] == 0 and pages["free"] + pages["cached"] == pages["total"] == 32
+    assert loop.call(lambda e: (e.reset_prefix_cache(), e.num_free_pages)).result(30)[1] == 32
+    survivors = [i for i in range(num_clients) if i not in quits]
+    want = oracle([prompts[i] for i in survivors], [lengths[i] for i in survivors])  # undisturbed
+    assert [results[i] for i in survivors] == [w.output_ids for w in want]
+    assert all(results[i] == "gone" for i in quits)
+    after = scrape(http)
+    aborted = ("paged_jax:request_success_total", (("finished_reason", "abort"), ("model_name", MODEL)))
+    assert after[aborted] - before.get(aborted, 0) == len(quits)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+# ------------------------------------------------- the benchmark's HTTP client
+
+
+def test_http_backend_records_every_token(llm, server, oracle):
+    tok = llm.tokenizer
+    prompts = [tok.encode(p) for p in PROMPTS + ["Once upon a time"]]
+    reqs = [Request(request_id=i, prompt_ids=ids, max_new_tokens=3 + i, ignore_eos=True)
+            for i, ids in enumerate(prompts)]
+    target = http_backend.Target(base_url=server.url, model=MODEL, api_key=KEY)
+    run, before, after = http_backend.run_http(target, reqs, [0.0, 0.0, 0.05])
+    want = oracle(prompts, [3, 4, 5], ignore_eos=True)
+    assert [o.output_ids for o in run.outputs] == [w.output_ids for w in want]
+    for r, rec in zip(reqs, run.records):
+        assert rec.output_len == rec.generated == len(rec.token_times) == r.max_new_tokens
+        assert rec.prompt_len == len(r.prompt_ids)
+        assert rec.arrival_s <= rec.added_s <= rec.first_token_s == rec.token_times[0] <= rec.finish_s
+        assert list(rec.token_times) == sorted(rec.token_times)
+    assert run.records[2].arrival_s == pytest.approx(0.05)
+    assert after.mean_ttft_since(before) > 0 and after.ttft_count - before.ttft_count == 3
+    m = run.metrics()
+    assert m.completed == 3 and m.output_tokens == 12
+    with pytest.raises(ValueError, match="beam search"):
+        http_backend.payload(Request(request_id=0, prompt_ids=[1], max_new_tokens=1,
+                                     sampling=SamplingParams(beam_width=2)), MODEL)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--policy", "max"], "one policy"), (["--workload", "beam-2"], "beam search"),
+    (["--no-prefix-caching"], "the server's setting"),
+])
+def test_bench_serving_refuses_what_a_server_cannot_do(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        bench_serving.parse_args(["--backend", "http", *flags])
+    assert message in capsys.readouterr().err
+
+
+# ------------------------------------------- last: it fails the module's engine
+
+
+def test_a_failed_engine_answers_503_and_health_says_so(server, loop, client):
+    def boom():
+        raise FloatingPointError("injected: the model's logits are not finite")
+
+    loop.call(lambda e: setattr(e, "step", boom)).result(30)
+    with pytest.raises(openai.InternalServerError, match="engine failed"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0)
+    r = httpx.get(server.url + "/health")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    with pytest.raises(openai.InternalServerError, match="restart the server"):  # and every later request
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0)
+    assert client.models.list().data[0].id == MODEL  # what needs no engine still answers
