@@ -70,8 +70,17 @@ from models.presets import PRESETS, bytes_to_build
 from paged_jax.engine import num_traces
 from paged_jax.kv_cache import default_kv_dtype
 from paged_jax.sharding import init_distributed, make_mesh, parse_mesh
+from pallas_kernels.common import KV_DTYPE_ALIASES, is_quantized
 
-KV_DTYPES = ("float32", "bfloat16", "int8")
+KV_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2", "fp8")
+"""--kv-dtype's choices; ``fp8`` is float8_e4m3fn (``KV_DTYPE_ALIASES``)."""
+
+
+def kv_dtype_name(value: str) -> str:
+    """--kv-dtype's value with an alias resolved (``fp8`` -> ``float8_e4m3fn``), so the rest of the script, and the
+    table's kv_dtype column, see the dtype the pool is allocated in."""
+    alias = KV_DTYPE_ALIASES.get(value)
+    return value if alias is None else alias.name
 
 
 def ratio_line(results: list[ServeResult]) -> str:
@@ -113,9 +122,11 @@ def parse_args(argv=None):
                         f"a random-weight preset of a real architecture ({', '.join(sorted(PRESETS))}), which serves "
                         "the packaged ShareGPT request lengths and needs no tokenizer")
     add_flag(p, "dtype")
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
-                   help="K/V page dtype (default float32 on CPU, bfloat16 on GPU and TPU); int8 stores an f32 scale "
-                        "per token and KV head beside the pages")
+    p.add_argument("--kv-dtype", type=kv_dtype_name, choices=KV_DTYPES, default=None,
+                   help="K/V page dtype (default float32 on CPU, bfloat16 on GPU and TPU). The quantized ones, int8, "
+                        "float8_e4m3fn (alias fp8) and float8_e5m2, allocate 1-byte pages of that exact dtype plus "
+                        "one f32 scale per token and KV head beside them: H + 4 bytes per token, KV head and K or V, "
+                        "about a quarter of float32 and half of bfloat16 at H = 64")
     p.add_argument("--mesh", default=None,
                    help="serve over a device mesh, e.g. 'data=2,model=4': one engine per data shard, each tensor "
                         "parallel over its model devices and with its own --kv-budget-tokens pool (default: one "
@@ -157,8 +168,9 @@ def parse_args(argv=None):
                     f"a supported checkpoint folder: {e}")
     if args.mesh is not None and args.stream:
         p.error("--stream is not supported with --mesh (the data-parallel engine does not stream)")
-    if args.mesh is not None and args.kv_dtype == "int8":
-        p.error("--kv-dtype int8 is not supported with --mesh yet; use bfloat16 or float32")
+    if args.mesh is not None and args.kv_dtype is not None and is_quantized(args.kv_dtype):
+        p.error(f"--kv-dtype {args.kv_dtype} (quantized, with scales) is not supported with --mesh yet; use bfloat16 "
+                "or float32")
     if args.mesh is not None:
         try:
             args.mesh_sizes = parse_mesh(args.mesh)

@@ -312,6 +312,8 @@ def serve(
                          stop_ids=stop_ids, kv_dtype=kv_dtype, reservation=MODE_RESERVATIONS[mode],
                          enable_prefix_caching=prefix_caching, preemption_mode=preemption_mode, tokenizer=tokenizer)
     outputs, wall, compiles = run_timed(engine, requests, progress=progress, stream=stream, profile=profile)
+    # The column reads the pool as allocated, not the flag (a pool silently built in another dtype would show).
+    pool_dtype = jnp.dtype((engine.engines[0] if isinstance(engine, DataParallelEngine) else engine).kv.k.dtype)
     st = merged_stats(engine)
     floor_s = 0.0 if floor is False else (floor or MatmulFloor(model)).seconds(st)
     generated = sum(len(o.output_ids) for o in outputs)
@@ -337,7 +339,7 @@ def serve(
         programs=st.num_programs,
         compiled=compiles.compiled,
         weights_dtype=jnp.dtype(model.embed[...].dtype).name,
-        kv_dtype=kv_dtype.name,
+        kv_dtype=pool_dtype.name,
         prefill_tokens=st.prefill_tokens,
         page_size=page_size,
         kv_budget_tokens=pooled_tokens,

@@ -211,8 +211,9 @@ class LlamaConfig:
         return self.num_layers * per_layer + embed + d
 
     def kv_bytes_per_token(self, dtype=jnp.float32) -> int:
-        """KV-pool bytes one token occupies across all layers (K and V; an
-        int8 pool's f32 scales included)."""
+        """KV-pool bytes one token occupies across all layers (K and V; a
+        quantized pool's f32 scales included: int8 and fp8 alike take ``H +
+        4`` bytes per token, KV head and K or V)."""
         return 2 * self.num_layers * self.num_kv_heads * common.kv_bytes_per_token(self.head_dim, dtype)
 
     def make_kv_pool(self, num_pages: int, page_size: int, dtype=None) -> KVPool:
@@ -221,8 +222,9 @@ class LlamaConfig:
         Args:
           num_pages: P, pages including the null page (>= 2).
           page_size: L, tokens per page (>= 1).
-          dtype: storage dtype of K and V: a float dtype, or int8 (with
-            per-token scales); default
+          dtype: storage dtype of K and V: float32, bfloat16, float16, or a
+            quantized int8, float8_e4m3fn (alias ``"fp8"``) or float8_e5m2
+            (with per-token scales); default
             :func:`paged_jax.kv_cache.default_kv_dtype` (f32 on CPU, bf16 on
             GPU and TPU).
 

@@ -289,8 +289,8 @@ def _run_layers(model: Llama, x, positions, cache, attend, reduce=None):
 def _paged(slots: jax.Array, attend_pages):
     """An ``attend`` for :func:`_run_layers` over a paged pool: writes the
     layer's new K/V (``[B, T, K, H]``, flattened to one row per token slot)
-    at ``slots`` (i32[B * T], checked at the door; quantized for an int8
-    pool), then ``attend_pages(q, kv, layer)``."""
+    at ``slots`` (i32[B * T], checked at the door; quantized to the pool's
+    dtype for an int8 or fp8 pool), then ``attend_pages(q, kv, layer)``."""
 
     def attend(q, k, v, kv: KVPool, layer):
         rows = k.shape[0] * k.shape[1]

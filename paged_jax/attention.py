@@ -299,7 +299,7 @@ def xla_paged_decode_attention(
 
 def paged_attention(
     q: jax.Array,  # [B, T, N, H]
-    k_pages: jax.Array,  # [K, P, L, H] float, or int8 with scales
+    k_pages: jax.Array,  # [K, P, L, H] float, or quantized (int8, fp8) with scales
     v_pages: jax.Array,  # [K, P, L, H]
     block_tables: jax.Array,  # i32[B, pages_per_seq]
     kv_lens: jax.Array,  # i32[B]
@@ -309,14 +309,14 @@ def paged_attention(
     scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
-    k_scales: jax.Array | None = None,  # f32[K, P, L] with int8 pages
-    v_scales: jax.Array | None = None,  # f32[K, P, L] with int8 pages
+    k_scales: jax.Array | None = None,  # f32[K, P, L] with quantized pages
+    v_scales: jax.Array | None = None,  # f32[K, P, L] with quantized pages
     layer: int | jax.Array | None = None,  # i32[] with the stacked pool
 ) -> jax.Array:
     """Paged attention with a choice of implementation (see :data:`IMPLS`).
 
     Same arguments and result as :func:`xla_paged_attention`, plus ``impl``
-    and per-token scales for int8 pages (``pallas_kernels.common``; the XLA
+    and per-token scales for quantized pages (``pallas_kernels.common``; the XLA
     path dequantizes the pages first, the kernels never do). Queries are
     unscaled: every implementation applies ``scale`` (default
     ``1 / sqrt(H)``) exactly once. Jittable (``impl`` and the options static).

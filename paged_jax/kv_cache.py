@@ -21,7 +21,7 @@ from flax import struct
 
 from paged_jax.checks import check_int
 from paged_jax.page_state import NO_PAGE
-from pallas_kernels.common import quantize_kv
+from pallas_kernels.common import check_kv_dtype, is_quantized, quantize_kv
 
 
 @struct.dataclass
@@ -29,11 +29,12 @@ class KVPool:
     """K and V pages for all layers.
 
     Attributes:
-      k: [num_layers, num_kv_heads, num_pages, page_size, head_dim], float,
-        or int8 with scales.
+      k: [num_layers, num_kv_heads, num_pages, page_size, head_dim], float
+        (f32, bf16, f16), or quantized (int8, float8_e4m3fn, float8_e5m2)
+        with scales.
       v: same shape and dtype as ``k``.
       k_scale, v_scale: f32[num_layers, num_kv_heads, num_pages, page_size]
-        per-token, per-KV-head scales of an int8 pool (``x ~= x_int8 *
+        per-token, per-KV-head scales of a quantized pool (``x ~= x_q *
         scale``, ``pallas_kernels.common.quantize_kv``); None for a float
         pool. Every whole-page operation (copy-on-write, swap) moves them
         with their pages: it maps over the pool's leaves, whose third axis
@@ -42,12 +43,12 @@ class KVPool:
 
     k: jax.Array  # [layers, K, P, L, H]
     v: jax.Array  # [layers, K, P, L, H]
-    k_scale: jax.Array | None = None  # f32[layers, K, P, L] (int8 pools)
-    v_scale: jax.Array | None = None  # f32[layers, K, P, L] (int8 pools)
+    k_scale: jax.Array | None = None  # f32[layers, K, P, L] (quantized pools)
+    v_scale: jax.Array | None = None  # f32[layers, K, P, L] (quantized pools)
 
     @property
     def quantized(self) -> bool:
-        """int8 pages with per-token scales."""
+        """Quantized pages (int8 or fp8) with per-token scales."""
         return self.k_scale is not None
 
     @property
@@ -95,14 +96,18 @@ def init_kv_pool(
     """A zeroed pool. Memory: ``2 * num_layers * num_kv_heads * num_pages *
     page_size * head_dim * itemsize`` bytes.
 
-    With ``dtype=int8`` the pool also holds f32 scales per token and KV
-    head (``H + 4`` bytes per token and head instead of ``2 H`` for bf16);
-    writes quantize (:func:`write_layer_kv`), attention dequantizes.
+    With a quantized ``dtype`` (int8, float8_e4m3fn, float8_e5m2, or
+    ``"fp8"`` for float8_e4m3fn) the pool also holds f32 scales per token
+    and KV head (``H + 4`` bytes per token and head instead of ``2 H`` for
+    bf16); writes quantize (:func:`write_layer_kv`), attention dequantizes.
+    The pages are allocated in exactly ``dtype``, never a wider stand-in.
 
     Raises:
       ValueError: a size that is not a positive int (``num_pages`` >= 2: the
-        null page plus one usable page), or a dtype that is neither floating
-        nor int8 (K and V would be truncated silently).
+        null page plus one usable page), or a dtype outside
+        ``pallas_kernels.common.KV_DTYPES`` (float64 would silently be f32
+        without ``jax_enable_x64``, an integer would truncate K and V,
+        float8_e4m3fnuz has other NaN and zero encodings).
     """
     for name, value, low in (
         ("num_layers", num_layers, 1),
@@ -112,11 +117,9 @@ def init_kv_pool(
         ("head_dim", head_dim, 1),
     ):
         check_int(name, value, low)
-    dtype = jnp.dtype(dtype)
-    if not (jnp.issubdtype(dtype, jnp.floating) or dtype == jnp.int8):
-        raise ValueError(f"dtype must be a floating dtype (float32, bfloat16, float16) or int8, got dtype={dtype}")
+    dtype = check_kv_dtype("dtype", dtype)
     shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
-    if dtype != jnp.int8:
+    if not is_quantized(dtype):
         return KVPool(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
     return KVPool(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                   k_scale=jnp.zeros(shape[:-1], jnp.float32), v_scale=jnp.zeros(shape[:-1], jnp.float32))
@@ -156,19 +159,23 @@ def write_layer_pages(pool: jax.Array, layer: jax.Array, new: jax.Array, slots: 
 
 def check_pool(kv: KVPool) -> None:
     """Raises ValueError unless ``kv`` is a well-formed pool: K and V of one
-    shape ``[layers, K, P, L, H]`` and one dtype, float without scales or
-    int8 with f32 scales ``k.shape[:-1]`` (an int8 pool without scales
-    would store truncated K/V; a float one with scales, integers). Static
-    facts only, so it runs under ``jit``."""
+    shape ``[layers, K, P, L, H]`` and one page dtype
+    (``pallas_kernels.common.KV_DTYPES``), float without scales or quantized
+    (int8, fp8) with f32 scales ``k.shape[:-1]`` (quantized pages without
+    scales would store truncated K/V; float ones with scales would be read
+    as if scaled). Static facts only, so it runs under ``jit``."""
     if getattr(kv.k, "ndim", None) != 5 or getattr(kv.v, "shape", None) != kv.k.shape:
         raise ValueError(f"kv pool K and V must both be [layers, K, P, L, H] of one shape, got "
                          f"{getattr(kv.k, 'shape', kv.k)} and {getattr(kv.v, 'shape', kv.v)}")
-    int8 = kv.k.dtype == jnp.int8
-    if kv.v.dtype != kv.k.dtype or not (int8 or jnp.issubdtype(kv.k.dtype, jnp.floating)):
-        raise ValueError(f"kv pool K and V must share a float or int8 dtype, got {kv.k.dtype} and {kv.v.dtype}")
-    if int8 != (kv.k_scale is not None) or int8 != (kv.v_scale is not None):
-        raise ValueError(f"an int8 kv pool needs k_scale and v_scale and a float one has none; got {kv.k.dtype} "
-                         f"pages with k_scale {'set' if kv.k_scale is not None else 'None'}, v_scale "
+    if kv.v.dtype != kv.k.dtype:
+        raise ValueError(f"kv pool K and V must share one dtype, got {kv.k.dtype} and {kv.v.dtype}")
+    check_kv_dtype("kv pool dtype", kv.k.dtype)
+    quantized = is_quantized(kv.k.dtype)
+    if quantized != (kv.k_scale is not None) or quantized != (kv.v_scale is not None):
+        article = "an" if kv.k.dtype.name[0] in "aeiou" else "a"
+        needs = "needs k_scale and v_scale" if quantized else "takes neither k_scale nor v_scale"
+        raise ValueError(f"{article} {kv.k.dtype} kv pool {needs} (a quantized pool needs them and a float one has "
+                         f"none); got k_scale {'set' if kv.k_scale is not None else 'None'}, v_scale "
                          f"{'set' if kv.v_scale is not None else 'None'}")
     for name, x in (("k_scale", kv.k_scale), ("v_scale", kv.v_scale)):
         if x is not None and (getattr(x, "shape", None) != kv.k.shape[:-1] or x.dtype != jnp.float32):
@@ -178,9 +185,9 @@ def check_pool(kv: KVPool) -> None:
 
 def write_layer_kv(pool: KVPool, layer: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> KVPool:
     """Writes new tokens' K and V into one layer of the pool, in place
-    (:func:`write_layer_pages`); an int8 pool stores them quantized per
-    token and KV head (``pallas_kernels.common.quantize_kv``) with their
-    scales.
+    (:func:`write_layer_pages`); a quantized pool stores them quantized to
+    its dtype (int8, fp8) per token and KV head
+    (``pallas_kernels.common.quantize_kv``) with their scales.
 
     Args:
       pool: the pool.
@@ -243,7 +250,7 @@ def unchecked_write_layer_kv(pool: KVPool, layer: jax.Array, k: jax.Array, v: ja
     checked slots); same result."""
     if not pool.quantized:
         return KVPool(k=write_layer_pages(pool.k, layer, k, slots), v=write_layer_pages(pool.v, layer, v, slots))
-    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)  # [N_tok, K, H] int8, f32[N_tok, K]
+    (kq, ks), (vq, vs) = quantize_kv(k, pool.k.dtype), quantize_kv(v, pool.v.dtype)  # [N_tok, K, H], f32[N_tok, K]
     return KVPool(k=write_layer_pages(pool.k, layer, kq, slots), v=write_layer_pages(pool.v, layer, vq, slots),
                   k_scale=write_layer_pages(pool.k_scale, layer, ks, slots),
                   v_scale=write_layer_pages(pool.v_scale, layer, vs, slots))

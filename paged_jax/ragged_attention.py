@@ -126,8 +126,8 @@ def ragged_paged_attention(
     scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
-    k_scales: jax.Array | None = None,  # f32[layers, K, P, L] with int8 pools
-    v_scales: jax.Array | None = None,  # f32[layers, K, P, L] with int8 pools
+    k_scales: jax.Array | None = None,  # f32[layers, K, P, L] with quantized pools
+    v_scales: jax.Array | None = None,  # f32[layers, K, P, L] with quantized pools
 ) -> jax.Array:
     """Causal GQA attention of a flat token batch over its sequences' pages.
 
@@ -135,8 +135,8 @@ def ragged_paged_attention(
       q: [T, N, H] queries (unscaled), flat: sequence ``s`` owns rows
         ``q_starts[s] + t`` for ``t < q_lens[s]``; rows no sequence owns are
         padding.
-      k_pool, v_pool: [layers, K, P, L, H] the stacked pool, float or int8;
-        the new tokens' K/V already written.
+      k_pool, v_pool: [layers, K, P, L, H] the stacked pool, float or
+        quantized (int8, fp8); the new tokens' K/V already written.
       layer: i32[] which layer's pages to read.
       block_tables: i32[E, pages_per_seq] each sequence's pages.
       q_starts: i32[E] first flat row of each sequence's queries.
@@ -156,9 +156,9 @@ def ragged_paged_attention(
       scale: logit scale, default ``1 / sqrt(H)``.
       soft_cap: logits become ``soft_cap * tanh(logits / soft_cap)``.
       sliding_window: a query at ``p`` sees keys in ``(p - window, p]``.
-      k_scales, v_scales: f32[layers, K, P, L] per-token scales of an int8
-        pool (``pallas_kernels.common.quantize_kv``), applied to each work
-        item's gathered keys and values; None for a float pool.
+      k_scales, v_scales: f32[layers, K, P, L] per-token scales of a
+        quantized pool (``pallas_kernels.common.quantize_kv``), applied to
+        each work item's gathered keys and values; None for a float pool.
 
     Returns:
       [T, N, H] in ``q.dtype``, computed in f32; zeros in padding rows,
@@ -245,7 +245,7 @@ def unchecked_ragged_paged_attention(q, k_pool, v_pool, layer, block_tables, q_s
         # copy the whole layer.
         k = k_pool[layer, :, pages].astype(jnp.float32)  # [W, J, K, L, H]
         v = v_pool[layer, :, pages].astype(jnp.float32)
-        if k_scales is not None:  # int8: dequantize the gathered item, never the pool
+        if k_scales is not None:  # quantized: dequantize the gathered item, never the pool
             k = k * k_scales[layer, :, pages][..., None]  # scales [W, J, K, L]
             v = v * v_scales[layer, :, pages][..., None]
         logits = jnp.einsum("WKMH,WJKLH->WKMJL", q_tile[w_tile], k)
@@ -299,18 +299,6 @@ def unchecked_ragged_paged_attention(q, k_pool, v_pool, layer, block_tables, q_s
     return out.astype(q.dtype)
 
 
-def _validate_scales(k_pool, k_scales, v_scales) -> None:
-    """Scales are given exactly with an int8 pool, as f32[layers, K, P, L]."""
-    quantized = k_pool.dtype == jnp.int8
-    if quantized != (k_scales is not None) or quantized != (v_scales is not None):
-        raise ValueError(f"k_scales and v_scales must be given exactly when the pool is int8, got a {k_pool.dtype} "
-                         f"pool with k_scales {'set' if k_scales is not None else 'None'} and v_scales "
-                         f"{'set' if v_scales is not None else 'None'}")
-    for name, x in (("k_scales", k_scales), ("v_scales", v_scales)):
-        if x is not None and (x.shape != k_pool.shape[:-1] or x.dtype != jnp.float32):
-            raise ValueError(f"{name} must be f32{list(k_pool.shape[:-1])}, got {x.dtype}{list(x.shape)}")
-
-
 def _check_flat(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, k_scales, v_scales):
     """The checks every flat-batch door shares: shapes and dtypes; when the
     values are concrete, lengths in range and sequences' rows inside ``T``
@@ -337,7 +325,9 @@ def _check_flat(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_len
             raise ValueError(f"{name} must be an integer [E={num_seqs}] array, got {getattr(x, 'shape', x)}")
     if getattr(block_tables, "ndim", None) != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables must be [E={num_seqs}, pages_per_seq], got {getattr(block_tables, 'shape', None)}")
-    _validate_scales(k_pool, k_scales, v_scales)
+    if v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"k_pool and v_pool must share one dtype, got {k_pool.dtype} and {v_pool.dtype}")
+    common.check_scales("k_pool", k_pool.dtype, k_pool.shape, k_scales, v_scales)
     layer = common.checked_layer(layer, k_pool.shape[0])[0]  # i32[], in range (clamped under jit)
     i32 = jnp.int32
     kv_lens, q_lens = common.checked_lengths(block_tables, k_pool.shape[2], k_pool.shape[3], kv_lens.astype(i32),
@@ -372,7 +362,7 @@ def check_attend(
     batch: RaggedBatch,
     *,
     impl: str = "auto",
-    k_scales: jax.Array | None = None,  # f32[layers, K, P, L] with int8 pools
+    k_scales: jax.Array | None = None,  # f32[layers, K, P, L] with quantized pools
     v_scales: jax.Array | None = None,
     **options,
 ) -> tuple[str, jax.Array, RaggedBatch]:
@@ -437,7 +427,7 @@ def attend(
     batch: RaggedBatch,
     *,
     impl: str = "auto",
-    k_scales: jax.Array | None = None,  # f32[layers, K, P, L] with int8 pools
+    k_scales: jax.Array | None = None,  # f32[layers, K, P, L] with quantized pools
     v_scales: jax.Array | None = None,
     **options,
 ) -> jax.Array:
@@ -458,7 +448,7 @@ def attend(
         decode and ``[max_prefill_chunks, T]`` for chunks, and handed to
         :func:`paged_jax.attention.unchecked_paged_attention`. ``"auto"``:
         ``"xla"`` on CPU, the backend's kernels elsewhere.
-      k_scales, v_scales: the per-token scales of an int8 pool, else None.
+      k_scales, v_scales: the per-token scales of a quantized pool, else None.
       options: ``scale``, ``soft_cap``, ``sliding_window``.
 
     Returns:
@@ -482,7 +472,7 @@ def unchecked_attend(
     batch: RaggedBatch,
     *,
     impl: str,
-    k_scales: jax.Array | None = None,  # f32[layers, K, P, L] with int8 pools
+    k_scales: jax.Array | None = None,  # f32[layers, K, P, L] with quantized pools
     v_scales: jax.Array | None = None,
     **options,
 ) -> jax.Array:

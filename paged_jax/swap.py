@@ -54,14 +54,14 @@ def gather_pages(kv: KVPool, pages: list[int], host=None) -> KVPool:
     first CPU device).
 
     Args:
-      kv: the pool; K and V are ``[layers, K, P, L, H]`` (int8 scales
-        ``[layers, K, P, L]`` travel with them).
+      kv: the pool; K and V are ``[layers, K, P, L, H]`` (a quantized
+        pool's scales ``[layers, K, P, L]`` travel with them).
       pages: page ids to copy, in the order they come back.
 
     Returns:
       A :class:`KVPool` on ``host`` of ``n >= len(pages)`` pages (a power
       of two; entries past ``len(pages)`` copy the null page): K and V
-      ``[layers, K, n, L, H]``, and the scales of an int8 pool.
+      ``[layers, K, n, L, H]``, and the scales of a quantized pool.
     """
     _check_pages("pages", pages, kv.num_pages)
     if not pages:
@@ -86,8 +86,8 @@ def scatter_pages(kv: KVPool, pages: list[int], copied: KVPool, source: list[int
     Raises:
       ValueError: ``pages`` naming a page outside the pool (or none),
         ``source`` naming a page that was not copied, or copied pages of
-        another pool's layout (float vs int8, or other shapes than the
-        pool's but for the page axis).
+        another pool's layout (float vs quantized, another dtype, or
+        other shapes than the pool's but for the page axis).
     """
     _check_pages("pages", pages, kv.num_pages)
     if not pages:
@@ -97,8 +97,8 @@ def scatter_pages(kv: KVPool, pages: list[int], copied: KVPool, source: list[int
     if len(source) != len(pages) or (source and not 0 <= min(source) <= max(source) < n):
         raise ValueError(f"source must give one of the {n} copied pages for each of {len(pages)} pages, got {source}")
     if copied.quantized != kv.quantized:
-        raise ValueError(f"copied pages are {'int8' if copied.quantized else 'float'} but the pool is "
-                         f"{'int8' if kv.quantized else 'float'}")
+        kind = lambda pool: pool.k.dtype.name if pool.quantized else "float"  # noqa: E731
+        raise ValueError(f"copied pages are {kind(copied)} but the pool is {kind(kv)}")
     for name, c, x in zip(("k", "v", "k_scale", "v_scale"), jax.tree.leaves(copied), jax.tree.leaves(kv)):
         if c.shape[:2] + c.shape[3:] != x.shape[:2] + x.shape[3:] or c.dtype != x.dtype:
             raise ValueError(f"copied {name} {c.dtype}{list(c.shape)} does not fit the pool's {x.dtype}"

@@ -5,8 +5,8 @@
   buffered page DMAs).
 * ``ragged_paged_attention``: mixed prefill/decode batches, causal (Triton
   lowering).
-* ``common``: the shared input validator, the per-sequence reference, int8
-  KV quantization and the scale convention.
+* ``common``: the shared input validator, the per-sequence reference, the
+  K/V page dtypes and their quantization (int8, fp8) and the scale convention.
 
 Kernels take arrays only; this package imports nothing from ``paged_jax``.
 """

@@ -10,7 +10,9 @@
   K/V, plain NumPy in f64; the ``ref_<name>`` functions gather each
   sequence's owned slots and call it in a per-sequence Python loop
   (:func:`ref_ragged_loop`). It is the truth.
-* int8 KV pages with per-token scales (:func:`quantize_kv`).
+* Quantized KV pages (int8, float8_e4m3fn, float8_e5m2) with per-token
+  scales (:func:`quantize_kv`); the page dtypes a pool may hold
+  (:func:`check_kv_dtype`, :func:`is_quantized`).
 * The scale convention (:func:`resolve_scale`).
 
 Batch convention ("padded ragged", the same as ``paged_jax.attention``):
@@ -30,14 +32,21 @@ exactly once, to the f32 query block inside the kernel body; callers must pass
 unscaled queries. A logits soft cap (Gemma 2) is applied to the scaled logits:
 ``soft_cap * tanh(logits / soft_cap)``.
 
-int8 KV. A quantized pool stores K and V as int8 ``[K, P, L, H]`` plus one f32
-scale per token and KV head, ``[K, P, L]``: ``x ~= x_int8 * scale`` with
-``scale = max|x| / 127`` over the head dim. Per token and KV head that is
-``H + 4`` bytes instead of ``4 H`` (f32) or ``2 H`` (bf16): at ``H = 64``,
-26.6 % of an f32 pool (about a quarter) and 53.1 % of a bf16 pool (about a
-half); at ``H = 128``, 25.8 % and 51.6 % (:func:`kv_bytes_per_token`).
-Kernels apply the K scale to the logits columns and the V scale to the
-probabilities, so pages are never dequantized in memory.
+Quantized KV. A quantized pool stores K and V in a 1-byte dtype ``[K, P, L,
+H]`` plus one f32 scale per token and KV head, ``[K, P, L]``: ``x ~= x_q *
+scale`` with ``scale = max|x| / dtype max`` over the head dim (127 for int8,
+448 for float8_e4m3fn, 57344 for float8_e5m2; :func:`quantize_kv`). int8
+rounds ``x / scale`` to an integer, a uniform step of ``scale``; fp8 casts it
+to the float format, whose step is relative (3 mantissa bits for e4m3fn, 2
+for e5m2: errors up to 1/16 and 1/8 of an element, but for elements so far
+below the largest that they fall among the format's subnormals; int8's
+errors are up to 1/254 of the largest element, whatever the element). Per token and KV head either takes ``H + 4``
+bytes instead of ``4 H`` (f32) or ``2 H`` (bf16): at ``H = 64``, 26.6 % of
+an f32 pool (about a quarter) and 53.1 % of a bf16 pool (about a half); at
+``H = 128``, 25.8 % and 51.6 % (:func:`kv_bytes_per_token`). Kernels apply
+the K scale to the logits columns and the V scale to the probabilities, so
+pages are never dequantized in memory. Whether pages are quantized is one
+predicate, :func:`is_quantized`; no caller compares a dtype to int8.
 """
 
 from __future__ import annotations
@@ -52,6 +61,99 @@ import numpy as np
 
 INT8_MAX = 127.0
 """int8 quantization maps ``[-max|x|, max|x|]`` onto ``[-127, 127]``."""
+
+FLOAT_KV_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
+"""Page dtypes stored as they are, without scales."""
+
+QUANTIZED_KV_DTYPES = tuple(jnp.dtype(d) for d in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2))
+"""Page dtypes stored with one f32 scale per token and KV head
+(:func:`quantize_kv`). Not float8_e4m3fnuz / e4m3b11fnuz / e5m2fnuz (other
+NaN and zero encodings, which this code has never been run on) nor the
+sub-byte int4 / float4 types (a pool of them would not be half a byte per
+element here)."""
+
+KV_DTYPES = FLOAT_KV_DTYPES + QUANTIZED_KV_DTYPES
+"""Every dtype a K/V pool may hold; anything else is refused by name (a
+float64 pool, say, would silently be f32 without ``jax_enable_x64``)."""
+
+KV_DTYPE_ALIASES = {"fp8": jnp.dtype(jnp.float8_e4m3fn)}
+"""Names :func:`check_kv_dtype` accepts besides the dtypes' own: ``fp8`` is
+float8_e4m3fn, the fp8 format with more mantissa (3 bits against e5m2's 2;
+the per-token scale supplies the range e5m2's wider exponent would)."""
+
+
+def is_quantized(dtype) -> bool:
+    """Whether pages of ``dtype`` are quantized, i.e. carry per-token scales:
+    one of :data:`QUANTIZED_KV_DTYPES` (int8, float8_e4m3fn, float8_e5m2)."""
+    return jnp.dtype(dtype) in QUANTIZED_KV_DTYPES
+
+
+def check_kv_dtype(name: str, value) -> np.dtype:
+    """``value`` as a K/V page dtype.
+
+    Args:
+      name: the argument's name, for the message.
+      value: a dtype, a dtype's name (``"bfloat16"``) or an alias of
+        :data:`KV_DTYPE_ALIASES` (``"fp8"``).
+
+    Returns:
+      One of :data:`KV_DTYPES`.
+
+    Raises:
+      ValueError: anything else (an unknown name, float64, int32, int4,
+        float8_e4m3fnuz, ...), naming ``name`` and the value.
+    """
+    dtype = None
+    if isinstance(value, str) and value in KV_DTYPE_ALIASES:
+        dtype = KV_DTYPE_ALIASES[value]
+    elif value is not None:  # jnp.dtype(None) would be float64
+        try:
+            dtype = jnp.dtype(value)
+        except (TypeError, ValueError):
+            pass
+    if dtype not in KV_DTYPES:
+        shown = repr(value) if dtype is None else dtype.name
+        floats = ", ".join(d.name for d in FLOAT_KV_DTYPES)
+        raise ValueError(f"{name} must be a K/V page dtype: a floating dtype stored as it is ({floats}), or a "
+                         f"quantized one with per-token scales: float8_e4m3fn ('fp8'), float8_e5m2 or int8, got "
+                         f"{name}={shown}")
+    return dtype
+
+
+def quantized_max(dtype) -> float:
+    """The largest magnitude a quantized page dtype stores: what ``max|x|``
+    of a vector maps to (127 for int8, 448 for float8_e4m3fn, 57344 for
+    float8_e5m2)."""
+    dtype = jnp.dtype(dtype)
+    return INT8_MAX if jnp.issubdtype(dtype, jnp.integer) else float(jnp.finfo(dtype).max)
+
+
+def check_scales(name: str, pages_dtype, pages_shape: tuple[int, ...], k_scales, v_scales) -> None:
+    """The dtype-and-scales check of every attention door: pages (the
+    argument ``name``) of a :data:`KV_DTYPES` dtype, with ``k_scales`` and
+    ``v_scales`` f32 ``pages_shape[:-1]`` given exactly when that dtype is
+    quantized (:func:`is_quantized`). Static facts only (runs under ``jit``).
+
+    Raises:
+      ValueError: a page dtype outside :data:`KV_DTYPES`, scales missing
+        for quantized pages or given for float ones, or scales of another
+        shape or dtype; the message names the argument.
+    """
+    pages_dtype = jnp.dtype(pages_dtype)
+    if pages_dtype not in KV_DTYPES:
+        raise ValueError(f"{name} must have a K/V page dtype ({', '.join(d.name for d in KV_DTYPES)}), got dtype "
+                         f"{pages_dtype}")
+    quantized = is_quantized(pages_dtype)
+    if quantized != (k_scales is not None) or quantized != (v_scales is not None):
+        raise ValueError(
+            f"k_scales and v_scales must be given exactly when {name} is quantized "
+            f"({', '.join(d.name for d in QUANTIZED_KV_DTYPES)}), got {name} {pages_dtype}, k_scales "
+            f"{'set' if k_scales is not None else 'None'}, v_scales {'set' if v_scales is not None else 'None'}"
+        )
+    if quantized:
+        for scale_name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if s.shape != tuple(pages_shape[:-1]) or s.dtype != jnp.float32:
+                raise ValueError(f"{scale_name} must be f32{list(pages_shape[:-1])}, got {s.dtype}{list(s.shape)}")
 
 
 def resolve_scale(scale: float | None, head_dim: int) -> float:
@@ -80,13 +182,13 @@ def validate_options(
 
 def validate_inputs(
     q: jax.Array,  # [B, N, H] (decode) or [B, T, N, H] (ragged)
-    k_pages: jax.Array,  # [K, P, L, H] float or int8
+    k_pages: jax.Array,  # [K, P, L, H] float, or quantized (int8, fp8)
     v_pages: jax.Array,  # [K, P, L, H] same dtype as k_pages
     block_tables: jax.Array,  # i32[B, pages_per_seq]
     kv_lens: jax.Array,  # i32[B]
     q_lens: jax.Array | None = None,  # i32[B]; None for decode
-    k_scales: jax.Array | None = None,  # f32[K, P, L]; with int8 pages only
-    v_scales: jax.Array | None = None,  # f32[K, P, L]; with int8 pages only
+    k_scales: jax.Array | None = None,  # f32[K, P, L]; with quantized pages only
+    v_scales: jax.Array | None = None,  # f32[K, P, L]; with quantized pages only
     layer: int | jax.Array | None = None,  # with a stacked pool [layers, K, P, L, H]
 ) -> None:
     """Checks the shapes and dtypes of a paged-attention call.
@@ -133,19 +235,7 @@ def validate_inputs(
         raise ValueError(f"head_dim of q ({head_dim}) and k_pages ({kv_head_dim}) differ")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads must be a multiple of num_kv_heads, got {num_q_heads=} {num_kv_heads=}")
-    quantized = k_pages.dtype == jnp.int8
-    if not (quantized or jnp.issubdtype(k_pages.dtype, jnp.floating)):
-        raise ValueError(f"k_pages must be float or int8, got dtype {k_pages.dtype}")
-    if quantized != (k_scales is not None) or quantized != (v_scales is not None):
-        raise ValueError(
-            "k_scales and v_scales must be given exactly when the pages are int8, got "
-            f"pages {k_pages.dtype}, k_scales {'set' if k_scales is not None else 'None'}, "
-            f"v_scales {'set' if v_scales is not None else 'None'}"
-        )
-    if quantized:
-        for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
-            if s.shape != k_pages.shape[:-1] or s.dtype != jnp.float32:
-                raise ValueError(f"{name} must be f32{list(k_pages.shape[:-1])}, got {s.dtype}{list(s.shape)}")
+    check_scales("k_pages", k_pages.dtype, k_pages.shape, k_scales, v_scales)
     if block_tables.ndim != 2 or block_tables.shape[0] != batch or block_tables.shape[1] < 1:
         raise ValueError(f"block_tables must be [batch={batch}, pages_per_seq >= 1], got shape {block_tables.shape}")
     lens = (("kv_lens", kv_lens),) + ((("q_lens", q_lens),) if q_lens is not None else ())
@@ -289,34 +379,53 @@ def stack_layer(*arrays: jax.Array | None, layer) -> tuple[jax.Array | None, ...
     return tuple(x if x is None or layer is not None else x[None] for x in arrays)
 
 
-def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """int8 quantization with one scale per vector over the last axis.
+def quantize_kv(x: jax.Array, dtype=jnp.int8) -> tuple[jax.Array, jax.Array]:
+    """Quantization to a 1-byte page dtype with one scale per vector over
+    the last axis.
+
+    ``scale = max|x| / m`` with ``m`` = :func:`quantized_max` (127, 448 or
+    57344), then ``x / scale`` clipped to ``[-m, m]`` and, for int8, rounded
+    to an integer; for fp8, cast (round to nearest even). The clip is a
+    saturation: ``max|x| / scale`` can come out a rounding step above ``m``,
+    and float8_e4m3fn has no inf, so the cast would give NaN.
 
     Args:
       x: [..., H] float K or V (e.g. pages ``[K, P, L, H]``).
+      dtype: a quantized page dtype (:data:`QUANTIZED_KV_DTYPES`).
 
     Returns:
-      ``(x_int8, scales)``: int8 ``[..., H]`` and f32 ``[...]`` with
-      ``x ~= x_int8 * scales[..., None]``; all-zero vectors get scale 0.
-      NaN inputs give undefined values (use them only in slots no one reads).
+      ``(x_q, scales)``: ``dtype`` ``[..., H]`` and f32 ``[...]`` with
+      ``x ~= x_q * scales[..., None]`` (:func:`dequantize_kv`); all-zero
+      vectors get scale 0. NaN inputs give undefined values (use them only
+      in slots no one reads).
+
+    Raises:
+      ValueError: ``dtype`` is not a quantized page dtype.
     """
+    dtype = jnp.dtype(dtype)
+    if not is_quantized(dtype):
+        raise ValueError(f"dtype must be one of {[d.name for d in QUANTIZED_KV_DTYPES]}, got dtype={dtype.name}")
+    top = quantized_max(dtype)
     xf = x.astype(jnp.float32)
-    scales = jnp.max(jnp.abs(xf), axis=-1) / INT8_MAX  # [...]
+    scales = jnp.max(jnp.abs(xf), axis=-1) / top  # [...]
     safe = jnp.where(scales > 0, scales, 1.0)
-    q = jnp.clip(jnp.round(xf / safe[..., None]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
-    return q, scales
+    y = xf / safe[..., None]
+    if jnp.issubdtype(dtype, jnp.integer):
+        y = jnp.round(y)
+    return jnp.clip(y, -top, top).astype(dtype), scales
 
 
-def dequantize_kv(x_int8: jax.Array, scales: jax.Array) -> jax.Array:
-    """f32 ``x_int8 * scales[..., None]``: [..., H] int8, f32[...] -> f32[..., H]."""
-    return x_int8.astype(jnp.float32) * scales[..., None]
+def dequantize_kv(x_q: jax.Array, scales: jax.Array) -> jax.Array:
+    """f32 ``x_q * scales[..., None]``: [..., H] quantized (int8 or fp8),
+    f32[...] -> f32[..., H]."""
+    return x_q.astype(jnp.float32) * scales[..., None]
 
 
 def kv_bytes_per_token(head_dim: int, dtype) -> int:
     """Bytes of K *or* V one token takes per KV head: ``H * itemsize``, plus a
-    4-byte f32 scale for int8."""
+    4-byte f32 scale for a quantized dtype (int8, fp8)."""
     dtype = jnp.dtype(dtype)
-    return head_dim * dtype.itemsize + (4 if dtype == jnp.int8 else 0)
+    return head_dim * dtype.itemsize + (4 if is_quantized(dtype) else 0)
 
 
 def pad_block_tables(block_tables: jax.Array, multiple: int) -> jax.Array:
@@ -407,7 +516,7 @@ def ref_ragged_loop(
 
     Copies everything to the host (not jittable), gathers exactly the
     ``kv_lens[b]`` owned slots of each sequence through its block table
-    (dequantizing int8 pages) and calls :func:`ref_sequence_attention`.
+    (dequantizing quantized pages) and calls :func:`ref_sequence_attention`.
     With ``layer``, the pages (and scales) are the stacked pool and layer
     ``layer`` of it is read.
 
@@ -455,7 +564,7 @@ def ref_ragged_loop(
 
 def ref_paged_decode_loop(
     q: jax.Array,  # [B, N, H] float
-    k_pages: jax.Array,  # [K, P, L, H] float or int8
+    k_pages: jax.Array,  # [K, P, L, H] float, or quantized (int8, fp8)
     v_pages: jax.Array,  # [K, P, L, H]
     block_tables: jax.Array,  # i32[B, pages_per_seq]
     lengths: jax.Array,  # i32[B]

@@ -140,12 +140,12 @@ def _paged_attention_cpu(q, k_pages, v_pages, layer, block_tables, lengths, k_sc
 
 def paged_attention_cpu(
     q: jax.Array,  # [B, N, H] float
-    k_pages: jax.Array,  # [K, P, L, H] float or int8
+    k_pages: jax.Array,  # [K, P, L, H] float, or quantized (int8, fp8)
     v_pages: jax.Array,  # [K, P, L, H] same dtype as k_pages
     block_tables: jax.Array,  # i32[B, pages_per_seq]
     lengths: jax.Array,  # i32[B]
-    k_scales: jax.Array | None = None,  # f32[K, P, L] with int8 pages
-    v_scales: jax.Array | None = None,  # f32[K, P, L] with int8 pages
+    k_scales: jax.Array | None = None,  # f32[K, P, L] with quantized pages
+    v_scales: jax.Array | None = None,  # f32[K, P, L] with quantized pages
     *,
     scale: float | None = None,
     soft_cap: float | None = None,
@@ -158,13 +158,13 @@ def paged_attention_cpu(
     Args:
       q: [B, N, H] unscaled queries (scaled here, see
         ``pallas_kernels.common``).
-      k_pages, v_pages: [K, P, L, H] one layer's pages, float or int8; or,
+      k_pages, v_pages: [K, P, L, H] one layer's pages, float or quantized; or,
         with ``layer``, the stacked pool [layers, K, P, L, H], gathered from
         in place.
       block_tables: i32[B, pages_per_seq] page ids; entries past a sequence's
         length may be any valid page id (never read into the output).
       lengths: i32[B] tokens per sequence, the query's own included.
-      k_scales, v_scales: f32[K, P, L] per-token scales for int8 pages
+      k_scales, v_scales: f32[K, P, L] per-token scales for quantized pages
         (f32[layers, K, P, L] with ``layer``).
       scale, soft_cap, sliding_window: as in ``pallas_kernels.common``.
       block_sizes: tiling.

@@ -17,7 +17,7 @@ ragged kernel (``pallas_kernels.ragged_paged_attention``) reuses
 Sources: PagedAttention (Kwon et al., SOSP 2023, section 4.1); JAX's
 ``jax.experimental.pallas.ops.gpu.paged_attention`` (same grid and split
 combination; this one adds causal ragged queries, sliding windows, per-token
-int8 scales, and scales q itself).
+scales of quantized (int8, fp8) pages, and scales q itself).
 
 Triton needs power-of-two block shapes and dot operands of at least 16 rows
 and columns, so the query group is padded to ``G_pad`` (a power of two with
@@ -163,7 +163,7 @@ def _kernel(
             # NaN may sit in the scales of slots nobody owns; 0 * NaN is NaN.
             v_scale = jnp.where(key_real, v_scales_ref[layer, page_ids].reshape(keys), 0.0)
             p = p * v_scale[None, :]
-        else:
+        if jnp.issubdtype(v_pages_ref.dtype, jnp.floating):  # and in float or fp8 pages (int8 has no NaN)
             v = jnp.where(key_real[:, None], v, jnp.zeros_like(v))
         o_next = correction[:, None] * o_prev + plgpu.dot(p.astype(compute_dtype), v)
         return o_next, l_next, m_next
@@ -181,7 +181,7 @@ def _kernel(
 
 def flash_paged_call(
     q: jax.Array,  # [B, T, N, H]
-    k_pages: jax.Array,  # [layers, K, P, L, H] float or int8
+    k_pages: jax.Array,  # [layers, K, P, L, H] float, or quantized (int8, fp8)
     v_pages: jax.Array,  # [layers, K, P, L, H]
     layer: jax.Array,  # i32[1]
     block_tables: jax.Array,  # i32[B, pages_per_seq]
@@ -308,12 +308,12 @@ def _paged_attention_gpu(q, k_pages, v_pages, layer, block_tables, lengths, k_sc
 
 def paged_attention_gpu(
     q: jax.Array,  # [B, N, H] float
-    k_pages: jax.Array,  # [K, P, L, H] float or int8
+    k_pages: jax.Array,  # [K, P, L, H] float, or quantized (int8, fp8)
     v_pages: jax.Array,  # [K, P, L, H] same dtype as k_pages
     block_tables: jax.Array,  # i32[B, pages_per_seq]
     lengths: jax.Array,  # i32[B]
-    k_scales: jax.Array | None = None,  # f32[K, P, L] with int8 pages
-    v_scales: jax.Array | None = None,  # f32[K, P, L] with int8 pages
+    k_scales: jax.Array | None = None,  # f32[K, P, L] with quantized pages
+    v_scales: jax.Array | None = None,  # f32[K, P, L] with quantized pages
     *,
     scale: float | None = None,
     soft_cap: float | None = None,
@@ -327,14 +327,15 @@ def paged_attention_gpu(
     Args:
       q: [B, N, H] unscaled queries (the kernel scales them, see
         ``pallas_kernels.common``).
-      k_pages, v_pages: [K, P, L, H] one layer's pages, float or int8; or,
-        with ``layer``, the stacked pool [layers, K, P, L, H].
+      k_pages, v_pages: [K, P, L, H] one layer's pages, float or quantized
+        (int8, fp8); or, with ``layer``, the stacked pool [layers, K, P, L,
+        H].
       block_tables: i32[B, pages_per_seq] page ids; entries past a
         sequence's length may be any valid page id (they are never read into
         the output, even if the page holds NaN).
       lengths: i32[B] tokens per sequence, the query's own K/V included
         (0 <= lengths <= pages_per_seq * L).
-      k_scales, v_scales: f32[K, P, L] per-token scales for int8 pages
+      k_scales, v_scales: f32[K, P, L] per-token scales for quantized pages
         (f32[layers, K, P, L] with ``layer``).
       scale: logit scale, default ``1 / sqrt(H)``.
       soft_cap: logits become ``soft_cap * tanh(logits / soft_cap)``.

@@ -208,12 +208,12 @@ def _paged_attention_tpu(q, k_pages, v_pages, layer, block_tables, lengths, k_sc
 
 def paged_attention_tpu(
     q: jax.Array,  # [B, N, H] float
-    k_pages: jax.Array,  # [K, P, L, H] float or int8
+    k_pages: jax.Array,  # [K, P, L, H] float, or quantized (int8, fp8)
     v_pages: jax.Array,  # [K, P, L, H] same dtype as k_pages
     block_tables: jax.Array,  # i32[B, pages_per_seq]
     lengths: jax.Array,  # i32[B]
-    k_scales: jax.Array | None = None,  # f32[K, P, L] with int8 pages
-    v_scales: jax.Array | None = None,  # f32[K, P, L] with int8 pages
+    k_scales: jax.Array | None = None,  # f32[K, P, L] with quantized pages
+    v_scales: jax.Array | None = None,  # f32[K, P, L] with quantized pages
     *,
     scale: float | None = None,
     soft_cap: float | None = None,
@@ -227,7 +227,7 @@ def paged_attention_tpu(
     Args:
       q: [B, N, H] unscaled queries (scaled in the kernel, see
         ``pallas_kernels.common``).
-      k_pages, v_pages: [K, P, L, H] one layer's pages, float or int8; or,
+      k_pages, v_pages: [K, P, L, H] one layer's pages, float or quantized; or,
         with ``layer``, the stacked pool [layers, K, P, L, H], whose pages
         are copied straight from where they sit (the layer index is
         scalar-prefetched into SMEM with the lengths and tables).
@@ -236,7 +236,7 @@ def paged_attention_tpu(
         output, NaN included). The whole table is prefetched into SMEM.
       lengths: i32[B] tokens per sequence, the query's own included
         (``0 <= lengths <= pages_per_seq * L``).
-      k_scales, v_scales: f32[K, P, L] per-token scales for int8 pages
+      k_scales, v_scales: f32[K, P, L] per-token scales for quantized pages
         (f32[layers, K, P, L] with ``layer``).
       scale: logit scale, default ``1 / sqrt(H)``.
       soft_cap: logits become ``soft_cap * tanh(logits / soft_cap)``.

@@ -82,13 +82,13 @@ def _ragged(q, k_pages, v_pages, layer, block_tables, kv_lens, q_lens, k_scales,
 
 def ragged_paged_attention(
     q: jax.Array,  # [B, T, N, H] float
-    k_pages: jax.Array,  # [K, P, L, H] float or int8
+    k_pages: jax.Array,  # [K, P, L, H] float, or quantized (int8, fp8)
     v_pages: jax.Array,  # [K, P, L, H] same dtype as k_pages
     block_tables: jax.Array,  # i32[B, pages_per_seq]
     kv_lens: jax.Array,  # i32[B]
     q_lens: jax.Array,  # i32[B]
-    k_scales: jax.Array | None = None,  # f32[K, P, L] with int8 pages
-    v_scales: jax.Array | None = None,  # f32[K, P, L] with int8 pages
+    k_scales: jax.Array | None = None,  # f32[K, P, L] with quantized pages
+    v_scales: jax.Array | None = None,  # f32[K, P, L] with quantized pages
     *,
     scale: float | None = None,
     soft_cap: float | None = None,
@@ -102,7 +102,7 @@ def ragged_paged_attention(
     Args:
       q: [B, T, N, H] unscaled queries; rows ``t >= q_lens[b]`` are padding.
       k_pages, v_pages: [K, P, L, H] one layer's pages (query tokens' K/V
-        already written), float or int8; or, with ``layer``, the stacked
+        already written), float or quantized; or, with ``layer``, the stacked
         pool [layers, K, P, L, H], read in place.
       block_tables: i32[B, pages_per_seq] page ids; entries past a
         sequence's length may be any valid page id.
@@ -110,7 +110,7 @@ def ragged_paged_attention(
         (``<= pages_per_seq * L``).
       q_lens: i32[B] query tokens per sequence, ``0 <= q_lens <= min(T,
         kv_lens)``.
-      k_scales, v_scales: f32[K, P, L] per-token scales for int8 pages
+      k_scales, v_scales: f32[K, P, L] per-token scales for quantized pages
         (f32[layers, K, P, L] with ``layer``).
       scale, soft_cap, sliding_window: as in ``pallas_kernels.common``.
       block_sizes: tiling; ``block_q`` is capped at ``T`` rounded up to a
@@ -157,7 +157,7 @@ def unchecked_ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens,
 
 def ref_ragged_paged_attention(
     q: jax.Array,  # [B, T, N, H] float
-    k_pages: jax.Array,  # [K, P, L, H] float or int8
+    k_pages: jax.Array,  # [K, P, L, H] float, or quantized (int8, fp8)
     v_pages: jax.Array,  # [K, P, L, H]
     block_tables: jax.Array,  # i32[B, pages_per_seq]
     kv_lens: jax.Array,  # i32[B]

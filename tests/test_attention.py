@@ -10,6 +10,7 @@ import pytest
 from paged_jax.attention import paged_attention, xla_paged_attention, xla_paged_decode_attention
 from paged_jax.kv_cache import write_pages
 from paged_jax.page_state import NULL_PAGE
+from pallas_kernels.common import QUANTIZED_KV_DTYPES, dequantize_kv, quantize_kv
 
 
 def dense_causal(q, k, v, q_start, soft_cap=None, window=None):
@@ -181,13 +182,51 @@ def test_bad_options_are_named_on_every_path(kwargs, needle):
             paged_attention(*args, impl=impl, **kwargs)
 
 
-def test_int8_pages_need_scales_and_integer_q_is_refused():
-    pages = jnp.zeros((3, 5, 4, 8), jnp.int8)
+@pytest.mark.parametrize("dtype", QUANTIZED_KV_DTYPES, ids=lambda d: d.name)
+def test_quantized_pages_need_scales_and_integer_q_is_refused(dtype):
+    pages = jnp.zeros((3, 5, 4, 8), dtype)
     bt, lens = jnp.zeros((2, 2), jnp.int32), jnp.ones((2,), jnp.int32)
-    with pytest.raises(ValueError, match="k_scales and v_scales"):
+    with pytest.raises(ValueError, match=f"k_scales and v_scales must be given exactly when k_pages is quantized "
+                                         rf".* got k_pages {dtype.name}, k_scales None"):
         paged_attention(jnp.zeros((2, 1, 6, 8)), pages, pages, bt, lens, lens)
     with pytest.raises(ValueError, match="q must be a float"):
         paged_attention(jnp.zeros((2, 1, 6, 8), jnp.int32), jnp.zeros((3, 5, 4, 8)), jnp.zeros((3, 5, 4, 8)), bt, lens, lens)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fnuz, jnp.int4, jnp.uint8], ids=lambda d: jnp.dtype(d).name)
+def test_pages_of_other_dtypes_are_refused_by_name(dtype):
+    """Not one of common.KV_DTYPES: refused whether scales come or not."""
+    pages = jnp.zeros((3, 5, 4, 8), dtype)
+    bt, lens, scales = jnp.zeros((2, 2), jnp.int32), jnp.ones((2,), jnp.int32), jnp.ones((3, 5, 4))
+    for extra in (dict(), dict(k_scales=scales, v_scales=scales)):
+        with pytest.raises(ValueError, match=f"k_pages must have a K/V page dtype .*got dtype {jnp.dtype(dtype)}"):
+            paged_attention(jnp.zeros((2, 1, 6, 8)), pages, pages, bt, lens, lens, impl="xla", **extra)
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED_KV_DTYPES, ids=lambda d: d.name)
+def test_quantized_pages_equal_dense_on_dequantized_kv(dtype):
+    """The XLA path (which dequantizes the layer, then attends) on int8 or
+    fp8 pages equals dense attention over the dequantized K/V, to f32
+    precision; NaN scales (and NaN fp8 pages) wherever no sequence owns a
+    slot."""
+    rng = np.random.default_rng(7)
+    lens = [1, 4, 5, 14]
+    k_pages, v_pages, bt, _, _ = build_paged(rng, lens, 2, 16, 4)
+    unowned = np.isnan(k_pages[..., 0])
+    (kq, ks), (vq, vs) = (quantize_kv(jnp.nan_to_num(jnp.asarray(x)), dtype) for x in (k_pages, v_pages))
+    ks, vs = (jnp.where(unowned, jnp.nan, s) for s in (ks, vs))
+    if jnp.issubdtype(dtype, jnp.floating):
+        kq, vq = (jnp.where(unowned[..., None], jnp.nan, x.astype(jnp.float32)).astype(dtype) for x in (kq, vq))
+    k_exact, v_exact = np.asarray(dequantize_kv(kq, ks)), np.asarray(dequantize_kv(vq, vs))  # [K, P, L, H]
+    q = rng.normal(size=(len(lens), max(lens), 4, 16)).astype(np.float32)
+    la = jnp.asarray(lens, jnp.int32)
+    out = np.asarray(paged_attention(q, kq, vq, bt, la, la, impl="xla", k_scales=ks, v_scales=vs))
+    for b, n in enumerate(lens):
+        pos = np.arange(n)
+        pages, offsets = bt[b, pos // 4], pos % 4
+        k, v = (x[:, pages, offsets].swapaxes(0, 1) for x in (k_exact, v_exact))  # [S, K, H]
+        np.testing.assert_allclose(out[b, :n], dense_causal(q[b, :n], k, v, 0), atol=2e-5, rtol=1e-5)
+        assert (out[b, n:] == 0).all()
 
 
 LEAK_IMPLS = ["xla", "xla_loop", "pallas_gpu", "pallas_ragged"]  # pallas_tpu: TPU interpret mode, slow

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +39,23 @@ TOLERANCES = {
     # bf16 outputs are rounded to 8 bits of mantissa (~4e-3 relative), and
     # the GPU kernels multiply in bf16 with f32 accumulation.
     jnp.dtype(jnp.bfloat16): dict(atol=2e-2, rtol=2e-2),
+    # Quantized pages against the float pages they were quantized from: the
+    # quantization error, not a kernel's (a kernel on quantized pages is held
+    # to q's tolerance against the reference on the same pages, which
+    # dequantizes them). Attention outputs of unit-variance K/V (outputs of
+    # RMS 0.34), over 6 seeds: int8 (uniform steps of max|x| / 127) moved
+    # them by at most 0.013 (RMS 0.8 %); e4m3fn (3 mantissa bits, up to 6 %
+    # per element) by 0.076 (RMS 3.3 %); e5m2 (2 bits, up to 12 %) by 0.147
+    # (RMS 6.6 %). Scales shifted by one token moved them by 0.38-0.41,
+    # dropped scales by the dtype's max (127 to 57,344): these tolerances
+    # catch gross errors; the kernels against the reference on the same
+    # quantized pages are the tight test.
+    jnp.dtype(jnp.int8): dict(atol=5e-2, rtol=0),
+    jnp.dtype(jnp.float8_e4m3fn): dict(atol=0.15, rtol=0),
+    jnp.dtype(jnp.float8_e5m2): dict(atol=0.3, rtol=0),
 }
-"""Kernel-versus-reference tolerance, keyed by the dtype of q and the pages."""
+"""Kernel-versus-reference tolerance, keyed by the dtype of q and the pages;
+for quantized page dtypes, quantized-versus-float pages."""
 
 
 def assert_close(actual, expected, dtype):
@@ -64,13 +80,16 @@ def make_case(
     pages_per_seq: int,
     q_lens: list[int] | None = None,
     num_q_tokens: int | None = None,
-    quantized: bool = False,
+    page_dtype=None,
 ):
     """A pool, block tables and queries for one test case.
 
     Pages are dealt to sequences from a random permutation of the pool;
-    block-table entries past a sequence's pages are random page ids. Every
-    slot no sequence owns holds NaN (for int8 pages: in the scales). With
+    block-table entries past a sequence's pages are random page ids. With
+    ``page_dtype`` None the pages are in ``dtype``; with a quantized dtype
+    (int8, fp8) they are quantized to it, with scales. Every slot no
+    sequence owns holds NaN (for quantized pages in the scales, and in the
+    pages too where the dtype has a NaN: fp8). With
     ``q_lens`` the queries are ragged ``[B, T, N, H]`` with NaN padding rows,
     otherwise decode queries ``[B, N, H]``.
 
@@ -97,11 +116,14 @@ def make_case(
     k = rng.standard_normal(shape).astype(np.float32)
     v = rng.standard_normal(shape).astype(np.float32)
     case = {}
-    if quantized:
-        (kq, ks), (vq, vs) = common.quantize_kv(jnp.asarray(k)), common.quantize_kv(jnp.asarray(v))
+    if page_dtype is not None:
+        (kq, ks), (vq, vs) = (common.quantize_kv(jnp.asarray(x), page_dtype) for x in (k, v))
         ks, vs = np.array(ks), np.array(vs)
         ks[:, ~owned] = np.nan
         vs[:, ~owned] = np.nan
+        if jnp.issubdtype(page_dtype, jnp.floating):
+            kq, vq = (jnp.where(owned[None, :, :, None], x.astype(jnp.float32), jnp.nan).astype(page_dtype)
+                      for x in (kq, vq))
         case.update(k_pages=kq, v_pages=vq, k_scales=jnp.asarray(ks), v_scales=jnp.asarray(vs))
     else:
         k[:, ~owned] = np.nan
@@ -224,6 +246,7 @@ def test_validate_inputs_rejects_bad_inputs():
                   dtype=jnp.float32, pages_per_seq=2)
     q, k, v, bt, lens = c["q"], c["k_pages"], c["v_pages"], c["block_tables"], c["kv_lens"]
     common.validate_inputs(q, k, v, bt, lens)
+    fp8 = jnp.zeros(k.shape, jnp.float8_e4m3fn)
     bad = [
         ((q[:, :3], k, v, bt, lens), "multiple of num_kv_heads"),
         ((q, k, v[:, :, :, :4], bt, lens), "must match k_pages"),
@@ -231,9 +254,18 @@ def test_validate_inputs_rejects_bad_inputs():
         ((q, k, v, bt, lens.astype(jnp.float32)), "kv_lens must be int32"),
         ((q, k, v, bt, lens, lens), "takes q_lens=None"),
         ((q[:, None], k, v, bt, lens), "needs q_lens"),
-        ((q, jnp.zeros(k.shape, jnp.int8), jnp.zeros(k.shape, jnp.int8), bt, lens), "exactly when the pages are int8"),
-        ((q, k, v, bt, lens, None, jnp.ones(k.shape[:3]), jnp.ones(k.shape[:3])), "exactly when the pages are int8"),
+        ((q, jnp.zeros(k.shape, jnp.int8), jnp.zeros(k.shape, jnp.int8), bt, lens),
+         r"exactly when k_pages is quantized \(int8, float8_e4m3fn, float8_e5m2\), got k_pages int8"),
+        ((q, fp8, fp8, bt, lens), "exactly when k_pages is quantized .* got k_pages float8_e4m3fn, k_scales None"),
+        ((q, k, v, bt, lens, None, jnp.ones(k.shape[:3]), jnp.ones(k.shape[:3])),
+         "exactly when k_pages is quantized .* got k_pages float32, k_scales set"),
+        ((q, fp8, fp8, bt, lens, None, jnp.ones(k.shape[:3], jnp.bfloat16), jnp.ones(k.shape[:3])),
+         re.escape(f"k_scales must be f32{list(k.shape[:3])}, got bfloat16")),
     ]
+    # Page dtypes outside common.KV_DTYPES are refused by name, scales or not.
+    for odd in (jnp.float8_e4m3fnuz, jnp.int4, jnp.int32):
+        pages = jnp.zeros(k.shape, odd)
+        bad.append(((q, pages, pages, bt, lens), f"k_pages must have a K/V page dtype .*got dtype {jnp.dtype(odd)}"))
     for args, message in bad:
         with pytest.raises(ValueError, match=message):
             common.validate_inputs(*args)
@@ -262,18 +294,35 @@ def test_block_sizes_check_themselves():
     assert TPUBlockSizes(pages_per_compute_block=3).pages_per_compute_block == 3  # any count is fine on TPU
 
 
-def test_quantize_kv_round_trip_and_memory():
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 5, 4, 64)) * 3.0, jnp.float32)
-    x = x.at[0, 0, 0].set(0.0)  # an all-zero vector: scale 0, values 0
-    xq, scales = common.quantize_kv(x)
-    assert xq.dtype == jnp.int8 and scales.shape == (3, 5, 4) and scales.dtype == jnp.float32
-    err = jnp.abs(common.dequantize_kv(xq, scales) - x)
-    assert bool(jnp.all(err <= scales[..., None] / 2 + 1e-6))
-    assert float(scales[0, 0, 0]) == 0.0 and bool(jnp.all(xq[0, 0, 0] == 0))
+@pytest.mark.parametrize("dtype", common.QUANTIZED_KV_DTYPES, ids=lambda d: d.name)
+def test_quantize_kv_round_trip_and_memory(dtype):
+    x = np.random.default_rng(0).standard_normal((3, 5, 4, 64)) * 3.0
+    x[0, 1, 2] *= 1e30  # huge values: scaled, saturated, never inf or NaN (float8_e4m3fn has no inf)
+    x = jnp.asarray(x, jnp.float32).at[0, 0, 0].set(0.0)  # an all-zero vector: scale 0, values 0
+    xq, scales = common.quantize_kv(x, dtype)
+    assert xq.dtype == dtype and scales.shape == (3, 5, 4) and scales.dtype == jnp.float32
+    top = common.quantized_max(dtype)
+    np.testing.assert_allclose(scales, jnp.max(jnp.abs(x), axis=-1) / top, rtol=1e-6)
+    back = np.asarray(common.dequantize_kv(xq, scales))
+    assert np.all(np.isfinite(back))
+    err, xs = np.abs(back - np.asarray(x)), np.asarray(scales)[..., None]
+    if dtype == jnp.int8:  # uniform steps of one scale: at most half a step
+        assert np.all(err <= xs / 2 + 1e-6 * np.abs(np.asarray(x)))
+    else:  # relative steps (nmant mantissa bits), down to the subnormal step near zero
+        info = jnp.finfo(dtype)
+        bound = np.maximum(np.abs(np.asarray(x)) * 2.0 ** -(info.nmant + 1), xs * float(info.smallest_subnormal) / 2)
+        assert np.all(err <= bound * (1 + 1e-5))
+        # The largest element of each vector maps onto the format's largest value, exactly.
+        peak = np.take_along_axis(np.abs(np.asarray(xq, np.float32)), np.abs(np.asarray(x)).argmax(-1)[..., None], -1)
+        assert np.all(peak[np.asarray(scales) > 0] == top)
+    assert float(scales[0, 0, 0]) == 0.0 and bool(jnp.all(xq[0, 0, 0].astype(jnp.float32) == 0))
     # Per token and KV head: 64 + 4 bytes instead of 256 (f32) or 128 (bf16).
-    assert common.kv_bytes_per_token(64, jnp.int8) == 68
+    assert common.kv_bytes_per_token(64, dtype) == 68
     assert common.kv_bytes_per_token(64, jnp.float32) == 256
     assert common.kv_bytes_per_token(64, jnp.bfloat16) == 128
+    with pytest.raises(ValueError, match=r"dtype must be one of \['int8', 'float8_e4m3fn', 'float8_e5m2'\], "
+                                         r"got dtype=float8_e4m3fnuz"):
+        common.quantize_kv(x, jnp.float8_e4m3fnuz)
 
 
 # ---------------------------------------------------------------------------
@@ -391,33 +440,42 @@ def test_ragged_kernel_matches_per_sequence_loop(batch, kv_heads, group, head_di
 
 
 # ---------------------------------------------------------------------------
-# Options real models need: soft cap, sliding window, int8 pages, a scale
+# Options real models need: soft cap, sliding window, quantized pages, a scale
 
 
 OPTION_SETS = {
-    "soft_cap": (dict(soft_cap=5.0), False),
-    "window": (dict(sliding_window=11), False),
-    "int8": (dict(), True),
-    "int8_window_cap_scale": (dict(sliding_window=20, soft_cap=3.0, scale=0.2), True),
+    "soft_cap": (dict(soft_cap=5.0), None),
+    "window": (dict(sliding_window=11), None),
+    "int8": (dict(), jnp.int8),
+    "int8_window_cap_scale": (dict(sliding_window=20, soft_cap=3.0, scale=0.2), jnp.int8),
+    "fp8": (dict(), jnp.float8_e4m3fn),
+    "e5m2_window_cap_scale": (dict(sliding_window=20, soft_cap=3.0, scale=0.2), jnp.float8_e5m2),
 }
+# fp8 on the GPU and ragged kernels runs by default in
+# tests/test_ragged_attention.py (NaN pages, through the engine's door);
+# here the TPU and CPU kernels take it, and e5m2 one of them.
+OPTION_SLOW = {("fp8", "gpu"), ("fp8", "ragged"), ("e5m2_window_cap_scale", "gpu"),
+               ("e5m2_window_cap_scale", "tpu"), ("e5m2_window_cap_scale", "ragged")}
 
 
-@pytest.mark.parametrize("kernel", ["gpu", "tpu", "cpu", "ragged"])
-@pytest.mark.parametrize("option_set", list(OPTION_SETS))
+@pytest.mark.parametrize("option_set, kernel", [
+    pytest.param(o, k, id=f"{o}-{k}", marks=pytest.mark.slow if (o, k) in OPTION_SLOW else ())
+    for o in OPTION_SETS for k in ("gpu", "tpu", "cpu", "ragged")
+])
 def test_kernel_options_match_reference(kernel, option_set):
-    options, quantized = OPTION_SETS[option_set]
+    options, page_dtype = OPTION_SETS[option_set]
     page_size, dtype = 8, jnp.float32
     lengths = edge_lengths(page_size, PAGES_PER_SEQ)
     if kernel == "ragged":
         c = make_case(1, kv_lens=lengths, q_lens=[0, 1, 7, 1, 9, 16], num_q_tokens=16, page_size=page_size,
                       num_kv_heads=2, group=4, head_dim=64, dtype=dtype, pages_per_seq=PAGES_PER_SEQ,
-                      quantized=quantized)
+                      page_dtype=page_dtype)
         out = ragged_paged_attention(*ragged_args(c), **options,
                                      block_sizes=RaggedBlockSizes(block_q=8, pages_per_compute_block=2))
         expected = ref_ragged_paged_attention(*ragged_args(c), **options)
     else:
         c = make_case(1, kv_lens=lengths, page_size=page_size, num_kv_heads=2, group=4, head_dim=64, dtype=dtype,
-                      pages_per_seq=PAGES_PER_SEQ, quantized=quantized)
+                      pages_per_seq=PAGES_PER_SEQ, page_dtype=page_dtype)
         if kernel == "gpu":
             out = paged_attention_gpu(*decode_args(c), **options,
                                       block_sizes=GPUBlockSizes(pages_per_compute_block=2, k_splits=2))
@@ -429,16 +487,17 @@ def test_kernel_options_match_reference(kernel, option_set):
     assert_close(out, expected, dtype)
 
 
-def test_int8_pages_stay_close_to_float_pages():
-    # Quantization error, not kernel error: per-token int8 moves outputs of
-    # unit-variance data by well under 5e-2.
+@pytest.mark.parametrize("page_dtype", common.QUANTIZED_KV_DTYPES, ids=lambda d: d.name)
+def test_quantized_pages_stay_close_to_float_pages(page_dtype):
+    # Quantization error, not kernel error (the reference on both, so no
+    # kernel compiles): within the page dtype's entry of TOLERANCES.
     c = make_case(2, kv_lens=[9, 40, 33], page_size=8, num_kv_heads=2, group=4, head_dim=64, dtype=jnp.float32,
                   pages_per_seq=PAGES_PER_SEQ)
-    (kq, ks), (vq, vs) = common.quantize_kv(c["k_pages"]), common.quantize_kv(c["v_pages"])
-    quantized = paged_attention_gpu(c["q"], kq, vq, c["block_tables"], c["kv_lens"], ks, vs,
-                                    block_sizes=GPUBlockSizes(pages_per_compute_block=2))
+    (kq, ks), (vq, vs) = (common.quantize_kv(c[name], page_dtype) for name in ("k_pages", "v_pages"))
+    quantized = ref_paged_attention_gpu(c["q"], kq, vq, c["block_tables"], c["kv_lens"], ks, vs)
     exact = ref_paged_attention_gpu(*decode_args(c))
-    np.testing.assert_allclose(quantized, exact, atol=5e-2)
+    assert_close(quantized, exact, page_dtype)
+    assert not np.array_equal(np.asarray(quantized), np.asarray(exact))  # the pages were quantized
 
 
 # ---------------------------------------------------------------------------
@@ -466,9 +525,13 @@ def test_dispatch_impls_match_xla(impl, num_q_tokens):
     assert not np.any(np.asarray(out)[4, int(c["q_lens"][4]):])  # idle / padding rows stay zero
 
 
-def test_dispatch_with_int8_pages():
+@pytest.mark.parametrize("page_dtype", [
+    # fp8 by default: the XLA path in tests/test_attention.py, the kernels in OPTION_SETS.
+    jnp.int8, pytest.param(jnp.float8_e4m3fn, marks=pytest.mark.slow),
+], ids=["int8", "float8_e4m3fn"])
+def test_dispatch_with_quantized_pages(page_dtype):
     c = _dispatch_case(1)
-    (kq, ks), (vq, vs) = common.quantize_kv(c["k_pages"]), common.quantize_kv(c["v_pages"])
+    (kq, ks), (vq, vs) = (common.quantize_kv(c[name], page_dtype) for name in ("k_pages", "v_pages"))
     args = (c["q"], kq, vq, c["block_tables"], c["kv_lens"], c["q_lens"])
     xla = attention.paged_attention(*args, impl="xla", k_scales=ks, v_scales=vs)
     for impl in ("xla_loop", "pallas_gpu"):
@@ -526,26 +589,28 @@ def _stack(x, layer, num_layers=3):
     if x is None:
         return None
     x = np.asarray(x)
-    fill = 127 if x.dtype == np.int8 else np.nan  # int8 pages: NaN sits in the (stacked) scales
+    fill = 127 if x.dtype == np.int8 else np.nan  # int8 has no NaN: saturated pages beside NaN scales
     stack = np.full((num_layers, *x.shape), fill, x.dtype)
     stack[layer] = x
     return jnp.asarray(stack)
 
 
-@pytest.mark.parametrize("impl, num_q_tokens, quantized", [
-    ("xla", 16, False), ("xla", 1, True), ("xla_loop", 1, False), ("xla_loop", 1, True),
-    ("pallas_gpu", 1, False), ("pallas_gpu", 1, True), ("pallas_tpu", 1, False), ("pallas_ragged", 16, False),
-])
-def test_stacked_pool_reads_its_layer_in_place(impl, num_q_tokens, quantized):
+@pytest.mark.parametrize("impl, num_q_tokens, page_dtype", [
+    ("xla", 16, None), ("xla", 1, jnp.int8), pytest.param("xla", 1, jnp.float8_e4m3fn, marks=pytest.mark.slow),
+    ("xla_loop", 1, None),
+    ("xla_loop", 1, jnp.int8), ("pallas_gpu", 1, None), ("pallas_gpu", 1, jnp.int8), ("pallas_tpu", 1, None),
+    ("pallas_ragged", 16, None),
+], ids=lambda x: jnp.dtype(x).name if isinstance(x, type) else None)
+def test_stacked_pool_reads_its_layer_in_place(impl, num_q_tokens, page_dtype):
     """Every implementation, given the stacked pool and a (traced) layer
     index, gives bit for bit what it gives on that layer's pages alone,
-    while every other layer holds NaN (and, for int8, NaN scales and
-    saturated pages): no other layer is read."""
+    while every other layer holds NaN (quantized pools: NaN scales, and NaN
+    pages for fp8 or saturated ones for int8): no other layer is read."""
     c = _dispatch_case(num_q_tokens)
     pages = (c["k_pages"], c["v_pages"])
     scales = (None, None)
-    if quantized:
-        (kq, ks), (vq, vs) = common.quantize_kv(pages[0]), common.quantize_kv(pages[1])
+    if page_dtype is not None:
+        (kq, ks), (vq, vs) = (common.quantize_kv(x, page_dtype) for x in pages)
         pages, scales = (kq, vq), (ks, vs)
     rest = (c["block_tables"], c["kv_lens"], c["q_lens"])
     one = attention.paged_attention(c["q"], *pages, *rest, impl=impl, k_scales=scales[0], v_scales=scales[1])
@@ -574,8 +639,8 @@ def test_stacked_pool_rejects_bad_layers():
         attention.paged_attention(*args, impl="xla")  # a 5-D pool without a layer
 
 
-@pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "int8"])
-def test_gpu_kernels_lower_to_triton(quantized):
+@pytest.mark.parametrize("page_dtype", [None, jnp.int8, jnp.float8_e4m3fn], ids=["bf16", "int8", "float8_e4m3fn"])
+def test_gpu_kernels_lower_to_triton(page_dtype):
     """The GPU kernels (stacked pool, traced layer) lower to Triton IR on a
     machine without a GPU: ``lowering_platforms=("cuda",)`` runs Pallas'
     Triton lowering, which refuses shapes, indexing and ops Triton cannot
@@ -583,8 +648,8 @@ def test_gpu_kernels_lower_to_triton(quantized):
     (``experiments/device_check.sh``)."""
     pool = jnp.zeros((4, 3, 32, 16, 64), jnp.bfloat16)
     scales = (None, None)
-    if quantized:
-        pool, s = common.quantize_kv(pool)
+    if page_dtype is not None:
+        pool, s = common.quantize_kv(pool, page_dtype)
         scales = (s, s)
     tables, kv_lens = jnp.zeros((4, 8), jnp.int32), jnp.full((4,), 20, jnp.int32)
 

@@ -199,5 +199,20 @@ def test_engine_options_are_checked_before_the_checkpoint_is_read():
         LLM("no-such-model", reservation="bogus")
     with pytest.raises(ValueError, match="kv_dtype"):
         LLM("no-such-model", kv_dtype="bogus")
+    for bad in ("float8_e4m3fnuz", "int4", "float64", jnp.int32):  # not K/V page dtypes (float64 would be f32)
+        with pytest.raises(ValueError, match=f"kv_dtype must be a K/V page dtype: .*got kv_dtype={jnp.dtype(bad)}"):
+            LLM("no-such-model", kv_dtype=bad)
     with pytest.raises(ValueError, match="max_num_batched_tokens must be >= max_seqs"):
         LLM("no-such-model", max_seqs=8, max_num_batched_tokens=4)
+
+
+def test_kv_dtype_allocates_that_dtype(monkeypatch):
+    """kv_dtype names the pool's dtype exactly, fp8 included ("fp8" is
+    float8_e4m3fn); a quantized pool carries its scales."""
+    monkeypatch.setitem(PRESETS, "tiny", LlamaConfig(vocab_size=64, model_dim=32, mlp_dim=64, num_layers=2,
+                                                     num_q_heads=4, num_kv_heads=2, head_dim=8, max_seq_len=64))
+    for kv_dtype, want in (("fp8", jnp.float8_e4m3fn), ("float8_e5m2", jnp.float8_e5m2), (jnp.int8, jnp.int8),
+                           ("bfloat16", jnp.bfloat16)):
+        kv = LLM("tiny", dtype=jnp.float32, kv_dtype=kv_dtype, kv_tokens=64, max_seqs=2).engine.kv
+        assert kv.k.dtype == want and kv.v.dtype == want
+        assert kv.quantized == (want in (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8))

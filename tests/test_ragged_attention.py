@@ -304,26 +304,39 @@ def test_attend_refuses_a_shape_that_cannot_hold_the_batch():
             attend(jnp.zeros((8, *q.shape[1:])), jnp.asarray(k), jnp.asarray(v), 0, batch, impl=impl)
 
 
-def _int8_case(seed):
-    """MIXED quantized: int8 pages, NaN in the scales of every slot no
-    sequence owns, and the f64 oracle's dequantized pages."""
+def _quantized_case(seed, dtype):
+    """MIXED quantized to ``dtype`` (int8 or fp8): NaN in the scales of
+    every slot no sequence owns (and in the pages themselves for fp8, which
+    has a NaN: kernels must mask values too, not only scales), and the f64
+    oracle's dequantized pages."""
     from pallas_kernels.common import dequantize_kv, quantize_kv
 
     q, k, v, bt, qs, ql, kl = make_case(*MIXED, seed=seed, head_dim=16)
-    (kq, ks), (vq, vs) = quantize_kv(jnp.nan_to_num(jnp.asarray(k))), quantize_kv(jnp.nan_to_num(jnp.asarray(v)))
     unowned = np.isnan(k[..., 0])
+    (kq, ks), (vq, vs) = (quantize_kv(jnp.nan_to_num(jnp.asarray(x)), dtype) for x in (k, v))
+    if jnp.issubdtype(dtype, jnp.floating):
+        kq, vq = (jnp.where(unowned[..., None], jnp.nan, x.astype(jnp.float32)).astype(dtype) for x in (kq, vq))
     ks, vs = np.where(unowned, np.nan, ks).astype(np.float32), np.where(unowned, np.nan, vs).astype(np.float32)
     exact_k = np.asarray(dequantize_kv(kq, jnp.asarray(ks)))
     exact_v = np.asarray(dequantize_kv(vq, jnp.asarray(vs)))
     return (q, kq, vq, bt, qs, ql, kl), (jnp.asarray(ks), jnp.asarray(vs)), (exact_k, exact_v)
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas_ragged", "pallas_gpu"])
-def test_int8_pool_matches_oracle_on_dequantized_pages(impl):
-    """int8 pages with per-token scales (stacked ``[layers, K, P, L]``, NaN
-    where nobody owns a slot): attention equals the f64 oracle over the
-    dequantized pages, through the XLA path and the kernels' padded view."""
-    (q, kq, vq, bt, qs, ql, kl), (ks, vs), (exact_k, exact_v) = _int8_case(seed=8)
+@pytest.mark.parametrize("impl, dtype", [
+    ("xla", jnp.int8), ("pallas_ragged", jnp.int8), ("pallas_gpu", jnp.int8),
+    # fp8: the Pallas path by default (its chunks run the ragged kernel); the XLA path's default fp8 test is
+    # tests/test_fp8.py's decoder logits (NaN pages through forward_ragged).
+    pytest.param("xla", jnp.float8_e4m3fn, marks=pytest.mark.slow), ("pallas_gpu", jnp.float8_e4m3fn),
+    pytest.param("xla", jnp.float8_e5m2, marks=pytest.mark.slow),
+], ids=lambda x: x if isinstance(x, str) else jnp.dtype(x).name)
+def test_quantized_pool_matches_oracle_on_dequantized_pages(impl, dtype):
+    """Quantized pages (int8, fp8) with per-token scales (stacked ``[layers,
+    K, P, L]``, NaN where nobody owns a slot): attention equals the f64
+    oracle over the dequantized pages, through the XLA path and the kernels'
+    padded view. The quantization error is not in the comparison, so the
+    f32 tolerance holds."""
+    (q, kq, vq, bt, qs, ql, kl), (ks, vs), (exact_k, exact_v) = _quantized_case(8, dtype)
+    assert kq.dtype == dtype and vq.dtype == dtype
     qpad, batch, n = flat_batch(q, bt, qs, ql, kl)
     got = np.asarray(jax.jit(functools.partial(attend, impl=impl))(jnp.asarray(qpad), kq, vq, 1, batch,
                                                                    k_scales=ks, v_scales=vs))
@@ -332,10 +345,21 @@ def test_int8_pool_matches_oracle_on_dequantized_pages(impl):
     assert np.all(got[n:] == 0)
 
 
-def test_int8_scales_are_checked():
-    (q, kq, vq, bt, qs, ql, kl), (ks, vs), _ = _int8_case(seed=9)
-    args = (jnp.asarray(q), kq, vq, 1, jnp.asarray(bt), jnp.asarray(qs), jnp.asarray(ql), jnp.asarray(kl))
-    with pytest.raises(ValueError, match="k_scales and v_scales must be given exactly when the pool is int8"):
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "float8_e4m3fn"])
+def test_quantized_scales_and_page_dtypes_are_checked(dtype):
+    (q, kq, vq, bt, qs, ql, kl), (ks, vs), _ = _quantized_case(9, dtype)
+    rest = (jnp.asarray(bt), jnp.asarray(qs), jnp.asarray(ql), jnp.asarray(kl))
+    args = (jnp.asarray(q), kq, vq, 1, *rest)
+    name = jnp.dtype(dtype).name
+    with pytest.raises(ValueError, match=f"k_scales and v_scales must be given exactly when k_pool is quantized "
+                                         rf"\(int8, float8_e4m3fn, float8_e5m2\), got k_pool {name}"):
         ragged_paged_attention(*args, num_tiles=64)
     with pytest.raises(ValueError, match=r"k_scales must be f32\[2, 2, "):
         ragged_paged_attention(*args, num_tiles=64, k_scales=ks[0], v_scales=vs)
+    with pytest.raises(ValueError, match="k_pool and v_pool must share one dtype"):
+        ragged_paged_attention(jnp.asarray(q), kq, vq.astype(jnp.float32), 1, *rest, num_tiles=64, k_scales=ks,
+                               v_scales=vs)
+    # A float8 variant that is not a K/V page dtype (other NaN and zero encodings) is refused by name.
+    odd = kq.astype(jnp.float32).astype(jnp.float8_e4m3fnuz)
+    with pytest.raises(ValueError, match="k_pool must have a K/V page dtype .*got dtype float8_e4m3fnuz"):
+        ragged_paged_attention(jnp.asarray(q), odd, odd, 1, *rest, num_tiles=64, k_scales=ks, v_scales=vs)

@@ -18,17 +18,19 @@ from paged_jax.engine import EngineConfig
 from paged_jax.kv_cache import KVPool, copy_pages
 from paged_jax.sampling import SamplingParams
 from paged_jax.swap import SwappedGroup, SwapSpace, gather_pages, scatter_pages
+from pallas_kernels.common import QUANTIZED_KV_DTYPES, is_quantized
 from tests.engine_helpers import check_accounting, make_engine, serve, toy_requests
 
 # ---------------------------------------------------------------- page copies
 
 
-@pytest.mark.parametrize("quantized", [False, True], ids=["f32", "int8"])
-def test_swap_round_trip_is_bit_identical(quantized):
+@pytest.mark.parametrize("dtype", [jnp.float32, *QUANTIZED_KV_DTYPES], ids=lambda d: jnp.dtype(d).name)
+def test_swap_round_trip_is_bit_identical(dtype):
     rng = np.random.default_rng(6)
     k = rng.normal(size=(2, 3, 12, 4, 8)).astype(np.float32)  # [layers, K, P, L, H]
-    if quantized:  # int8 pages and their per-token scales travel together
-        pool = KVPool(k=jnp.asarray(k * 10, jnp.int8), v=jnp.asarray(-k * 10, jnp.int8),
+    quantized = is_quantized(dtype)
+    if quantized:  # quantized pages (int8, fp8) and their per-token scales travel together
+        pool = KVPool(k=jnp.asarray(k * 10, dtype), v=jnp.asarray(-k * 10, dtype),
                       k_scale=jnp.asarray(k[..., 0]), v_scale=jnp.asarray(-k[..., 1]))
     else:
         pool = KVPool(k=jnp.asarray(k), v=jnp.asarray(-k))
@@ -45,9 +47,15 @@ def test_swap_round_trip_is_bit_identical(quantized):
             assert new[:, :, untouched].tobytes() == old[:, :, untouched].tobytes()
     with pytest.raises(ValueError, match="source must give"):
         scatter_pages(pool, [1, 2], copied, source=[0, 9])
-    other = KVPool(k=jnp.zeros((2, 3, 12, 4, 8)), v=jnp.zeros((2, 3, 12, 4, 8))) if quantized else None
-    if other is not None:
-        with pytest.raises(ValueError, match="copied pages are int8 but the pool is float"):
+    if quantized:
+        other = KVPool(k=jnp.zeros((2, 3, 12, 4, 8)), v=jnp.zeros((2, 3, 12, 4, 8)))
+        with pytest.raises(ValueError, match=f"copied pages are {jnp.dtype(dtype).name} but the pool is float"):
+            scatter_pages(other, [1], copied, source=[0])
+        # Another quantized dtype: same layout, other bytes.
+        alien = jnp.float8_e5m2 if dtype != jnp.float8_e5m2 else jnp.int8
+        other = KVPool(k=pool.k.astype(alien), v=pool.v.astype(alien), k_scale=pool.k_scale, v_scale=pool.v_scale)
+        with pytest.raises(ValueError, match=f"copied k {jnp.dtype(dtype).name}.* does not fit the pool's "
+                                             f"{jnp.dtype(alien).name}"):
             scatter_pages(other, [1], copied, source=[0])
 
 
@@ -72,6 +80,9 @@ def test_swap_copies_refuse_bad_pages_and_shapes():
         copy_pages(pool, jnp.asarray([True]), jnp.asarray([2]))
     with pytest.raises(ValueError, match="an int8 kv pool needs k_scale"):
         copy_pages(KVPool(k=pool.k.astype(jnp.int8), v=pool.v.astype(jnp.int8)), jnp.asarray([1]), jnp.asarray([2]))
+    fp8 = pool.k.astype(jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="a float8_e4m3fn kv pool needs k_scale and v_scale"):
+        copy_pages(KVPool(k=fp8, v=fp8), jnp.asarray([1]), jnp.asarray([2]))
 
 
 # ---------------------------------------------------------------- swap space
