@@ -32,6 +32,7 @@ echo "backend: $backend; $("$PY" -c 'import jax; print(jax.devices())')"
 case "$backend" in
   # The hand-worked cases use head dim 2, below Triton's 16-wide tiles; the
   # other backend's kernels would run interpreted, so they are left out.
+  # In tests/test_flat_kernel.py the same words pick the native kernel's cases (ids name "gpu" or "tpu").
   gpu) select="(gpu or ragged or dispatch or stacked) and not tpu and not hand"; native="pallas_gpu or pallas_ragged" ;;
   tpu) select="(tpu or dispatch or stacked) and not gpu and not ragged and not hand"; native="pallas_tpu" ;;
   *) if [ "$smoke" = 0 ]; then
@@ -48,12 +49,14 @@ if [ "$smoke" = 1 ]; then
   step timeout 600 "$PY" -m experiments.serve_sharegpt --model smollm2-135m --num-requests 4 --max-output-len 2 \
     --kv-budget-tokens 4096 --compile-cache "$cache" --out "$dest/serve_smollm2-135m"
 else
-  # 1. The default parameter product of the native kernels (add -m '' for the full one), then the engine.
-  step timeout 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "$select" --durations=5
+  # 1. The default parameter product of the native kernels and the flat ragged kernel (add -m '' for the full
+  #    ones), then the engine (on a GPU or TPU it runs the flat kernel).
+  step timeout 110 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_flat_kernel.py -k "$select" \
+    --durations=5
   step timeout 80 "$PY" -m pytest -q -p no:cacheprovider -m '' tests/test_kernels_smollm2.py tests/test_llama.py \
     -k "($native) and (engine_at_smollm2 or pallas_kernels_equals_xla)"
-  # 2. The benchmark at the presets' heads, large sizes included.
-  step timeout 150 "$PY" -m experiments.kernel_bench --heads llama-3-8b qwen2.5-7b smollm2 --sizes large \
+  # 2. The benchmark at the presets' heads, large sizes included (the flat kernel's rows: flat_gpu / flat_tpu).
+  step timeout 140 "$PY" -m experiments.kernel_bench --heads llama-3-8b qwen2.5-7b smollm2 --sizes large \
     --batches 64 --contexts 2048 --ragged-batches 128 --min-seconds 0.05 --out "$dest/kernel_bench"
   # 3. Serving with random weights: SmolLM2 shapes (the README's 512-request GPU comparison), then Llama-3-8B in bf16.
   step timeout 120 "$PY" -m experiments.serve_sharegpt --model smollm2-135m --num-requests 512 --max-output-len 256 \

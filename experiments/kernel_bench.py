@@ -5,7 +5,10 @@
 (``--heads``, :data:`HEAD_PRESETS`: SmolLM2-135M by default, Llama-3-8B,
 Qwen2.5-7B) for every paged implementation this machine runs natively
 (:func:`native_impls`: on CPU the two XLA paths, ``xla`` and ``xla_loop``; on
-a GPU also ``pallas_gpu`` and ``pallas_ragged``; on a TPU ``pallas_tpu``) and
+a GPU also ``pallas_gpu``, ``pallas_ragged`` and ``flat_gpu``; on a TPU
+``pallas_tpu`` and ``flat_tpu``; the ``flat_*`` rows are the engine's flat
+ragged kernel, ``pallas_kernels.flat_ragged_attention``, given the decode
+batch as a packed token batch, attention only) and
 for dense attention over contiguous K/V holding the same tokens and heads.
 Dense attention pads every sequence to the batch's longest, as a non-paged
 server must; paged attention may stop at each sequence's length. With
@@ -67,6 +70,7 @@ from experiments.tables import markdown_table, write_table
 from models.presets import PRESETS as MODEL_PRESETS
 from paged_jax import attention
 from paged_jax.checks import check_int
+from pallas_kernels import flat_ragged_attention
 
 # Axis alphabet: B batch, S key tokens, N query heads, K KV heads, G queries
 # per KV head, H head dim, P pages, L page size.
@@ -214,18 +218,37 @@ def native_impls() -> list[str]:
     impls = ["xla", "xla_loop"]
     backend = jax.default_backend()
     if backend == "gpu":
-        impls += ["pallas_gpu", "pallas_ragged"]
+        impls += ["pallas_gpu", "pallas_ragged", "flat_gpu"]
     elif backend == "tpu":
-        impls.append("pallas_tpu")
-    return [i for i in impls if i in attention.IMPLS]
+        impls += ["pallas_tpu", "flat_tpu"]
+    return [i for i in impls if i in attention.IMPLS or i in FLAT_IMPLS]
+
+
+FLAT_IMPLS = {"flat_gpu": "gpu", "flat_tpu": "tpu"}
+"""Benchmark names of the flat ragged kernel's implementations."""
+
+
+def _flat_decode(impl: str, q, k_pages, v_pages, block_tables, kv_lens, q_lens, layer):
+    """A decode batch through the flat kernel: sequence ``b`` owns flat row
+    ``b``; nothing written (the other rows attend over written pages too)."""
+    if layer is None:  # one layer's pages: a one-layer stack (a free reshape)
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    out, *_ = flat_ragged_attention.unchecked_flat_ragged_paged_attention(
+        q, None, None, k_pages, v_pages, layer, block_tables, jnp.arange(q.shape[0], dtype=jnp.int32), q_lens,
+        kv_lens, None, decode_tiles=q.shape[0], prefill_chunks=0, impl=FLAT_IMPLS[impl])
+    return out
 
 
 def paged_decode(impl: str) -> Callable:
-    """A jitted decode call of ``attention.paged_attention`` with ``impl``:
+    """A jitted decode call of ``attention.paged_attention`` with ``impl``
+    (a :data:`FLAT_IMPLS` name: of the flat kernel, :func:`_flat_decode`):
     ``(q [B, N, H], k_pages, v_pages [K, P, L, H] or [layers, K, P, L, H],
     block_tables i32[B, pages_per_seq], kv_lens i32[B], q_lens i32[B],
     layer i32[] or None) -> [B, N, H]``. The layer is traced, as in the
     decoder's layer scan."""
+    if impl in FLAT_IMPLS:
+        return jax.jit(functools.partial(_flat_decode, impl))
+
     def call(q, k_pages, v_pages, block_tables, kv_lens, q_lens, layer):
         return attention.paged_attention(q[:, None], k_pages, v_pages, block_tables, kv_lens, q_lens, impl=impl,
                                          layer=layer)[:, 0]
@@ -402,9 +425,9 @@ class Target:
 
 
 TARGETS = (
-    Target(name="GPU decode kernel (pallas_gpu / pallas_ragged), llama-3-8b heads, bfloat16, uniform B >= 64, "
-                "context >= 2048: >= 80 % of peak and <= 1.1x dense",
-           backends=("gpu",), impls=("pallas_gpu", "pallas_ragged"), max_ratio=1.1, min_pct_peak=80.0,
+    Target(name="GPU decode kernel (pallas_gpu / pallas_ragged / flat_gpu), llama-3-8b heads, bfloat16, uniform "
+                "B >= 64, context >= 2048: >= 80 % of peak and <= 1.1x dense",
+           backends=("gpu",), impls=("pallas_gpu", "pallas_ragged", "flat_gpu"), max_ratio=1.1, min_pct_peak=80.0,
            applies=lambda r: (r["heads"] == "llama-3-8b" and r["dtype"] == "bfloat16" and r["workload"] == "uniform"
                               and r["batch"] >= 64 and r["max_len"] >= 2048)),
     Target(name="ShareGPT-like ragged batches of 128: best paged <= 0.7x dense",

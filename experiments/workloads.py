@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -175,7 +176,9 @@ def workload(name: str, *, max_prompt_len: int | None = None) -> Workload:
         others.
 
     Raises:
-      ValueError: another name, N / W / K not an int >= 1, or
+      ValueError: another name, N / W / K not an int >= 1 written
+        canonically (ASCII digits, no leading zero, sign or space: one name
+        per workload, as results files and figure labels use it), or
         ``max_prompt_len`` given for a workload without one or out of
         range.
     """
@@ -188,7 +191,8 @@ def workload(name: str, *, max_prompt_len: int | None = None) -> Workload:
     if name == "chatbot":
         return Workload(name=name, description="chatbot, conversation history as the prompt", prompts="chatbot",
                         max_prompt_len=CHATBOT_PROMPT_LEN if max_prompt_len is None else max_prompt_len)
-    if kind in ("parallel", "beam", "prefix") and k.isdigit() and int(k) >= 1:
+    # Not str.isdigit: it takes "02" (a second name for one workload) and "²" (which int() refuses).
+    if kind in ("parallel", "beam", "prefix") and re.fullmatch(r"[1-9][0-9]*", k):
         k = int(k)
         if kind == "parallel":
             return Workload(name=name, description=f"parallel sampling, n={k}, temperature 1",
@@ -199,7 +203,8 @@ def workload(name: str, *, max_prompt_len: int | None = None) -> Workload:
         return Workload(name=name, description=f"shared {k}-shot prefix", prompts="prefix", shots=k,
                         max_prompt_len=PREFIX_PROMPT_LEN if max_prompt_len is None else max_prompt_len,
                         policies=("paged", "paged" + NO_CACHE, "oracle" + NO_CACHE))
-    raise ValueError(f"workload must be 'basic', 'parallel-N', 'beam-W', 'prefix-K' or 'chatbot' (N, W, K >= 1), "
+    raise ValueError(f"workload must be 'basic', 'parallel-N', 'beam-W', 'prefix-K' or 'chatbot', with N, W, K a "
+                     f"whole number >= 1 in plain digits without leading zeros, sign or spaces (e.g. 'parallel-4'), "
                      f"got {name!r}")
 
 

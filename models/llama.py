@@ -24,7 +24,9 @@ The KV cache is never module state. :func:`forward` takes a
 rides in the scan carry and each layer scatters its new K/V into its own
 slice in place, then attends over its pages with
 :func:`paged_jax.attention.paged_attention` (:func:`forward`) or
-:func:`paged_jax.ragged_attention.attend` (:func:`forward_ragged`).
+:func:`paged_jax.ragged_attention.attend` (:func:`forward_ragged`). On GPU
+and TPU :func:`forward_ragged`'s flat kernel writes the K/V in its own call
+instead (``ragged_attention.unchecked_write_attend``).
 
 Validated at the door: :func:`forward` and :func:`forward_ragged` check their
 arguments once per call (the attention's checks included:
@@ -403,7 +405,8 @@ def forward_ragged(model: Llama, batch: RaggedBatch, kv: KVPool, *, impl: str = 
     The weight matmuls see exactly the batch's ``T`` rows, whatever mix of
     phases they come from; attention is
     :func:`paged_jax.ragged_attention.attend`, whose cost follows the sum of
-    the sequences' lengths.
+    the sequences' lengths. A Pallas ``impl``'s flat kernel writes each
+    layer's K/V in its call (mixed sliding/global layers scatter first).
 
     Args:
       model: the decoder.
@@ -433,13 +436,22 @@ def forward_ragged(model: Llama, batch: RaggedBatch, kv: KVPool, *, impl: str = 
         v_scales=kv.v_scale, sliding_window=config.sliding_window, scale=config.query_scale,
         soft_cap=config.attn_soft_cap)  # layer 0: the scan's layers are the pool's
     x = _embed(model, batch.tokens)[None]  # [1, T, D]
+    options = dict(scale=config.query_scale, soft_cap=config.attn_soft_cap)
 
     def attend_pages(q, kv, layer):
         return _windowed(config, layer, lambda window: ragged_attention.unchecked_attend(
             q[0], kv.k, kv.v, layer, checked, impl=impl, k_scales=kv.k_scale, v_scales=kv.v_scale,
-            sliding_window=window, scale=config.query_scale, soft_cap=config.attn_soft_cap))[None]
+            sliding_window=window, **options))[None]
 
-    x, kv = _run_layers(model, x, batch.positions[None, :], kv, _paged(batch.slots, attend_pages), reduce)
+    def write_attend(q, k, v, kv, layer):
+        out, kv = _windowed(config, layer, lambda window: ragged_attention.unchecked_write_attend(
+            q[0], k[0], v[0], kv, layer, checked, impl=impl, sliding_window=window, **options))
+        return out[None], kv
+
+    # A flat kernel writes the K/V in its call, but not under mixed layers' cond (the pool would pass through both).
+    writes = ragged_attention.kernel_writes_kv(impl) and not config.mixed_layers
+    x, kv = _run_layers(model, x, batch.positions[None, :], kv,
+                        write_attend if writes else _paged(batch.slots, attend_pages), reduce)
     return _logits(model, x[0, batch.logits_rows]), kv  # [R, V]
 
 
@@ -510,6 +522,14 @@ class RaggedModel:
         self.vocab_size = model.config.vocab_size
         self.impl = impl
         self._graphdef, self.params = nnx.split(model)
+
+    @property
+    def kv_window(self) -> int | None:
+        """Tokens every layer attends (the engine drops pages out of that
+        window while sequences run, :mod:`paged_jax.sliding_window`), or
+        None when some layer attends all of them."""
+        config = self.config
+        return config.sliding_window if all(config.sliding_layers) else None
 
     def apply(self, params, batch: RaggedBatch, kv: KVPool) -> tuple[jax.Array, KVPool]:
         return forward_ragged(nnx.merge(self._graphdef, params), batch, kv, impl=self.impl)

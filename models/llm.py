@@ -281,7 +281,11 @@ class LLM:
         Returns:
           One :class:`RequestOutput` per prompt, in the prompts' order
           (``.text``, ``.output_ids``, ``.finish_reason``; ``.outputs`` holds
-          each of ``n`` samples or beams); an empty list for no prompts.
+          each of ``n`` samples or beams; ``.outputs[i].logprobs`` with
+          ``SamplingParams(logprobs=k)`` and ``.prompt_logprobs``, the
+          prompt's tokens scored, with ``SamplingParams(prompt_logprobs=k)``:
+          to score texts, ``max_tokens=1`` and ignore the token); an empty
+          list for no prompts.
 
         Raises:
           ValueError: a prompt that is not a str or a list of ints, an

@@ -69,6 +69,13 @@ IMPLS = ("auto", "xla", "xla_loop", "pallas_gpu", "pallas_tpu", "pallas_ragged")
 
 A Pallas kernel forced on a backend it was not written for runs in Pallas
 interpret mode (TPU interpret mode for ``"pallas_tpu"``): slow, for tests.
+
+On the engine's flat batch (``paged_jax.ragged_attention.attend``) the Pallas
+names select the flat ragged kernel instead
+(``pallas_kernels.flat_ragged_attention``: ``"gpu"`` for ``"pallas_gpu"`` and
+``"pallas_ragged"``, ``"tpu"`` for ``"pallas_tpu"``) and ``"xla_loop"`` the
+XLA work list; the kernels here serve padded ``[B, T]`` batches
+(:func:`models.llama.forward`, the benchmarks).
 """
 
 

@@ -79,8 +79,12 @@ class BatchShape:
 
     Attributes:
       num_tokens: T, rows of the flat token array.
-      num_logits: R, rows whose logits the call returns (a row may be
+      num_logits: R, rows whose logits the call samples from (a row may be
         returned more than once: parallel samples of one prompt).
+      num_prompt_logits: P, rows whose logits score prompt tokens
+        (``SamplingParams.prompt_logprobs``), returned after the R; 0 in a
+        call without any, whose shape (and program) is then as if the
+        feature did not exist.
       decode_tiles: tiles of the one-token class (0: the call has none).
       prefill_tiles: tiles of the chunk class (0: none).
       tiling: the tile and block sizes.
@@ -88,6 +92,7 @@ class BatchShape:
 
     num_tokens: int
     num_logits: int
+    num_prompt_logits: int = 0
     decode_tiles: int = 0
     prefill_tiles: int = 0
     tiling: Tiling = Tiling()
@@ -95,6 +100,7 @@ class BatchShape:
     def __post_init__(self):
         check_int("num_tokens", self.num_tokens)
         check_int("num_logits", self.num_logits)
+        check_int("num_prompt_logits", self.num_prompt_logits, 0)
         check_int("decode_tiles", self.decode_tiles, 0)
         check_int("prefill_tiles", self.prefill_tiles, 0)
         check_instance("tiling", self.tiling, Tiling)
@@ -113,8 +119,9 @@ class RaggedBatch:
       q_starts: i32[S] first flat row of each sequence's tokens.
       q_lens: i32[S] tokens each sequence brings (0: not in this call).
       kv_lens: i32[S] tokens each sequence holds after this call.
-      logits_rows: i32[R] flat rows whose logits are returned (one per
-        sequence that samples; padding entries point at row 0).
+      logits_rows: i32[R + P] flat rows whose logits are returned: one
+        per sequence that samples, then ``shape.num_prompt_logits`` rows
+        that score prompt tokens (padding entries point at row 0).
       shape: the static sizes.
     """
 
@@ -125,19 +132,21 @@ class RaggedBatch:
     q_starts: jax.Array  # i32[S]
     q_lens: jax.Array  # i32[S]
     kv_lens: jax.Array  # i32[S]
-    logits_rows: jax.Array  # i32[R]
+    logits_rows: jax.Array  # i32[R + P]
     shape: BatchShape = struct.field(pytree_node=False)
 
 
-def batch_shape(q_lens, *, num_seq_rows: int, tiling: Tiling = Tiling(), num_samples: int = 0) -> BatchShape:
+def batch_shape(q_lens, *, num_seq_rows: int, tiling: Tiling = Tiling(), num_samples: int = 0,
+                num_prompt_rows: int = 0) -> BatchShape:
     """The bucketed static sizes for a flat batch whose sequences bring
     ``q_lens`` tokens.
 
     Tokens round up to a power of two (at least ``tiling.min_tokens``);
     logits rows to ``min(tokens, num_seq_rows)``, doubled until they hold
-    ``num_samples`` (capped at ``num_seq_rows``); tiles follow from the
-    tokens: one per decode sequence, and for chunks ``tokens / tile`` plus
-    one partial tile per chunk.
+    ``num_samples`` (capped at ``num_seq_rows``); prompt-scoring rows, when
+    any, to a power of two (at least ``tiling.min_tokens``, at most the
+    tokens); tiles follow from the tokens: one per decode sequence, and for
+    chunks ``tokens / tile`` plus one partial tile per chunk.
 
     Args:
       q_lens: i32[S] tokens each sequence brings.
@@ -145,15 +154,19 @@ def batch_shape(q_lens, *, num_seq_rows: int, tiling: Tiling = Tiling(), num_sam
       tiling: tile and block sizes.
       num_samples: tokens the call samples (one per sampling sequence row,
         parallel samples forked in the call included), <= ``num_seq_rows``.
+      num_prompt_rows: token rows whose logits score a prompt token, at
+        most the call's tokens.
 
     Raises:
       ValueError: ``q_lens`` not a 1-D array of integers >= 0 with at most
         ``num_seq_rows`` entries; more than ``tiling.max_prefill_chunks``
         chunks of 2 or more tokens; no token at all; more tokens than int32
-        positions can index; ``num_samples`` outside ``[0, num_seq_rows]``.
+        positions can index; ``num_samples`` outside ``[0, num_seq_rows]``;
+        ``num_prompt_rows`` outside ``[0, tokens]``.
     """
     check_int("num_seq_rows", num_seq_rows)
     check_int("num_samples", num_samples, 0)
+    check_int("num_prompt_rows", num_prompt_rows, 0)
     if num_samples > num_seq_rows:
         raise ValueError(f"num_samples={num_samples} exceeds num_seq_rows={num_seq_rows}")
     check_instance("tiling", tiling, Tiling)
@@ -179,9 +192,15 @@ def batch_shape(q_lens, *, num_seq_rows: int, tiling: Tiling = Tiling(), num_sam
     rows = min(num_tokens, num_seq_rows)
     while rows < num_samples:
         rows = min(2 * rows, num_seq_rows)
+    if num_prompt_rows > total:
+        raise ValueError(f"num_prompt_rows={num_prompt_rows} exceeds the {total} tokens of q_lens")
+    prompt_rows = min(tiling.min_tokens, num_tokens) if num_prompt_rows else 0
+    while prompt_rows < num_prompt_rows:
+        prompt_rows *= 2
     return BatchShape(
         num_tokens=num_tokens,
         num_logits=rows,
+        num_prompt_logits=prompt_rows,
         decode_tiles=rows if (q_lens == 1).any() else 0,
         prefill_tiles=(num_tokens // tiling.prefill_tile_q + tiling.max_prefill_chunks) if chunks else 0,
         tiling=tiling,

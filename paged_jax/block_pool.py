@@ -10,7 +10,8 @@ Reading the device state back would stall async scheduling (the host plans
 call ``i + 1`` before call ``i`` is done), so the host keeps an exact NumPy
 twin: the same block tables, reference counts and FIFO free queue, changed
 by the same rules in the same order as the device functions in one call
-(:func:`~paged_jax.page_state.unchecked_free`, then
+(:func:`~paged_jax.sliding_window.unchecked_drop_pages_before`, then
+:func:`~paged_jax.page_state.unchecked_free`, then
 :func:`~paged_jax.page_state.unchecked_share`, then
 :func:`~paged_jax.page_state.unchecked_extend`, then
 :func:`~paged_jax.page_state.unchecked_fork_many`). The engine checks the
@@ -30,7 +31,10 @@ references at once (the scheduler plans with the new counts) and
 :meth:`BlockPool.flush` queues the pages that reached zero in the order
 ``unchecked_free`` queues them for all the slots freed in one call: slots in
 ascending order, each one's pages tail first, a page several of them shared
-where its last holder puts it (:func:`paged_jax.page_state.free_order`).
+where its last holder puts it (:func:`paged_jax.free_queue.free_order`).
+Pages a sliding window drops (:meth:`BlockPool.drop_before`) are queued
+before the released slots' pages, as the device call drops before it
+frees (:func:`paged_jax.sliding_window.unchecked_drop_pages_before`).
 Tail first is what keeps a prefix cache's chains whole: eviction takes the
 least recently freed page, which is then a chain's last page, never its
 head, so the pages before it stay reachable (vLLM frees a request's blocks
@@ -43,7 +47,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from paged_jax.page_state import NULL_PAGE, PageState, free_order, pages_for_tokens
+from paged_jax.free_queue import free_order
+from paged_jax.page_state import NULL_PAGE, PageState, pages_for_tokens
 
 
 class BlockPool:
@@ -78,6 +83,7 @@ class BlockPool:
         self._queue: dict[int, None] = dict.fromkeys(range(1, num_pages))
         self._released: set[int] = set()  # reached zero references; queued by flush()
         self._freed: list[tuple[int, list[int]]] = []  # (slot, its pages) released since the last flush
+        self._dropped: dict[int, tuple[int, list[int]]] = {}  # slot -> (first kept column, pages dropped)
         self.on_evict = on_evict
 
     @property
@@ -100,32 +106,70 @@ class BlockPool:
     def release(self, slot: int) -> int:
         """Empties ``slot``; its pages lose a reference. Returns how many
         reached zero (they join the free queue at :meth:`flush`)."""
-        freed = 0
         if self.num_seq_pages[slot]:
             if any(s == slot for s, _ in self._freed):
                 raise RuntimeError(f"internal: slot {slot} released twice before one flush")
             self._freed.append((slot, self.pages(slot)))
-        for p in self.pages(slot):
-            self.ref_counts[p] -= 1
-            if self.ref_counts[p] == 0:
-                self._released.add(p)
-                freed += 1
+        freed = self._unref(self.pages(slot))
         self.block_tables[slot] = NULL_PAGE
         self.seq_lens[slot] = 0
         self.num_seq_pages[slot] = 0
         return freed
 
+    def drop_before(self, slot: int, first_kept: int) -> int:
+        """Drops ``slot``'s pages at columns below ``first_kept`` (a
+        sliding window's, see :mod:`paged_jax.sliding_window`): their
+        entries become ``NULL_PAGE`` and they lose a reference. Returns how
+        many reached zero (queued at :meth:`flush`, before the released
+        slots' pages). Call :meth:`first_kept` for the next call's
+        argument."""
+        n = min(int(first_kept), int(self.num_seq_pages[slot]))
+        pages = [p for p in self.block_tables[slot, :n].tolist() if p != NULL_PAGE]
+        if not pages:
+            return 0
+        if slot in self._dropped:  # the device drops once per call
+            raise RuntimeError(f"internal: slot {slot} dropped pages twice before one flush")
+        self._dropped[slot] = (n, pages)
+        self.block_tables[slot, :n] = NULL_PAGE
+        return self._unref(pages)
+
+    def first_kept(self) -> np.ndarray:
+        """i64[max_seqs] the columns each slot drops below in the next call
+        (0: none), for :func:`paged_jax.sliding_window.unchecked_drop_pages_before`."""
+        out = np.zeros(len(self.seq_lens), np.int64)
+        for slot, (n, _) in self._dropped.items():
+            out[slot] = n
+        return out
+
+    def _unref(self, pages: list[int]) -> int:
+        """Drops a reference from each non-null page; returns how many
+        reached zero (released, queued at :meth:`flush`)."""
+        freed = 0
+        for p in pages:
+            if p == NULL_PAGE:
+                continue
+            self.ref_counts[p] -= 1
+            if self.ref_counts[p] == 0:
+                self._released.add(p)
+                freed += 1
+        return freed
+
     def _release_order(self) -> list[int]:
-        """The released pages in the order ``unchecked_free`` queues them."""
-        tables = [pages for _, pages in sorted(self._freed, key=lambda e: e[0])]
-        return [p for p in free_order(tables) if p in self._released]
+        """The released pages in the order the device queues them: the
+        dropped pages (slots ascending), then the freed slots' pages."""
+        dropped = [pages for _, (_, pages) in sorted(self._dropped.items())]
+        freed = [[p for p in pages if p != NULL_PAGE] for _, pages in sorted(self._freed, key=lambda e: e[0])]
+        order = free_order(dropped) + free_order(freed)
+        last = {p: i for i, p in enumerate(order)}  # a page dropped here and freed there goes where it is freed
+        return [p for i, p in enumerate(order) if last[p] == i and p in self._released]
 
     def flush(self) -> None:
-        """Queues the released pages in ``unchecked_free``'s order."""
+        """Queues the released pages in the device's order."""
         for p in self._release_order():
             self._queue[p] = None
         self._released.clear()
         self._freed.clear()
+        self._dropped.clear()
 
     def share(self, slot: int, pages: Sequence[int], num_tokens: int | None = None) -> int:
         """Gives empty ``slot`` ``pages`` holding ``num_tokens`` tokens
@@ -135,6 +179,8 @@ class BlockPool:
         :meth:`take_free` did not already take)."""
         taken = 0
         for p in pages:
+            if p == NULL_PAGE:  # a page a sliding window dropped
+                continue
             if self.ref_counts[p] == 0:
                 if p in self._released:
                     self._released.remove(p)
@@ -234,7 +280,7 @@ class BlockPool:
         """Empty ``dst`` shares ``src``'s tokens, as ``unchecked_fork_many``."""
         n = pages_for_tokens(int(self.seq_lens[src]), self.page_size)
         pages = self.block_tables[src, :n]
-        self.ref_counts[pages] += 1
+        self.ref_counts[pages[pages != NULL_PAGE]] += 1
         self.block_tables[dst, :n] = pages
         self.block_tables[dst, n:] = NULL_PAGE
         self.num_seq_pages[dst] = n

@@ -99,6 +99,11 @@ class EngineConfig:
         group that does not fit in the swap space is recomputed.
       swap_space_pages: pages the swap space holds; default as many as the
         KV pool's usable pages.
+      drop_out_of_window_pages: when every layer of the model attends a
+        sliding window (``PagedModel.kv_window``), return the pages that
+        left it to the pool while the sequence runs
+        (:mod:`paged_jax.sliding_window`); False keeps every page until the
+        sequence ends (the same outputs, more memory).
     """
 
     max_seqs: int = 64
@@ -110,6 +115,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     swap_space_pages: int | None = None
+    drop_out_of_window_pages: bool = True
 
     def __post_init__(self):
         for name in ("max_seqs", "max_seq_len", "max_num_batched_tokens"):
@@ -124,5 +130,5 @@ class EngineConfig:
         check_choice("reservation", self.reservation, RESERVATIONS)
         if self.swap_space_pages is not None:
             check_int("swap_space_pages", self.swap_space_pages, 0)
-        for name in ("async_scheduling", "enable_prefix_caching"):
+        for name in ("async_scheduling", "enable_prefix_caching", "drop_out_of_window_pages"):
             check_bool(name, getattr(self, name))

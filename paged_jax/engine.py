@@ -16,6 +16,7 @@ loop (``add_request``, ``abort``, ``step``, ``run``) and reads the results:
   pool, the host's exact twin of the page state, the prefix cache, the
   swap space, and what each decision costs;
 - :mod:`paged_jax.input_builder`: one call's flat batch;
+- :mod:`paged_jax.prompt_logprobs`: the rows that score prompt tokens;
 - :mod:`paged_jax.step`: the one jitted device program per iteration (free,
   share, fork, grow with copy-on-write, forward, sample); the model is an
   object the caller passes in, this package never imports one;
@@ -56,6 +57,7 @@ from paged_jax.input_builder import build_step_inputs, samples_in_call
 from paged_jax.kv_cache import KVPool
 from paged_jax.kv_manager import KVCacheManager
 from paged_jax.outputs import drain, request_output
+from paged_jax.prompt_logprobs import PromptLogprobsBook, PromptRow
 from paged_jax.requests import CompletionOutput, Request, RequestLimits, RequestOutput, check_token_ids
 from paged_jax.sampling import SamplingParams
 from paged_jax.scheduler import ScheduledSeq, Scheduler
@@ -76,6 +78,8 @@ class _InFlight:
     sampled: jax.Array  # i32[S] sampled token per page-state row (device)
     top: tuple  # (i32[S, K] ids, f32[S, K] log-probs) per row, K = 0 without beam search or logprobs (device)
     sampled_lp: jax.Array  # f32[S] the sampled token's log-prob per row, zeros unless asked for (device)
+    prompt: tuple | None  # the prompt rows' (f32[P] log-probs, i32[P, K] top ids, f32[P, K]), None if none (device)
+    prompt_rows: list[PromptRow]  # what each prompt row scores
     ok: jax.Array  # bool[] the page-state update succeeded (device)
     num_free: jax.Array  # i32[] free pages after it (device)
     samplers: list[Sequence]  # the sequences that sample in it
@@ -143,7 +147,8 @@ class Engine:
         swap_pages = config.swap_space_pages if config.swap_space_pages is not None else kv_pool.num_pages - 1
         self.kv_manager = KVCacheManager(
             kv_pool, max_seqs=config.max_seqs, max_seq_len=config.max_seq_len, reservation=config.reservation,
-            enable_prefix_caching=config.enable_prefix_caching, swap_space_pages=swap_pages, stats=self.stats)
+            enable_prefix_caching=config.enable_prefix_caching, swap_space_pages=swap_pages, stats=self.stats,
+            sliding_window=getattr(model, "kv_window", None) if config.drop_out_of_window_pages else None)
         self.scheduler = Scheduler(
             max_seqs=config.max_seqs, max_num_batched_tokens=config.max_num_batched_tokens, tiling=config.tiling,
             preemption_mode=config.preemption_mode, kv=self.kv_manager, stats=self.stats)
@@ -152,6 +157,7 @@ class Engine:
             vocab_size=vocab_size, max_seq_len=config.max_seq_len, max_seqs=config.max_seqs,
             page_size=self.page_size, usable_pages=kv_pool.num_pages - 1, reservation=config.reservation)
         self._live: dict = {}  # request_id -> group, while unfinished: ids need only be unique among these
+        self._prompt_lps = PromptLogprobsBook()
         self._inflight: _InFlight | None = None  # the dispatched call not yet read
         self._no_prev = jnp.zeros(config.max_seqs, jnp.int32)
         self._failed: BaseException | None = None
@@ -411,7 +417,7 @@ class Engine:
         now = self.clock()
         for group in touched:
             if not group.reported and group.request.sampling.output_kind != "final":
-                outputs.append(request_output(group, now=now, finished=False))
+                outputs.append(request_output(group, now=now, finished=False, prompt_book=self._prompt_lps))
         if not self.has_unfinished():
             self.kv_manager.flush_frees()
         self.stats.record_iteration(seconds=time.perf_counter() - t_start, compile_s=compile_seconds() - c_start,
@@ -432,25 +438,18 @@ class Engine:
             for child in kids:
                 self._attach_detokenizer(child)
         forks_pre = [s for s in self.running if s.fork_pre is not None]
-        inputs, shape, samplers = build_step_inputs(scheduled, children, forks_pre, kvm.call_pages(),
-                                                    tiling=self.config.tiling)
+        call = build_step_inputs(scheduled, children, forks_pre, kvm.call_pages(), tiling=self.config.tiling,
+                                 prompt_book=self._prompt_lps)
         for seq in forks_pre:
             seq.fork_pre = None
         # The twin takes the same steps as the device call: free, share (done
         # at admission), fork (beams), extend, fork (parallel samples).
-        expected_free = kvm.plan_call(inputs.fork_pre, inputs.num_new, inputs.fork_src)
-        greedy_only = all(s.request.sampling.greedy for s in samplers)
-        width = max((s.request.sampling.beam_width for s in samplers), default=0)
-        asked = [s.request.sampling.logprobs for s in samplers if s.request.sampling.logprobs is not None]
-        want = max(2 * width, max(asked, default=0))
-        top_k = 1 << (want - 1).bit_length() if want else 0  # bucketed to a power of two
-        logprobs = bool(asked)
-        self.stats.programs.add((shape, greedy_only, top_k, logprobs))
+        expected_free = kvm.plan_call(call.inputs.fork_pre, call.inputs.num_new, call.inputs.fork_src)
+        self.stats.programs.add((call.shape, call.options))
         c0, t0 = compile_seconds(), time.perf_counter()
-        kvm.state, kvm.kv, new, top, sampled_lp, ok, num_free = device_step(
+        kvm.state, kvm.kv, new, top, sampled_lp, prompt, ok, num_free = device_step(
             self.model, self.params, kvm.state, kvm.kv, self._no_prev if prev is None else prev.sampled,
-            inputs, shape=shape, greedy_only=greedy_only, top_k=top_k, logprobs=logprobs,
-        )
+            call.inputs, shape=call.shape, **dataclasses.asdict(call.options))
         compile_s = compile_seconds() - c0
         if self.check_page_state:
             kvm.pool.check(kvm.state)
@@ -464,25 +463,26 @@ class Engine:
                 e.seq.group.seqs.extend(kids)
                 e.seq.group.child_slots = []
                 self.scheduler.add_children(e.seq, kids)
-        for seq in samplers:
+        for seq in call.samplers:
             seq.pending += 1
         for seq in self.running:
             kvm.offer(seq)
         return _InFlight(
-            sampled=new, top=top, sampled_lp=sampled_lp, ok=ok, num_free=num_free, samplers=samplers,
-            sampler_slots=[seq.slot for seq in samplers], expected_free=expected_free,
-            record=CallRecord(shape=shape, tokens=sum(e.num_tokens for e in scheduled), decode_tokens=decode,
+            sampled=new, top=top, sampled_lp=sampled_lp, prompt=prompt, prompt_rows=call.prompt_rows, ok=ok,
+            num_free=num_free, samplers=call.samplers,
+            sampler_slots=[seq.slot for seq in call.samplers], expected_free=expected_free,
+            record=CallRecord(shape=call.shape, tokens=sum(e.num_tokens for e in scheduled), decode_tokens=decode,
                               seconds=time.perf_counter() - t0 - compile_s, compile_s=compile_s),
         )
 
     def _complete(self, call: _InFlight, finished: list[Sequence], touched: dict[SequenceGroup, None]) -> None:
         """Reads a call's sampled tokens (the one transfer), checks the
         device's page state against the host's plan, and records tokens
-        (their times, log-probs and text); ``touched`` gets the groups that
-        got tokens."""
+        (their times, log-probs and text) and prompt log-probs; ``touched``
+        gets the groups that got tokens."""
         t0 = time.perf_counter()
-        sampled, (top_ids, top_lps), sampled_lp, ok, num_free = jax.device_get(
-            (call.sampled, call.top, call.sampled_lp, call.ok, call.num_free))
+        sampled, (top_ids, top_lps), sampled_lp, prompt, ok, num_free = jax.device_get(
+            (call.sampled, call.top, call.sampled_lp, call.prompt, call.ok, call.num_free))
         rec = call.record
         rec.seconds += time.perf_counter() - t0
         if not ok or int(num_free) != call.expected_free:  # the host plan is exact, so this is a bug
@@ -491,6 +491,7 @@ class Engine:
                 f"host {call.expected_free}"
             )
         self.stats.record_call(rec)
+        self._prompt_lps.record(call.prompt_rows, prompt)
         now = self.clock()
         bad = [seq.request.request_id for seq, slot in zip(call.samplers, call.sampler_slots)
                if not seq.done and (np.isnan(top_lps[slot]).any() if seq.group.beam else sampled[slot] < 0)]
@@ -559,7 +560,7 @@ class Engine:
         self.scheduler.return_child_slots(group)
         self.kv_manager.drop_swapped(group)
         group.reported = True
-        return request_output(group, now=self.clock(), finished=True, decode=self._decode)
+        return request_output(group, now=self.clock(), finished=True, decode=self._decode, prompt_book=self._prompt_lps)
 
     def _attach_detokenizer(self, seq: Sequence) -> None:
         if self.tokenizer is not None and not seq.group.beam:

@@ -29,6 +29,17 @@ holds those pages ahead of its length: the call shares them with it
 (:func:`paged_jax.page_state.unchecked_share`, their tokens counted) and
 grows it only by the rest of its chunk.
 
+Sliding windows. When every layer of the model attends only the last
+``W`` tokens (``sliding_window``), a running sequence's pages that no
+query can see again leave its block table at the start of each round
+(:mod:`paged_jax.sliding_window`; the next call drops them on device
+before anything grows, so this round's growth may take them). Costs count
+table positions as before; the dropped pages simply join the free count.
+A swapped-out sequence copies only its live pages and gets its null
+entries back at swap-in; a fork shares the nulls; the prefix cache never
+keys a dropped page. Models that mix sliding and full layers need a block
+table per layer group and keep every page here.
+
 Reservations. Under a reservation policy other than ``"paged"``
 (:mod:`paged_jax.config`) a sequence holds pages for
 :func:`paged_jax.config.reserved_tokens` tokens from its admission on: every
@@ -49,10 +60,12 @@ import numpy as np
 
 from paged_jax import page_state as ps
 from paged_jax.block_pool import BlockPool
+from paged_jax.checks import check_int
 from paged_jax.config import reserved_tokens
 from paged_jax.kv_cache import KVPool
 from paged_jax.prefix_cache import PrefixCache, chain_keys
 from paged_jax.sequence import Sequence, SequenceGroup
+from paged_jax.sliding_window import drop_pages_before, window_first_kept
 from paged_jax.stats import EngineStats
 from paged_jax.swap import SwapSpace, SwappedGroup, gather_pages, scatter_pages
 
@@ -99,6 +112,8 @@ class CallPages:
         (same-step pages): the slot grows by its chunk less these.
       min_pages: i32[S] pages a slot the call grows holds afterwards at
         least (its reservation; 0 when paging on demand).
+      first_kept: i32[S] block-table columns each slot drops below first
+        (a sliding window's, :mod:`paged_jax.sliding_window`; 0 none).
     """
 
     free_mask: np.ndarray
@@ -107,6 +122,7 @@ class CallPages:
     hit_tokens: np.ndarray
     ahead: np.ndarray
     min_pages: np.ndarray
+    first_kept: np.ndarray
 
 
 class KVCacheManager:
@@ -123,11 +139,16 @@ class KVCacheManager:
       enable_prefix_caching: keep full pages keyed by their tokens.
       swap_space_pages: pages the swap space holds.
       stats: counters it adds to.
+      sliding_window: tokens every layer of the model attends (its pages
+        out of that window are dropped while sequences run), or None when
+        some layer attends everything.
     """
 
     def __init__(self, kv_pool: KVPool, *, max_seqs: int, max_seq_len: int, reservation: str,
-                 enable_prefix_caching: bool, swap_space_pages: int, stats: EngineStats):
+                 enable_prefix_caching: bool, swap_space_pages: int, stats: EngineStats,
+                 sliding_window: int | None = None):
         self.kv = kv_pool
+        self.sliding_window = None if sliding_window is None else check_int("sliding_window", sliding_window)
         self.page_size = L = kv_pool.page_size
         self.max_seq_len = max_seq_len
         self.max_pages_per_seq = ps.pages_for_tokens(max_seq_len, L)
@@ -143,6 +164,7 @@ class KVCacheManager:
         self._held = np.zeros(max_seqs, np.int64)  # pages per slot once this round's plan is done
         self._to_free = np.zeros(max_seqs, bool)  # freed by the next call
         self._min_pages = np.zeros(max_seqs, np.int32)  # pages each slot the next call grows holds at least
+        self._first_kept = np.zeros(max_seqs, np.int32)  # columns each slot drops below in the next call
         self._hits: dict[int, tuple[list[int], int, int]] = {}  # slot -> (pages, tokens, tokens ahead), next call
 
     # -------------------------------------------------------------- costs
@@ -174,7 +196,7 @@ class KVCacheManager:
         swapped = self.swap.get(group)
         if swapped is not None:
             rows = [swapped.tables[s.index] for s in members]
-            cost = len(set().union(*rows)) + sum(self.pages_for(s, s.num_tokens) - len(r) + 1
+            cost = len(set().union(*rows) - {-1}) + sum(self.pages_for(s, s.num_tokens) - len(r) + 1
                                                  for s, r in zip(members, rows))
             return Admission(cost=cost, hits=[[] for _ in members], swapped=swapped, members=members,
                              computed=[swapped.num_tokens[s.index] for s in members])
@@ -186,13 +208,32 @@ class KVCacheManager:
 
     def _lookup(self, seq: Sequence) -> list[int]:
         """Cached pages holding ``seq``'s first tokens, never all of them:
-        its last token is always computed, so there are logits to sample."""
-        if self.prefix_cache is None:
+        its last token is always computed, so there are logits to sample.
+        None for a request asking for prompt log-probs."""
+        # Prompt log-probs need logits at every prompt position, so such a request computes its whole prompt: a
+        # hit would leave the tokens it covers unscored. vLLM v1 skips the lookup for it too
+        # (vllm/v1/core/kv_cache_manager.py, KVCacheManager.get_computed_blocks: "We skip finding the prefix cache
+        # hit when ... the request requires prompt logprobs"). Its own pages are still offered to the cache.
+        if self.prefix_cache is None or seq.request.sampling.prompt_logprobs is not None:
             return []
         chain_keys(seq.tokens, self.page_size, seq.extra_key, seq.keys)
         return self.prefix_cache.lookup(seq.tokens, seq.keys, seq.extra_key, (len(seq.tokens) - 1) // self.page_size)
 
     # ------------------------------------------------------------ actions
+
+    def slide(self, running: list[Sequence]) -> None:
+        """Drops the pages ``running`` sequences' windows no longer see
+        (nothing without a ``sliding_window``); they count as free from now
+        on, and the next call drops them on device first."""
+        if self.sliding_window is None:
+            return
+        for seq in running:
+            first = int(window_first_kept(seq.num_computed, sliding_window=self.sliding_window,
+                                          page_size=self.page_size))
+            freed = self.pool.drop_before(seq.slot, first) if first else 0
+            self._first_kept[seq.slot] = first  # idempotent on device: null entries stay null
+            self.num_free += freed
+            self.stats.window_dropped_pages += freed
 
     def reserve(self, seq: Sequence, n: int) -> None:
         """Plans ``n`` more tokens for running ``seq`` in the next call."""
@@ -265,10 +306,10 @@ class KVCacheManager:
         """Copies a swapped group's pages into fresh pages (taken off the
         free queue now, so the next call's growth does not take them) and
         gives each member its pages back, shared as before."""
-        needed = sorted(set().union(*(swapped.tables[s.index] for s in members)))  # a finished member's drop out
+        needed = sorted(set().union(*(swapped.tables[s.index] for s in members)) - {-1})  # a finished member's drop out
         fresh = self.pool.take_free(len(needed))
         self.num_free -= len(needed)
-        new_page = dict(zip(needed, fresh))
+        new_page = {-1: ps.NULL_PAGE, **dict(zip(needed, fresh))}
         if fresh:
             self.kv = scatter_pages(self.kv, fresh, swapped.pages, source=needed)
         for seq in members:
@@ -287,7 +328,8 @@ class KVCacheManager:
         for seq in members:
             holder = seq.fork_pre or seq  # a beam not forked yet holds its parent's pages
             pages = self.pool.pages(holder.slot)[: ps.pages_for_tokens(seq.num_computed, self.page_size)]
-            tables[seq.index] = [unique.setdefault(p, len(unique)) for p in pages]
+            # A page a window dropped stays dropped: nothing to copy (-1 in the swapped table).
+            tables[seq.index] = [unique.setdefault(p, len(unique)) if p != ps.NULL_PAGE else -1 for p in pages]
             num_tokens[seq.index] = seq.num_computed
         if not unique or not self.swap.fits(len(unique)):
             return False
@@ -333,7 +375,8 @@ class KVCacheManager:
         chain_keys(seq.tokens, self.page_size, seq.extra_key, seq.keys)
         table = self.pool.block_tables[seq.slot]
         for j in range(seq.num_keyed, full):
-            self.prefix_cache.insert(int(table[j]), seq.tokens, seq.keys, seq.extra_key, j)
+            if table[j] != ps.NULL_PAGE:  # dropped by the window before it could be offered
+                self.prefix_cache.insert(int(table[j]), seq.tokens, seq.keys, seq.extra_key, j)
         seq.num_keyed = full
 
     # -------------------------------------------------------------- calls
@@ -347,6 +390,7 @@ class KVCacheManager:
             num_hit[slot], hit_tokens[slot], ahead[slot] = len(pages), tokens, computed_ahead
             hit_pages[slot, : len(pages)] = pages
         return CallPages(free_mask=self._to_free.copy(), num_hit=num_hit, hit_pages=hit_pages, hit_tokens=hit_tokens,
+                         first_kept=self._first_kept.copy(),
                          ahead=ahead, min_pages=self._min_pages.copy())
 
     def plan_call(self, fork_pre: np.ndarray, num_new: np.ndarray, fork_src: np.ndarray) -> int:
@@ -364,6 +408,7 @@ class KVCacheManager:
         self._hits.clear()
         self._to_free[:] = False
         self._min_pages[:] = 0
+        self._first_kept[:] = 0
         self.num_free = self.pool.num_free  # the plan counted a copy for every shared page; now exact
         self._held[:] = self.pool.num_seq_pages
         return self.num_free
@@ -371,6 +416,9 @@ class KVCacheManager:
     def flush_frees(self) -> None:
         """Frees now, on device, what the next call would have freed (the
         engine has no next call)."""
+        if self._first_kept.any():  # dropped before freed, as in a call
+            self.state = drop_pages_before(self.state, self._first_kept)
+            self._first_kept[:] = 0
         if self._to_free.any():
             self.state = ps.free(self.state, jnp.asarray(self._to_free))
             self._to_free[:] = False
@@ -389,4 +437,6 @@ class KVCacheManager:
 
     def usage(self) -> tuple[int, int]:
         """(pages held summed over slots, distinct pages in use) now."""
-        return int(self.pool.num_seq_pages.sum()), int(np.count_nonzero(self.pool.ref_counts))
+        cols = np.arange(self.max_pages_per_seq)[None, :] < self.pool.num_seq_pages[:, None]
+        held = int(np.count_nonzero(cols & (self.pool.block_tables != ps.NULL_PAGE)))  # dropped pages not held
+        return held, int(np.count_nonzero(self.pool.ref_counts))

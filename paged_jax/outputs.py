@@ -8,11 +8,13 @@ from __future__ import annotations
 from tqdm.auto import tqdm
 
 from paged_jax import beam_search
+from paged_jax.prompt_logprobs import PromptLogprobsBook
 from paged_jax.requests import CompletionOutput, RequestOutput
 from paged_jax.sequence import Sequence, SequenceGroup
 
 
-def request_output(group: SequenceGroup, *, now: float, finished: bool, decode=None) -> RequestOutput:
+def request_output(group: SequenceGroup, *, now: float, finished: bool, decode=None,
+                   prompt_book: PromptLogprobsBook | None = None) -> RequestOutput:
     """What ``group`` reports now, by its ``SamplingParams.output_kind``:
     everything so far ("final", "cumulative") or what is new since its last
     report ("delta": only the sequences with news). Marks what it reports
@@ -23,10 +25,13 @@ def request_output(group: SequenceGroup, *, now: float, finished: bool, decode=N
       finished: the request has ended (every sequence finished, or aborted).
       decode: ``decode(prompt_ids, output_ids, skip_special_tokens) -> str
         | None``, beam search hypotheses' text; None for no text.
+      prompt_book: the engine's prompt log-prob records (a request asking
+        for them reports them; a finished one's record is dropped).
 
     Beam search reports its ``beam_width`` best hypotheses (and, if aborted,
     the beams still searching), best first, once, when finished.
     """
+    delta = group.request.sampling.output_kind == "delta" and not group.beam  # beam search reports once
     if group.beam:
         skip, prompt = group.request.sampling.skip_special_tokens, group.seqs[0].tokens[: group.seqs[0].num_prompt]
         outputs = [CompletionOutput(index=i, output_ids=h.output_ids, finish_reason=h.finish_reason,
@@ -35,7 +40,6 @@ def request_output(group: SequenceGroup, *, now: float, finished: bool, decode=N
                                     token_times=group.step_times[: len(h.output_ids)])
                    for i, h in enumerate(beam_search.best_hypotheses(group))]
     else:
-        delta = group.request.sampling.output_kind == "delta"
         outputs = [_completion(s, delta) for s in group.seqs
                    if not delta or s.num_generated > s.num_reported or (s.done and not s.final_reported)]
     first = group.seqs[0]
@@ -49,6 +53,7 @@ def request_output(group: SequenceGroup, *, now: float, finished: bool, decode=N
         num_cached_tokens=group.num_cached_tokens or 0,
         finished=finished,
         arrival_s=group.arrival_s,
+        prompt_logprobs=None if prompt_book is None else prompt_book.report(group, delta=delta, final=finished),
     )
 
 

@@ -17,16 +17,17 @@ going out of bounds; attention masks such positions by length, so the null
 page's content never reaches an output. A pool of ``num_pages`` pages
 therefore has ``num_pages - 1`` usable pages.
 
-The free queue. Free pages sit in a FIFO ring buffer: allocation takes pages
-from the head, freeing appends them at the tail, so the page freed longest ago
-is handed out first (the order vLLM's ``FreeKVCacheBlockQueue`` keeps so that
-a prefix cache evicts the least recently used page first). Pages freed in one
-call are appended in :func:`free_order`: slots in ascending order, each
-slot's pages *tail first*, so a prefix cache loses a chain's last pages
-before its first ones and what is left of the chain stays reachable (vLLM
-frees a request's blocks in reverse). A page several freed slots shared
-goes where its last holder puts it, as if the slots were freed one by one.
-The order is exact and testable.
+The free queue. Free pages sit in a FIFO ring buffer
+(:mod:`paged_jax.free_queue`): allocation takes pages from the head,
+freeing appends them at the tail, least recently freed first, in
+:func:`paged_jax.free_queue.free_order` (slots ascending, each slot's pages
+tail first). The order is exact and testable.
+
+Null entries. A block-table entry below ``num_seq_pages`` may be
+``NULL_PAGE``: a page a sliding window no longer sees, dropped while the
+sequence runs (:mod:`paged_jax.sliding_window`). Every operation here
+skips null entries, so such a table forks, frees, grows and shares like any
+other.
 
 Running out of pages is not an error: ``allocate`` and ``append`` return
 ``ok = False`` together with the *unchanged* state, and the caller (the
@@ -53,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from paged_jax import free_queue
 from paged_jax.checks import check_int
 
 NULL_PAGE = 0
@@ -149,29 +151,13 @@ def _select(ok, new: PageState, old: PageState) -> PageState:
     return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
 
 
-def _pop_pages(state: PageState, need: jax.Array, width: int | None = None):
-    """Takes ``need[s]`` pages (i32[max_seqs], each <= ``width``) off the free
-    queue's head, slot by slot. Returns ``(pages, valid, ok, free_head,
-    num_free_pages)`` with ``pages``: i32[max_seqs, width] (entry ``[s, j]``
-    meaningful where ``valid[s, j] = j < need[s]``); ``width`` defaults to
-    ``max_pages_per_seq``. Nothing is changed; the caller commits the new
-    head and count only when ``ok``."""
-    cap = state.free_queue.shape[0]
-    total = need.sum()
-    ok = total <= state.num_free_pages
-    offset = jnp.cumsum(need) - need  # exclusive prefix sum, i32[max_seqs]
-    j = jnp.arange(width or state.max_pages_per_seq, dtype=jnp.int32)[None, :]
-    valid = j < need[:, None]  # [max_seqs, width]
-    pages = state.free_queue[(state.free_head + offset[:, None] + j) % cap]
-    return pages, valid, ok, (state.free_head + total) % cap, state.num_free_pages - total
-
-
 def _take_pages(state: PageState, need: jax.Array) -> tuple[PageState, jax.Array]:
     """Hands ``need[s]`` new pages to each sequence slot ``s``, appended to its
     block table after the pages it holds. Returns the new state (unchanged
     when the pool is short) and ``ok``."""
     max_pages = state.max_pages_per_seq
-    pages, valid, ok, head, num_free = _pop_pages(state, need)
+    pages, valid, ok, head, num_free = free_queue.pop(state.free_queue, state.free_head, state.num_free_pages, need,
+                                                      max_pages)
     j = jnp.arange(max_pages, dtype=jnp.int32)[None, :]
     col = jnp.where(valid, state.num_seq_pages[:, None] + j, max_pages)
     rows = jnp.broadcast_to(jnp.arange(state.max_seqs)[:, None], col.shape)
@@ -185,41 +171,6 @@ def _take_pages(state: PageState, need: jax.Array) -> tuple[PageState, jax.Array
         num_free_pages=num_free,
     )
     return _select(ok, new, state), ok
-
-
-def free_order(tables) -> list[int]:
-    """The order in which :func:`unchecked_free` queues the pages of the
-    slots it frees in one call, given their page lists (``tables``, in slot
-    order, each in logical order): every slot's pages tail first, one slot
-    after another, a page that appears more than once at its last place.
-    Pages still referenced elsewhere are not freed; drop them from the result.
-    """
-    flat = [p for pages in tables for p in reversed(pages)]
-    last = {p: i for i, p in enumerate(flat)}
-    return [p for i, p in enumerate(flat) if last[p] == i]
-
-
-def _release_pages(state: PageState, held: jax.Array, released: jax.Array) -> PageState:
-    """Appends the pages in ``released`` (bool[num_pages]) to the free
-    queue's tail in :func:`free_order` over the entries ``held``
-    (bool[max_seqs, max_pages]) of the freed slots' block tables."""
-    cap, num_pages, max_pages = state.free_queue.shape[0], state.num_pages, state.max_pages_per_seq
-    # Each row's pages tail first: entry k of a row is its page n - 1 - k.
-    k = jnp.arange(max_pages)[None, :]
-    n = held.sum(axis=1, keepdims=True)
-    rev = jnp.take_along_axis(state.block_tables, jnp.clip(n - 1 - k, 0, max_pages - 1), axis=1)
-    pages = jnp.where(k < n, rev, num_pages).ravel()  # [S * max_pages], num_pages: no page
-    pos = jnp.arange(pages.shape[0], dtype=jnp.int32)
-    last = jnp.full((num_pages,), -1, jnp.int32).at[pages].max(pos, mode="drop")
-    first_free = (pages < num_pages) & released[jnp.minimum(pages, num_pages - 1)] & (
-        last[jnp.minimum(pages, num_pages - 1)] == pos)
-    rank = jnp.cumsum(first_free) - 1
-    tail = (state.free_head + state.num_free_pages + rank) % cap
-    free_queue = state.free_queue.at[jnp.where(first_free, tail, cap)].set(pages, mode="drop")
-    return state.replace(
-        free_queue=free_queue,
-        num_free_pages=state.num_free_pages + released.sum(dtype=jnp.int32),
-    )
 
 
 @jax.jit
@@ -236,7 +187,7 @@ def unchecked_allocate(
     return state.replace(seq_lens=seq_lens), ok
 
 
-def _is_traced(*args) -> bool:
+def is_traced(*args) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
 
 
@@ -300,7 +251,7 @@ def allocate(state: PageState, seq_id, num_tokens, reserve_tokens=0) -> tuple[Pa
       ValueError: (eager calls) see :func:`check_allocate`. Under ``jit`` the
         arguments are traced and only the caller can guarantee them.
     """
-    if not _is_traced(state, seq_id, num_tokens, reserve_tokens):
+    if not is_traced(state, seq_id, num_tokens, reserve_tokens):
         check_allocate(state, seq_id, num_tokens, reserve_tokens)
     return unchecked_allocate(state, seq_id, num_tokens, reserve_tokens)
 
@@ -323,7 +274,7 @@ def append(state: PageState, active) -> tuple[PageState, jax.Array, jax.Array, j
         sequence already at ``max_seq_len`` tokens.
     """
     _mask("active", active, state)
-    if not _is_traced(state, active):
+    if not is_traced(state, active):
         full = np.flatnonzero(np.asarray(active) & (np.asarray(state.seq_lens) >= state.max_seq_len))
         if full.size:
             raise ValueError(
@@ -364,7 +315,7 @@ def extend(state: PageState, num_new, min_pages=0) -> tuple[PageState, jax.Array
         raise ValueError(
             f"min_pages must be an int or int[max_seqs={state.max_seqs}], got {min_pages!r:.80}"
         )
-    if not _is_traced(state, num_new, min_pages):
+    if not is_traced(state, num_new, min_pages):
         m = np.asarray(min_pages)
         if (m < 0).any() or (m > state.max_pages_per_seq).any():
             raise ValueError(
@@ -401,7 +352,7 @@ def fork(state: PageState, src, dst) -> PageState:
       ValueError: (eager calls) ``src`` or ``dst`` not an integer in
         ``[0, max_seqs)``, ``src == dst``, or ``dst`` not empty.
     """
-    if not _is_traced(state, src, dst):
+    if not is_traced(state, src, dst):
         src = _index("src", src, state.max_seqs)
         dst = _index("dst", dst, state.max_seqs)
         if src == dst:
@@ -472,7 +423,8 @@ def unchecked_extend(
     want = jnp.maximum(pages_for_tokens(state.seq_lens + num_new, page_size), min_pages)
     grow = jnp.where(active, jnp.maximum(want - state.num_seq_pages, 0), 0).astype(jnp.int32)
     need = grow + cow.astype(jnp.int32)
-    pages, valid, ok, head, num_free = _pop_pages(state, need, width=max_pages + 1)
+    pages, valid, ok, head, num_free = free_queue.pop(state.free_queue, state.free_head, state.num_free_pages, need,
+                                                      max_pages + 1)
     ok &= ~jnp.any(active & (state.seq_lens + num_new > state.max_seq_len))
     ok &= ~jnp.any(num_new < 0)  # under jit nothing else catches it
     ok &= ~jnp.any(state.num_seq_pages + grow > max_pages)
@@ -499,24 +451,33 @@ def unchecked_extend(
     return new, ok, cow_src, cow_dst
 
 
+def release_entries(state: PageState, held: jax.Array) -> PageState:
+    """Drops one reference from each block-table entry in ``held``
+    (bool[max_seqs, max_pages]; null entries are skipped) and queues the
+    pages that reach zero (:func:`paged_jax.free_queue.push_released`).
+    Tables, lengths and page counts are left to the caller."""
+    held = held & (state.block_tables != NULL_PAGE)
+    pages = jnp.where(held, state.block_tables, state.num_pages)
+    ref_counts = state.ref_counts.at[pages].add(-1, mode="drop")
+    released = (state.ref_counts > 0) & (ref_counts == 0)
+    queue, num_free = free_queue.push_released(state.free_queue, state.free_head, state.num_free_pages,
+                                               state.block_tables, held, released)
+    return state.replace(ref_counts=ref_counts, free_queue=queue, num_free_pages=num_free)
+
+
 @jax.jit
 def unchecked_free(state: PageState, seq_mask: jax.Array) -> PageState:
     """Frees every sequence in ``seq_mask`` (bool[max_seqs]).
 
     Each of their pages loses one reference; a page whose count reaches zero
-    goes back to the free queue at once, in :func:`free_order` (each slot's
-    pages tail first). The slots become empty: length 0, no pages,
-    block-table rows all ``NULL_PAGE``. Freeing an empty slot is a no-op.
+    goes back to the free queue at once, in
+    :func:`paged_jax.free_queue.free_order` (each slot's pages tail first).
+    The slots become empty: length 0, no pages, block-table rows all
+    ``NULL_PAGE``. Freeing an empty slot is a no-op.
     """
-    max_pages = state.max_pages_per_seq
-    j = jnp.arange(max_pages)[None, :]
-    held = seq_mask[:, None] & (j < state.num_seq_pages[:, None])  # [max_seqs, max_pages]
-    pages = jnp.where(held, state.block_tables, state.num_pages)
-    ref_counts = state.ref_counts.at[pages].add(-1, mode="drop")
-    released = (state.ref_counts > 0) & (ref_counts == 0)
-    queued = _release_pages(state, held, released)
-    return queued.replace(
-        ref_counts=ref_counts,
+    j = jnp.arange(state.max_pages_per_seq)[None, :]
+    released = release_entries(state, seq_mask[:, None] & (j < state.num_seq_pages[:, None]))
+    return released.replace(
         block_tables=jnp.where(seq_mask[:, None], NULL_PAGE, state.block_tables),
         seq_lens=jnp.where(seq_mask, 0, state.seq_lens),
         num_seq_pages=jnp.where(seq_mask, 0, state.num_seq_pages),
@@ -563,7 +524,8 @@ def unchecked_fork_many(state: PageState, src_of: jax.Array) -> tuple[PageState,
         block_tables=jnp.where(is_dst[:, None], table, state.block_tables),
         seq_lens=jnp.where(is_dst, state.seq_lens[src], state.seq_lens),
         num_seq_pages=jnp.where(is_dst, n, state.num_seq_pages),
-        ref_counts=state.ref_counts.at[jnp.where(shared, table, state.num_pages)].add(1, mode="drop"),
+        ref_counts=state.ref_counts.at[jnp.where(shared & (table != NULL_PAGE), table, state.num_pages)].add(
+            1, mode="drop"),
     )
     return _select(ok, new, state), ok
 
@@ -587,7 +549,9 @@ def unchecked_share(
       state: the page state.
       num_hit: i32[max_seqs] pages to take per slot, 0 for none.
       hit_pages: i32[max_seqs, max_pages_per_seq] their ids, in logical
-        order; entries past ``num_hit[s]`` are ignored.
+        order; entries past ``num_hit[s]`` are ignored; ``NULL_PAGE``
+        entries before a slot's last page stand for pages a sliding window
+        dropped (:mod:`paged_jax.sliding_window`) and take no reference.
       num_tokens: i32[max_seqs] tokens each slot holds afterwards, which
         the ``num_hit[s]`` pages must fit exactly (``ceil(num_tokens /
         page_size) == num_hit``); None for full pages.
@@ -595,19 +559,21 @@ def unchecked_share(
     Returns:
       ``(state, ok)``; ``ok`` is False, and the state unchanged, when a slot
       with a hit is not empty, ``num_hit`` is outside ``[0,
-      max_pages_per_seq]``, ``num_tokens`` does not fit the pages, or a page
-      id is the null page or outside the pool.
+      max_pages_per_seq]``, ``num_tokens`` does not fit the pages, a
+      slot's last page is the null page, or a page id is outside the pool.
     """
     num_pages, max_pages, cap = state.num_pages, state.max_pages_per_seq, state.free_queue.shape[0]
     active = num_hit > 0
     take = jnp.arange(max_pages)[None, :] < num_hit[:, None]  # [S, max_pages]
     occupied = (state.num_seq_pages > 0) | (state.seq_lens > 0)
     ok = ~jnp.any(active & occupied) & ~jnp.any((num_hit < 0) | (num_hit > max_pages))
-    ok &= ~jnp.any(take & ((hit_pages <= NULL_PAGE) | (hit_pages >= num_pages)))
+    ok &= ~jnp.any(take & ((hit_pages < NULL_PAGE) | (hit_pages >= num_pages)))
+    last = jnp.take_along_axis(hit_pages, jnp.clip(num_hit - 1, 0, max_pages - 1)[:, None], axis=1)[:, 0]
+    ok &= ~jnp.any(active & (last == NULL_PAGE))  # null entries only where a window dropped pages
     lens = num_hit * state.page_size if num_tokens is None else num_tokens
     ok &= ~jnp.any(active & (pages_for_tokens(lens, state.page_size) != num_hit))
     table = jnp.where(take, hit_pages, NULL_PAGE)
-    ref_counts = state.ref_counts.at[jnp.where(take, table, num_pages)].add(1, mode="drop")
+    ref_counts = state.ref_counts.at[jnp.where(take & (table != NULL_PAGE), table, num_pages)].add(1, mode="drop")
     taken = (state.ref_counts == 0) & (ref_counts > 0)  # bool[num_pages] leaving the free queue
     # Compact the ring without them, head first, into a queue that starts at 0.
     queue = state.free_queue[(state.free_head + jnp.arange(cap)) % cap]
@@ -639,8 +605,9 @@ def share(state: PageState, num_hit, hit_pages) -> tuple[PageState, jax.Array]:
     Raises:
       ValueError: wrong shapes or dtypes; (eager calls) a slot with a hit
         that is not empty, ``num_hit`` outside ``[0, max_pages_per_seq]``,
-        a page listed twice for one slot, or a taken page id that is the
-        null page or outside the pool. The state is then untouched.
+        a page listed twice for one slot, a slot whose last page is the
+        null page, or a page id outside the pool. The state is then
+        untouched.
     """
     S, P = state.max_seqs, state.max_pages_per_seq
     for name, value, shape in (("num_hit", num_hit, (S,)), ("hit_pages", hit_pages, (S, P))):
@@ -648,7 +615,7 @@ def share(state: PageState, num_hit, hit_pages) -> tuple[PageState, jax.Array]:
         if getattr(value, "shape", None) != shape or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
             got = f"{dtype}{list(value.shape)}" if dtype is not None else f"a {type(value).__name__}"
             raise ValueError(f"{name} must be an integer array of shape {shape}, got {got}")
-    if not _is_traced(state, num_hit, hit_pages):
+    if not is_traced(state, num_hit, hit_pages):
         n, pages = np.asarray(num_hit), np.asarray(hit_pages)
         bad = np.flatnonzero((n < 0) | (n > P))
         if bad.size:
@@ -657,11 +624,14 @@ def share(state: PageState, num_hit, hit_pages) -> tuple[PageState, jax.Array]:
         if busy.size:
             raise ValueError(f"slots {busy.tolist()} already hold a sequence; a hit needs an empty slot")
         for slot in np.flatnonzero(n > 0):
-            row = pages[slot, : n[slot]].tolist()
+            row = [p for p in pages[slot, : n[slot]].tolist() if p != NULL_PAGE]
             if len(set(row)) < len(row):
                 raise ValueError(f"hit_pages[{slot}] lists a page twice ({row}): each logical page needs its own page")
+            if pages[slot, n[slot] - 1] == NULL_PAGE:
+                raise ValueError(f"hit_pages[{slot}] ends with the null page; only pages a sliding window dropped "
+                                 f"(before the last) may be null")
         taken = pages[np.arange(P)[None, :] < n[:, None]]
-        bad_pages = taken[(taken <= NULL_PAGE) | (taken >= state.num_pages)]
+        bad_pages = taken[(taken < NULL_PAGE) | (taken >= state.num_pages)]
         if bad_pages.size:
-            raise ValueError(f"hit_pages must be in [1, num_pages={state.num_pages}), got {bad_pages.tolist()}")
+            raise ValueError(f"hit_pages must be in [0, num_pages={state.num_pages}), got {bad_pages.tolist()}")
     return unchecked_share(state, jnp.asarray(num_hit, jnp.int32), jnp.asarray(hit_pages, jnp.int32))

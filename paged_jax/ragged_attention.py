@@ -24,7 +24,16 @@ every mix of lengths with the same number of tokens.
 
 Tiles and items are derived on device from the per-sequence lengths
 (:func:`count_work` gives the host the same numbers), so the call takes only
-arrays the engine already has: block tables and three length vectors.
+arrays the engine already has: block tables and three length vectors. The
+formula is ``pallas_kernels.flat_batch``'s, which the flat Pallas kernels
+tile with too.
+
+On GPU and TPU :func:`attend` runs the flat kernel instead
+(``pallas_kernels.flat_ragged_attention``, :data:`FLAT_KERNELS`): the same
+packed batch and tiles, one Pallas program per tile and KV head; and
+:func:`unchecked_write_attend` lets it write the call's K/V in the same call
+(the decoder then issues no scatter of its own). This XLA work list stays
+the CPU engine's path (Pallas runs only in interpret mode there).
 
 Pages are read from the stacked pool ``[layers, K, P, L, H]`` with a layer
 index, so a layer's slice is never copied out of the pool. A work item only
@@ -40,10 +49,9 @@ key (padding) are zeros.
 The door. :func:`attend` (the engine's attention, and what
 :func:`models.llama.forward_ragged` checks once per model call with
 :func:`check_attend`) and :func:`ragged_paged_attention` validate their
-arguments; :func:`unchecked_attend` and :func:`unchecked_ragged_paged_attention`
-under them trust theirs, and so does everything they call
-(``paged_jax.attention.unchecked_paged_attention`` and the kernels'
-``unchecked_<name>``).
+arguments; :func:`unchecked_attend`, :func:`unchecked_write_attend` and
+:func:`unchecked_ragged_paged_attention` under them trust theirs, and so does
+everything they call (the flat kernel's ``unchecked_`` entry).
 
 Axis letters: the alphabet of ``models/__init__.py`` (T flat query tokens,
 E sequence rows, ...); the work list adds U tiles, Q rows of a tile
@@ -62,51 +70,23 @@ import numpy as np
 from paged_jax import attention
 from paged_jax.batch import RaggedBatch
 from paged_jax.checks import check_int
+from paged_jax.kv_cache import KVPool, unchecked_write_layer_kv
 from pallas_kernels import common
+from pallas_kernels import flat_ragged_attention as flat
+from pallas_kernels.flat_batch import cdiv, check_flat_batch, check_tiles, count_work, tile_blocks, tiles
 
+# count_work and tile_blocks live in pallas_kernels.flat_batch (the flat kernels' formula) and are re-exported.
+__all__ = ["FLAT_KERNELS", "attend", "check_attend", "count_work", "kernel_writes_kv", "ragged_paged_attention",
+           "tile_blocks", "unchecked_attend", "unchecked_ragged_paged_attention", "unchecked_write_attend"]
 
-def _cdiv(a, b):
-    return (a + b - 1) // b
+FLAT_KERNELS = {"pallas_gpu": "gpu", "pallas_ragged": "gpu", "pallas_tpu": "tpu"}
+"""The ``impl`` names of :data:`paged_jax.attention.IMPLS` that mean a
+Pallas kernel, and the flat kernel's implementation each runs on a flat
+batch (``pallas_kernels.flat_ragged_attention``). The XLA names (``"xla"``,
+``"xla_loop"``) run the work list here."""
 
-
-def tile_blocks(first_pos, last_pos, *, block_tokens: int, sliding_window: int | None = None, xp=np):
-    """Key blocks a query tile attends: ``(first_block, num_blocks)``.
-
-    A tile whose queries sit at positions ``[first_pos, last_pos]`` sees keys
-    ``[0, last_pos]`` (causal), or ``(first_pos - sliding_window, last_pos]``
-    with a window; in blocks of ``block_tokens`` keys. ``xp`` is ``numpy``
-    on the host and ``jax.numpy`` on device: one formula, so the host's
-    counts are the device's.
-    """
-    hi = last_pos // block_tokens + 1
-    if sliding_window is None:
-        lo = xp.zeros_like(hi)
-    else:
-        lo = xp.maximum(first_pos - sliding_window + 1, 0) // block_tokens
-    return lo, hi - lo
-
-
-def count_work(q_lens, kv_lens, *, tile_q: int, block_tokens: int, sliding_window: int | None = None) -> tuple[int, int]:
-    """Host side: ``(num_tiles, num_work)`` a flat batch with these lengths
-    needs (numpy, exact); ``num_tiles`` passed to
-    :func:`ragged_paged_attention` must be at least the first.
-
-    Args:
-      q_lens, kv_lens: i32[E] as in :func:`ragged_paged_attention`.
-      tile_q: query tokens per tile.
-      block_tokens: keys per work item.
-      sliding_window: as in :func:`ragged_paged_attention`.
-    """
-    q_lens = np.asarray(q_lens, np.int64)
-    kv_lens = np.asarray(kv_lens, np.int64)
-    tiles_per_seq = _cdiv(q_lens, tile_q)
-    num_tiles = int(tiles_per_seq.sum())
-    seq = np.repeat(np.arange(len(q_lens)), tiles_per_seq)
-    row0 = (np.arange(num_tiles) - np.repeat(np.cumsum(tiles_per_seq) - tiles_per_seq, tiles_per_seq)) * tile_q
-    first_pos = kv_lens[seq] - q_lens[seq] + row0
-    last_pos = first_pos + np.minimum(tile_q, q_lens[seq] - row0) - 1
-    _, n = tile_blocks(first_pos, last_pos, block_tokens=block_tokens, sliding_window=sliding_window)
-    return num_tiles, int(n.sum())
+FLAT_BLOCK_SIZES = flat.FlatBlockSizes()
+"""The flat kernels' tiling (their defaults)."""
 
 
 def ragged_paged_attention(
@@ -175,10 +155,9 @@ def ragged_paged_attention(
                         ("work_chunk", work_chunk)):
         check_int(name, value)
     common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    layer, (q_starts, q_lens, kv_lens) = _check_flat(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens,
-                                                     kv_lens, k_scales, v_scales)
-    _check_tiles(q_lens, kv_lens, num_tiles=num_tiles, tile_q=tile_q,
-                 block_tokens=pages_per_block * k_pool.shape[3], sliding_window=sliding_window)
+    layer, (q_starts, q_lens, kv_lens) = check_flat_batch(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens,
+                                                          kv_lens, k_scales, v_scales)
+    check_tiles(q_lens, kv_lens, num_tiles=num_tiles, tile_q=tile_q)
     return unchecked_ragged_paged_attention(
         q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, num_tiles=num_tiles, tile_q=tile_q,
         pages_per_block=pages_per_block, work_chunk=work_chunk, scale=scale, soft_cap=soft_cap,
@@ -197,23 +176,16 @@ def unchecked_ragged_paged_attention(q, k_pool, v_pool, layer, block_tables, q_s
     num_kv_heads, page_size = k_pool.shape[1], k_pool.shape[3]
     group = num_q_heads // num_kv_heads
     pages_per_seq = block_tables.shape[1]
-    num_seqs = q_lens.shape[0]
     block_tokens = pages_per_block * page_size
     rows_m = group * tile_q
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     i32 = jnp.int32
 
-    # --- tiles: U = num_tiles -> (sequence, first row within it)
-    tiles_per_seq = _cdiv(q_lens, tile_q)  # [E]
-    tile_end = jnp.cumsum(tiles_per_seq)
-    tile_ids = jnp.arange(num_tiles, dtype=i32)
-    tile_seq = jnp.minimum(jnp.searchsorted(tile_end, tile_ids, side="right"), num_seqs - 1).astype(i32)
-    tile_real = tile_ids < tile_end[-1]
-    row0 = (tile_ids - (tile_end - tiles_per_seq)[tile_seq]) * tile_q  # [U]
-    rows_in_tile = jnp.where(tile_real, jnp.clip(q_lens[tile_seq] - row0, 0, tile_q), 0)
-    first_pos = kv_lens[tile_seq] - q_lens[tile_seq] + row0  # [U]
-    first_block, n_blocks = tile_blocks(first_pos, first_pos + rows_in_tile - 1, block_tokens=block_tokens,
+    # --- tiles: U = num_tiles -> (sequence, first row within it), the flat kernels' formula
+    t = tiles(q_lens, kv_lens, num_tiles=num_tiles, tile_q=tile_q)
+    tile_seq, row0, rows_in_tile, first_pos = t.seq, t.row0, t.rows, t.first_pos  # [U]
+    first_block, n_blocks = tile_blocks(first_pos, t.last_pos, block_tokens=block_tokens,
                                         sliding_window=sliding_window, xp=jnp)
     n_blocks = jnp.where(rows_in_tile > 0, n_blocks, 0)
     work_end = jnp.cumsum(n_blocks)  # [U]
@@ -284,7 +256,7 @@ def unchecked_ragged_paged_attention(q, k_pool, v_pool, layer, block_tables, q_s
         jnp.zeros((num_tiles, num_kv_heads, rows_m), jnp.float32),
         jnp.zeros((num_tiles, num_kv_heads, rows_m, head_dim), jnp.float32),
     )
-    _, l_acc, o_acc = jax.lax.fori_loop(0, _cdiv(total_work, work_chunk), chunk, acc)
+    _, l_acc, o_acc = jax.lax.fori_loop(0, cdiv(total_work, work_chunk), chunk, acc)
     # Only padding rows see no key (a real row sees its own): zeros by row,
     # not by ``l_acc > 0``, which would also zero a NaN ``l_acc`` (a NaN
     # logit or value the row sees: a corrupt weight served as tokens).
@@ -299,59 +271,11 @@ def unchecked_ragged_paged_attention(q, k_pool, v_pool, layer, block_tables, q_s
     return out.astype(q.dtype)
 
 
-def _check_flat(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, k_scales, v_scales):
-    """The checks every flat-batch door shares: shapes and dtypes; when the
-    values are concrete, lengths in range and sequences' rows inside ``T``
-    without overlap.
-
-    Returns:
-      ``(layer, (q_starts, q_lens, kv_lens))``: the layer as i32[] and the
-      lengths as i32, clamped to their ranges (under ``jit`` nothing can be
-      read, and no row may read past its block table).
-    """
-    if getattr(q, "ndim", None) != 3:
-        raise ValueError(f"q must be [T, num_q_heads, head_dim], got shape {getattr(q, 'shape', q)}")
-    if getattr(k_pool, "ndim", None) != 5 or getattr(v_pool, "shape", None) != k_pool.shape:
-        raise ValueError(
-            "k_pool and v_pool must both be [layers, K, P, L, H], got shapes "
-            f"{getattr(k_pool, 'shape', k_pool)} and {getattr(v_pool, 'shape', v_pool)}"
-        )
-    if q.shape[2] != k_pool.shape[4] or q.shape[1] % k_pool.shape[1]:
-        raise ValueError(f"q {q.shape} does not fit the pool {k_pool.shape}: head dims differ, or query heads "
-                         "are not a multiple of KV heads")
-    num_seqs = getattr(q_lens, "shape", (None,))[0]
-    for name, x in (("q_starts", q_starts), ("q_lens", q_lens), ("kv_lens", kv_lens)):
-        if getattr(x, "shape", None) != (num_seqs,) or not jnp.issubdtype(x.dtype, jnp.integer):
-            raise ValueError(f"{name} must be an integer [E={num_seqs}] array, got {getattr(x, 'shape', x)}")
-    if getattr(block_tables, "ndim", None) != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables must be [E={num_seqs}, pages_per_seq], got {getattr(block_tables, 'shape', None)}")
-    if v_pool.dtype != k_pool.dtype:
-        raise ValueError(f"k_pool and v_pool must share one dtype, got {k_pool.dtype} and {v_pool.dtype}")
-    common.check_scales("k_pool", k_pool.dtype, k_pool.shape, k_scales, v_scales)
-    layer = common.checked_layer(layer, k_pool.shape[0])[0]  # i32[], in range (clamped under jit)
-    i32 = jnp.int32
-    kv_lens, q_lens = common.checked_lengths(block_tables, k_pool.shape[2], k_pool.shape[3], kv_lens.astype(i32),
-                                             q_lens.astype(i32))  # ranges, named (eager); clamped
-    if not any(isinstance(x, jax.core.Tracer) for x in (q_starts, q_lens, kv_lens)):
-        ql, qs = np.asarray(q_lens), np.asarray(q_starts)
-        live = np.flatnonzero(ql > 0)
-        order = live[np.argsort(qs[live])]
-        ends = qs[order] + ql[order]
-        if live.size and (qs[order][0] < 0 or ends[-1] > q.shape[0] or (qs[order][1:] < ends[:-1]).any()):
-            raise ValueError(f"sequences' query rows overlap or pass T={q.shape[0]}: q_starts={qs.tolist()} "
-                             f"q_lens={ql.tolist()}")
-    return layer, (q_starts.astype(i32), q_lens, kv_lens)
-
-
-def _check_tiles(q_lens, kv_lens, *, num_tiles: int, tile_q: int, block_tokens: int,
-                 sliding_window: int | None, what: str = "num_tiles") -> None:
-    """Raises ValueError when the lengths are concrete and need more than
-    ``num_tiles`` tiles (the rest of the work would be dropped)."""
-    if any(isinstance(x, jax.core.Tracer) for x in (q_lens, kv_lens)):
-        return
-    need, _ = count_work(q_lens, kv_lens, tile_q=tile_q, block_tokens=block_tokens, sliding_window=sliding_window)
-    if num_tiles < need:
-        raise ValueError(f"{what}={num_tiles} is below the {need} tiles these lengths need (work would be dropped)")
+def kernel_writes_kv(impl: str) -> bool:
+    """Whether ``impl`` (resolved) writes the call's K/V inside its attention
+    call (:func:`unchecked_write_attend`: the flat Pallas kernels), so a
+    decoder issues no separate scatter."""
+    return impl in FLAT_KERNELS
 
 
 def check_attend(
@@ -367,19 +291,19 @@ def check_attend(
     **options,
 ) -> tuple[str, jax.Array, RaggedBatch]:
     """The checks of :func:`attend`'s door, for a caller that validates once
-    and then calls :func:`unchecked_attend` (a decoder: once per model call,
-    not once per layer). Same arguments; only ``q``'s shape and dtype are
-    read.
+    and then calls :func:`unchecked_attend` or :func:`unchecked_write_attend`
+    (a decoder: once per model call, not once per layer). Same arguments;
+    only ``q``'s shape and dtype are read.
 
     Returns:
       ``(impl, layer, batch)``: ``impl`` with ``"auto"`` resolved, ``layer``
       as i32[] in the pool and ``batch`` with i32 lengths clamped to their
-      ranges: what :func:`unchecked_attend` may trust, even under ``jit``.
+      ranges: what the unchecked calls may trust, even under ``jit``.
 
     Raises:
       ValueError: an unknown ``impl`` or option; options that are not
         positive; shapes that do not fit each other; a page size the chosen
-        kernels cannot tile; (eager calls) lengths outside their ranges,
+        kernel cannot tile; (eager calls) lengths outside their ranges,
         sequences whose rows overlap or pass ``T``, a layer outside the
         pool, or a ``batch.shape`` that cannot hold the batch's classes
         (work would be dropped).
@@ -390,14 +314,12 @@ def check_attend(
         raise ValueError(f"unknown attention options {sorted(unknown)}; expected scale, soft_cap, sliding_window")
     common.validate_options(scale=options.get("scale"), soft_cap=options.get("soft_cap"),
                             sliding_window=options.get("sliding_window"))
-    layer, (q_starts, q_lens, kv_lens) = _check_flat(q, k_pool, v_pool, layer, batch.block_tables, batch.q_starts,
-                                                     batch.q_lens, batch.kv_lens, k_scales, v_scales)
+    layer, (q_starts, q_lens, kv_lens) = check_flat_batch(q, k_pool, v_pool, layer, batch.block_tables,
+                                                          batch.q_starts, batch.q_lens, batch.kv_lens, k_scales,
+                                                          v_scales)
     shape, tiling = batch.shape, batch.shape.tiling
-    page_size = k_pool.shape[3]
-    if impl != "xla":  # the padded view's kernels: [E, 1] decode, [max_prefill_chunks, T] chunks
-        for tiles, width in ((shape.decode_tiles, 1), (shape.prefill_tiles, shape.num_tokens)):
-            if tiles:
-                attention.check_tiling(impl, width, page_size)
+    if impl in FLAT_KERNELS:
+        FLAT_BLOCK_SIZES.check(FLAT_KERNELS[impl], k_pool.shape[3])
     if not isinstance(q_lens, jax.core.Tracer):
         ql, kl = np.asarray(q_lens), np.asarray(kv_lens)
         chunks = int(np.sum(ql > 1))
@@ -408,14 +330,13 @@ def check_attend(
                 f"{tiling.max_prefill_chunks}), decode_tiles={shape.decode_tiles}, prefill_tiles="
                 f"{shape.prefill_tiles}; build it with paged_jax.batch.batch_shape"
             )
-        if impl == "xla":
-            for rows, tiles, tile_q, ppb, what in (
-                (ql == 1, shape.decode_tiles, 1, tiling.decode_pages_per_block, "decode_tiles"),
-                (ql > 1, shape.prefill_tiles, tiling.prefill_tile_q, tiling.prefill_pages_per_block,
-                 "prefill_tiles"),
-            ):
-                _check_tiles(np.where(rows, ql, 0), np.where(rows, kl, 0), num_tiles=tiles, tile_q=tile_q,
-                             block_tokens=ppb * page_size, sliding_window=options.get("sliding_window"), what=what)
+        # Decode tiles are one per sequence everywhere; the flat kernels size
+        # their chunk tiles from max_prefill_chunks (flat_batch.prefill_tiles),
+        # the work list from prefill_tiles.
+        check_tiles(np.where(ql == 1, ql, 0), kl, num_tiles=shape.decode_tiles, tile_q=1, what="decode_tiles")
+        if impl not in FLAT_KERNELS:
+            check_tiles(np.where(ql > 1, ql, 0), kl, num_tiles=shape.prefill_tiles, tile_q=tiling.prefill_tile_q,
+                        what="prefill_tiles")
     return impl, layer, batch.replace(q_starts=q_starts, q_lens=q_lens, kv_lens=kv_lens)
 
 
@@ -441,13 +362,15 @@ def attend(
       k_pool, v_pool: [layers, K, P, L, H] with this call's K/V written.
       layer: i32[] the layer.
       batch: the flat batch (block tables, starts and lengths, static sizes).
-      impl: ``"xla"``: :func:`ragged_paged_attention` (decode with one-token
-        tiles, chunks with ``batch.shape.tiling.prefill_tile_q``-token tiles);
-        any other name of :data:`paged_jax.attention.IMPLS` (the Pallas
-        kernels): the flat batch is viewed as padded rows, ``[E, 1]`` for
-        decode and ``[max_prefill_chunks, T]`` for chunks, and handed to
-        :func:`paged_jax.attention.unchecked_paged_attention`. ``"auto"``:
-        ``"xla"`` on CPU, the backend's kernels elsewhere.
+      impl: ``"xla"`` (and ``"xla_loop"``, whose CPU decode loop serves
+        padded batches only): :func:`ragged_paged_attention` (decode with
+        one-token tiles, chunks with ``batch.shape.tiling.prefill_tile_q``-token
+        tiles); a Pallas name of :data:`paged_jax.attention.IMPLS`: the flat
+        kernel of :data:`FLAT_KERNELS` over the packed batch as it is
+        (``pallas_kernels.flat_ragged_attention``: decode tiles and chunk
+        tiles, ``batch.shape.decode_tiles`` and
+        ``batch.shape.tiling.max_prefill_chunks`` sizing them). ``"auto"``:
+        ``"xla"`` on CPU, the backend's kernel elsewhere.
       k_scales, v_scales: the per-token scales of a quantized pool, else None.
       options: ``scale``, ``soft_cap``, ``sliding_window``.
 
@@ -478,49 +401,64 @@ def unchecked_attend(
 ) -> jax.Array:
     """:func:`attend` trusting its inputs: ``impl``, ``layer`` and ``batch``
     as :func:`check_attend` returns them. Same result."""
+    if impl in FLAT_KERNELS:
+        return _flat(q, None, None, k_pool, v_pool, layer, batch, None, k_scales, v_scales, impl, options)[0]
     shape, tiling = batch.shape, batch.shape.tiling
     out = jnp.zeros(q.shape, q.dtype)
     decode, chunk = batch.q_lens == 1, batch.q_lens > 1
-    if impl == "xla":
-        for tiles, tile_q, ppb, work_chunk, rows in (
-            (shape.decode_tiles, 1, tiling.decode_pages_per_block, min(tiling.decode_work_chunk, shape.decode_tiles),
-             decode),
-            (shape.prefill_tiles, tiling.prefill_tile_q, tiling.prefill_pages_per_block, tiling.prefill_work_chunk,
-             chunk),
-        ):
-            if tiles == 0:
-                continue
-            out = out + unchecked_ragged_paged_attention(
-                q, k_pool, v_pool, layer, batch.block_tables, batch.q_starts,
-                jnp.where(rows, batch.q_lens, 0), jnp.where(rows, batch.kv_lens, 0),
-                num_tiles=tiles, tile_q=tile_q, pages_per_block=ppb, work_chunk=work_chunk,
-                k_scales=k_scales, v_scales=v_scales, **options,
-            )
-        return out
-    options = dict(options, k_scales=k_scales, v_scales=v_scales)
-    if shape.decode_tiles:
-        out = _padded(out, q, k_pool, v_pool, layer, batch, jnp.arange(decode.shape[0]), decode, 1, impl, options)
-    if shape.prefill_tiles:
-        # The chunks' rows in row order; entries past their count are row 0, masked out.
-        n = tiling.max_prefill_chunks
-        rows = jnp.nonzero(chunk, size=n, fill_value=0)[0]
-        mine = jnp.arange(n) < jnp.sum(chunk)
-        out = _padded(out, q, k_pool, v_pool, layer, batch, rows, mine, shape.num_tokens, impl, options)
+    for tiles_, tile_q, ppb, work_chunk, rows in (
+        (shape.decode_tiles, 1, tiling.decode_pages_per_block, min(tiling.decode_work_chunk, shape.decode_tiles),
+         decode),
+        (shape.prefill_tiles, tiling.prefill_tile_q, tiling.prefill_pages_per_block, tiling.prefill_work_chunk,
+         chunk),
+    ):
+        if tiles_ == 0:
+            continue
+        out = out + unchecked_ragged_paged_attention(
+            q, k_pool, v_pool, layer, batch.block_tables, batch.q_starts,
+            jnp.where(rows, batch.q_lens, 0), jnp.where(rows, batch.kv_lens, 0),
+            num_tiles=tiles_, tile_q=tile_q, pages_per_block=ppb, work_chunk=work_chunk,
+            k_scales=k_scales, v_scales=v_scales, **options,
+        )
     return out
 
 
-def _padded(out, q, k_pool, v_pool, layer, batch, rows, mine, width, impl, options):
-    """One class of a flat batch through the padded ``[B, width]`` kernels:
-    gather the query rows of sequences ``rows`` (i32[B]; only where ``mine``)
-    into ``[B, width, N, H]``, attend, add into ``out``'s rows."""
-    t_total = q.shape[0]
-    q_lens = jnp.where(mine, batch.q_lens[rows], 0)
-    kv_lens = jnp.where(mine, batch.kv_lens[rows], 0)
-    t = jnp.arange(width, dtype=jnp.int32)[None, :]
-    src = batch.q_starts[rows][:, None] + t  # [B, width] flat rows
-    real = t < q_lens[:, None]
-    qp = q[jnp.where(real, src, 0)]  # [B, width, N, H]
-    o = attention.unchecked_paged_attention(qp, k_pool, v_pool, batch.block_tables[rows], kv_lens, q_lens,
-                                            impl=impl, layer=layer, **options)
-    dest = jnp.where(real, src, t_total).reshape(-1)
-    return out.at[dest].add(o.reshape(-1, *o.shape[2:]).astype(out.dtype), mode="drop")
+def unchecked_write_attend(
+    q: jax.Array,  # [T, N, H]
+    k: jax.Array,  # [T, K, H] the call's new keys, row t the token of query row t
+    v: jax.Array,  # [T, K, H]
+    kv: KVPool,
+    layer: jax.Array,  # i32[], in the pool
+    batch: RaggedBatch,
+    *,
+    impl: str,
+    **options,
+) -> tuple[jax.Array, KVPool]:
+    """Writes the call's K/V at ``batch.slots`` and attends, trusting its
+    inputs (``impl``, ``layer`` and ``batch`` from :func:`check_attend`, the
+    slots from ``kv_cache.check_slots``). A flat kernel (:func:`kernel_writes_kv`)
+    does both in its call; the XLA paths scatter
+    (``kv_cache.unchecked_write_layer_kv``) and then attend.
+
+    Returns:
+      ``(out [T, N, H] as :func:`attend`, kv)``: the pool with the K/V
+      written (quantized for an int8 or fp8 pool), bit for bit what
+      ``kv_cache.write_layer_kv`` writes. Donate ``kv``.
+    """
+    if impl not in FLAT_KERNELS:
+        kv = unchecked_write_layer_kv(kv, layer, k, v, batch.slots)
+        return unchecked_attend(q, kv.k, kv.v, layer, batch, impl=impl, k_scales=kv.k_scale, v_scales=kv.v_scale,
+                                **options), kv
+    out, *pool = _flat(q, k, v, kv.k, kv.v, layer, batch, batch.slots, kv.k_scale, kv.v_scale, impl, options)
+    return out, KVPool(*pool)
+
+
+def _flat(q, k_new, v_new, k_pool, v_pool, layer, batch, slots, k_scales, v_scales, impl, options):
+    """The flat kernel over the whole batch: ``(out, k_pool, v_pool,
+    k_scales, v_scales)``."""
+    shape = batch.shape
+    return flat.unchecked_flat_ragged_paged_attention(
+        q, k_new, v_new, k_pool, v_pool, layer, batch.block_tables, batch.q_starts, batch.q_lens, batch.kv_lens,
+        slots, k_scales=k_scales, v_scales=v_scales, decode_tiles=shape.decode_tiles,
+        prefill_chunks=shape.tiling.max_prefill_chunks if shape.prefill_tiles else 0,
+        block_sizes=FLAT_BLOCK_SIZES, impl=FLAT_KERNELS[impl], **options)

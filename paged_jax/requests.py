@@ -196,11 +196,22 @@ class RequestOutput:
       num_preemptions: times it was preempted, by recompute or swap (all
         its sequences together).
       num_cached_tokens: prompt tokens served from the prefix cache when
-        it was first admitted.
+        it was first admitted (always 0 for a request asking for
+        ``prompt_logprobs``: it computes its whole prompt).
       arrival_s, first_token_s, finish_s: seconds on the engine's clock
         (:meth:`Engine.clock`) when it was added, when its first token
         reached the host (None before that, or when aborted before it) and
         when it finished (None while it runs).
+      prompt_logprobs: with ``SamplingParams.prompt_logprobs=k``, one entry
+        per prompt token: None for the first (nothing before it), then
+        ``{token_id: logprob}`` holding the ``k`` most likely tokens' and
+        the prompt token's own log-probability given the tokens before it
+        (log-softmax of the model's logits in float32), as
+        ``CompletionOutput.logprobs``; None when not asked. They are all
+        known by the first token's report; with ``output_kind="delta"`` a
+        report holds only the entries new since the last (all of them in
+        the first, none after). An aborted request reports those scored
+        so far.
     """
 
     request_id: str | int
@@ -212,6 +223,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     finished: bool = True
     arrival_s: float = 0.0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def output_ids(self) -> list[int]:

@@ -18,7 +18,14 @@ import jax.numpy as jnp
 from paged_jax.checks import check_bool, check_choice, check_float, check_int
 
 MAX_LOGPROBS = 20
-"""Most top log-probabilities a request may ask for (OpenAI's limit)."""
+"""Most top log-probabilities a request may ask for (OpenAI's limit), for
+``logprobs`` and ``prompt_logprobs`` alike."""
+
+MAX_STOP_STRINGS = 64
+"""Most stop strings a request may give. Each is searched for in every text
+delta of every sequence (:mod:`paged_jax.detokenizer`), on the engine's
+thread: an unbounded list would let one request slow every step of every
+other request."""
 
 OUTPUT_KINDS = ("final", "delta", "cumulative")
 """What :meth:`paged_jax.engine.Engine.step` reports (``SamplingParams.output_kind``)."""
@@ -45,10 +52,18 @@ class SamplingParams:
         there (``finish_reason="stop"``, ``stop_reason`` the string); the
         string is not in its text and no token after the one that
         completed it is generated. Needs an engine built with a tokenizer;
-        not with beam search.
+        not with beam search. Duplicates are dropped (the first kept), and
+        at most ``MAX_STOP_STRINGS`` remain.
       logprobs: None, or ``k >= 0``: report each output token's
         log-probability and the ``k`` most likely tokens' (vLLM's
         ``logprobs``).
+      prompt_logprobs: None, or ``k >= 0``: report, for every prompt token
+        after the first, its log-probability given the tokens before it
+        and the ``k`` most likely tokens' at that position
+        (``RequestOutput.prompt_logprobs``; vLLM's ``prompt_logprobs``):
+        what scoring a text under the model needs. The request then
+        computes its whole prompt, never taking it from the prefix cache
+        (:mod:`paged_jax.prompt_logprobs`).
       output_kind: what :meth:`Engine.step` reports for the request:
         "final" (its output once, when it finishes), "delta" (after every
         call that gave it tokens, only what is new) or "cumulative" (after
@@ -61,9 +76,10 @@ class SamplingParams:
         ``temperature >= 0``, ``top_p`` in ``(0, 1]``, ``seed`` in
         ``[0, 2**32)``, ``n >= 1``, ``beam_width >= 0``, finite
         ``length_penalty``, ``stop`` a str or a sequence of non-empty
-        str, ``logprobs`` None or an int in ``[0, MAX_LOGPROBS]``, an
-        unknown ``output_kind``), or beam search with sampling options,
-        stop strings or ``logprobs``.
+        str, at most ``MAX_STOP_STRINGS`` of them once duplicates are
+        dropped, ``logprobs`` and ``prompt_logprobs`` None or an int in
+        ``[0, MAX_LOGPROBS]``, an unknown ``output_kind``), or beam search
+        with sampling options, stop strings or ``logprobs``.
     """
 
     temperature: float = 0.0
@@ -74,6 +90,7 @@ class SamplingParams:
     length_penalty: float = 1.0
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     output_kind: str = "final"
     skip_special_tokens: bool = True
 
@@ -92,14 +109,19 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(t, str) and t for t in stop):
             raise ValueError(f"stop must be a str or a list of non-empty str, got {self.stop!r}")
-        object.__setattr__(self, "stop", tuple(stop))
+        stop = tuple(dict.fromkeys(stop))  # a duplicate would only be searched for twice
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} distinct strings (each is searched for in "
+                             f"every text delta), got len(stop)={len(stop)}")
+        object.__setattr__(self, "stop", stop)
         if self.stop and self.beam_width:
             raise ValueError(f"stop strings are not supported with beam search (beam_width={self.beam_width})")
         if self.logprobs is not None and self.beam_width:
             raise ValueError(f"logprobs is not supported with beam search (beam_width={self.beam_width}): each "
                              "hypothesis reports its cumulative_logprob")
-        if self.logprobs is not None:
-            object.__setattr__(self, "logprobs", check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS + 1))
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, check_int(name, getattr(self, name), 0, MAX_LOGPROBS + 1))
         check_choice("output_kind", self.output_kind, OUTPUT_KINDS)
         check_bool("skip_special_tokens", self.skip_special_tokens)
 

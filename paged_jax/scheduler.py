@@ -84,6 +84,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks = self.tiling.max_prefill_chunks  # chunks of 2+ tokens left for this call
         out: list[ScheduledSeq] = []
+        self.kv.slide(list(self.running))  # pages out of a sliding window first: they are free for this round
         i = 0
         while i < len(self.running) and budget > 0:
             group = self.running[i].group

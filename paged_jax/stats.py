@@ -52,7 +52,9 @@ class EngineStats:
     without sharing), and ``used_pages_sum`` the distinct pages held;
     ``sharing_saving`` is ``1 - used / seq`` over the run, the measure of
     the paper's Figures 15 and 17. ``recomputed_tokens``: tokens prefilled
-    again after a preemption by recompute.
+    again after a preemption by recompute. ``window_dropped_pages``: pages
+    returned to the pool while their sequence ran because a sliding window
+    no longer saw them (:mod:`paged_jax.sliding_window`).
     """
 
     iterations: int = 0
@@ -72,6 +74,7 @@ class EngineStats:
     prefix_hit_pages: int = 0
     pages_saved: int = 0
     recomputed_tokens: int = 0
+    window_dropped_pages: int = 0
     seq_pages_sum: int = 0
     used_pages_sum: int = 0
     peak_pages_used: int = 0
@@ -81,7 +84,7 @@ class EngineStats:
     compile_s: float = 0.0
     concurrency_s: float = 0.0  # integral of running sequences over time
     token_fraction_s: float = 0.0  # integral of used/allocated over time
-    programs: set = dataclasses.field(default_factory=set)  # (BatchShape, greedy only)
+    programs: set = dataclasses.field(default_factory=set)  # (BatchShape, StepOptions): one compiled program each
     calls: list = dataclasses.field(default_factory=list)  # CallRecord per model call
 
     def record_call(self, rec: CallRecord) -> None:

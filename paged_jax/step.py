@@ -1,5 +1,7 @@
-"""One iteration's device work, as one jitted program: free, share, fork,
-grow (copy-on-write included), forward over the flat batch, sample.
+"""One iteration's device work, as one jitted program: drop (pages a
+sliding window no longer sees), free, share, fork, grow (copy-on-write
+included), forward over the flat batch, sample (and score prompt tokens,
+:mod:`paged_jax.prompt_logprobs`).
 
 The engine (:mod:`paged_jax.engine`) plans an iteration on the host and
 calls :func:`device_step` once; the model is anything with the
@@ -9,6 +11,7 @@ calls :func:`device_step` once; the model is anything with the
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 from typing import Any, Protocol
 
@@ -22,19 +25,23 @@ from paged_jax.batch import BatchShape, RaggedBatch
 from paged_jax.checks import check_int
 from paged_jax.kv_cache import KVPool, copy_pages
 from paged_jax.sampling import greedy, sample
+from paged_jax.sliding_window import unchecked_drop_pages_before
 from paged_jax.slots import flat_slot_mapping
 
 
 class PagedModel(Protocol):
     """What the engine needs of a model.
 
-    Attributes:
+    Attributes (``kv_window`` optional):
       params: the weights, a pytree (an argument of the jitted step, never a
         constant folded into it).
       vocab_size: tokens in the vocabulary (prompt ids are checked against
         it).
+      kv_window: tokens every layer attends, or None (absent: None) when
+        some layer attends all; the engine then drops pages out of the
+        window while sequences run (:mod:`paged_jax.sliding_window`).
       apply: ``apply(params, batch: RaggedBatch, kv: KVPool) -> (logits
-        f32[R, V] at ``batch.logits_rows``, kv)``, pure and jittable, writing
+        f32[R + P, V] at ``batch.logits_rows``, kv)``, pure and jittable, writing
         the batch's K/V at ``batch.slots`` (``models.llama.RaggedModel``).
     """
 
@@ -73,8 +80,10 @@ def check_model(model, kv_pool: KVPool, vocab_size: int | None) -> int | None:
 class StepInputs:
     """Host-built arrays of one call (numpy; :func:`paged_jax.input_builder.build_step_inputs`),
     a pytree handed to the jitted step as is. ``S`` page-state rows, ``T``
-    tokens, ``R`` logits rows."""
+    tokens, ``R`` sampling logits rows, ``P`` prompt-scoring logits rows
+    (``BatchShape.num_prompt_logits``, 0 in most calls)."""
 
+    first_kept: np.ndarray  # i32[S] block-table columns each slot drops below first (a sliding window's)
     free_mask: np.ndarray  # bool[S] slots to free before growing
     num_hit: np.ndarray  # i32[S] pages an empty slot takes (a prefix-cache hit or a swap-in)
     hit_pages: np.ndarray  # i32[S, max_pages_per_seq] their ids
@@ -96,17 +105,40 @@ class StepInputs:
     seeds: np.ndarray  # u32[R]
     streams: np.ndarray  # i32[R] sample index within the request
     steps: np.ndarray  # i32[R]
+    prompt_rows: np.ndarray  # i32[P] flat row whose logits score a prompt token (padding: row 0)
+    prompt_targets: np.ndarray  # i32[P] the prompt token each scores (the one after its row's)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """:func:`device_step`'s static arguments besides the model and the
+    shape: each distinct value, with the shape, is one program.
+
+    Attributes:
+      greedy_only: no row samples (argmax only).
+      top_k: most likely tokens reported per sampling row (twice the
+        widest beam, or the most ``SamplingParams.logprobs`` asked), a
+        power of two or 0.
+      logprobs: some row reports its sampled token's log-probability.
+      prompt_top_k: most likely tokens reported per prompt-scoring row (the
+        most ``SamplingParams.prompt_logprobs`` asked), a power of two or 0.
+    """
+
+    greedy_only: bool = True
+    top_k: int = 0
+    logprobs: bool = False
+    prompt_top_k: int = 0
 
 
 _TRACES: collections.Counter = collections.Counter()  # id(model) -> traces of device_step
 
 
-@functools.partial(jax.jit, static_argnames=("model", "shape", "greedy_only", "top_k", "logprobs"),
+@functools.partial(jax.jit, static_argnames=("model", "shape", "greedy_only", "top_k", "logprobs", "prompt_top_k"),
                    donate_argnums=(2, 3))
 def device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array, inp: StepInputs, *, shape: BatchShape,
-                 greedy_only: bool, top_k: int, logprobs: bool = False):
-    """Free, share, grow, fork, forward, sample: one iteration's device work, one program
-    per (model, shape, greedy_only, top_k, logprobs). ``prev``: i32[S] the
+                 greedy_only: bool, top_k: int, logprobs: bool = False, prompt_top_k: int = 0):
+    """Drop, free, share, grow, fork, forward, sample: one iteration's device work, one program
+    per (model, shape, greedy_only, top_k, logprobs, prompt_top_k). ``prev``: i32[S] the
     previous call's sampled token per page-state row (inputs marked
     ``from_prev`` take it; a row whose logits are not finite samples -1 and
     gets NaN log-probs, which the engine refuses).
@@ -114,14 +146,23 @@ def device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array,
     Log-probabilities are the float32 log-softmax of the model's logits,
     before temperature or top-p (what vLLM reports by default).
 
+    Prompt tokens are scored from ``shape.num_prompt_logits`` extra logits
+    rows (``inp.prompt_rows``), computed by the same forward; a call
+    without any (P = 0) traces none of it.
+
     Returns:
-      ``(state, kv, sampled, (top_ids, top_logprobs), sampled_logprob, ok,
-      num_free_pages)``: ``sampled`` i32[S] per row; the ``k = min(top_k,
-      V)`` most likely tokens per row, i32[S, k] and f32[S, k] (beam search
-      and ``SamplingParams.logprobs``); ``sampled_logprob`` f32[S] the
-      sampled token's log-probability per row (zeros unless ``logprobs``).
+      ``(state, kv, sampled, (top_ids, top_logprobs), sampled_logprob,
+      prompt, ok, num_free_pages)``: ``sampled`` i32[S] per row; the ``k =
+      min(top_k, V)`` most likely tokens per row, i32[S, k] and f32[S, k]
+      (beam search and ``SamplingParams.logprobs``); ``sampled_logprob``
+      f32[S] the sampled token's log-probability per row (zeros unless
+      ``logprobs``); ``prompt``: None when P = 0, else ``(f32[P] each
+      prompt row's target log-probability, i32[P, kp] and f32[P, kp] its
+      ``kp = min(prompt_top_k, V)`` most likely tokens)``.
     """
     _TRACES[id(model)] += 1  # runs at trace time only
+    state = jax.lax.cond(jnp.any(inp.first_kept > 0), unchecked_drop_pages_before, lambda st, f: st, state,
+                         inp.first_kept)
     state = ps.unchecked_free(state, inp.free_mask)
     state, hit_ok = jax.lax.cond(
         jnp.any(inp.num_hit > 0), ps.unchecked_share, lambda st, n, p, t: (st, jnp.bool_(True)), state, inp.num_hit,
@@ -135,6 +176,7 @@ def device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array,
     # Copy-on-write copies are rare: skip the pool-wide gather when none.
     kv = jax.lax.cond(jnp.any(cow_src != ps.NO_PAGE), copy_pages, lambda kv, s, d: kv, kv, cow_src, cow_dst)
     rows, positions = inp.token_rows, inp.positions
+    P = shape.num_prompt_logits
     slots = flat_slot_mapping(state.block_tables, rows, positions, page_size=state.page_size)
     tokens = jnp.where(inp.from_prev, prev[jnp.clip(rows, 0, prev.shape[0] - 1)], inp.tokens)
     batch = RaggedBatch(
@@ -145,10 +187,15 @@ def device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array,
         q_starts=inp.q_starts,
         q_lens=inp.q_lens,
         kv_lens=state.seq_lens,
-        logits_rows=inp.logits_rows,
+        logits_rows=jnp.concatenate([inp.logits_rows, inp.prompt_rows]) if P else inp.logits_rows,
         shape=shape,
     )
-    logits, kv = model.apply(params, batch, kv)  # [R, V]
+    logits, kv = model.apply(params, batch, kv)  # [R + P, V]
+    prompt = None
+    if P:  # the prompt rows come after the sampling rows
+        R = inp.logits_rows.shape[0]
+        prompt = _score_prompt(logits[R:], inp.prompt_targets, prompt_top_k)
+        logits = logits[:R]
     if greedy_only:
         new = greedy(logits)
     else:
@@ -172,7 +219,20 @@ def device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array,
     if logprobs:
         lp = jnp.take_along_axis(log_probs, jnp.clip(new, 0)[:, None], axis=-1)[:, 0]
         sampled_lp = sampled_lp.at[dest].set(jnp.where(finite, lp, jnp.nan), mode="drop")
-    return state, kv, by_row, top, sampled_lp, ok, state.num_free_pages
+    return state, kv, by_row, top, sampled_lp, prompt, ok, state.num_free_pages
+
+
+def _score_prompt(logits: jax.Array, targets: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """logits f32[P, V], targets i32[P] -> (f32[P] each target's float32
+    log-softmax log-probability, i32[P, k'] and f32[P, k'] the ``k' =
+    min(k, V)`` most likely tokens and theirs)."""
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [P, V]
+    target_lp = jnp.take_along_axis(log_probs, targets[:, None], axis=-1)[:, 0]
+    k = min(k, log_probs.shape[-1])
+    if not k:
+        return target_lp, jnp.zeros((targets.shape[0], 0), jnp.int32), jnp.zeros((targets.shape[0], 0), jnp.float32)
+    top_lp, top_ids = jax.lax.top_k(log_probs, k)  # [P, k]
+    return target_lp, top_ids, top_lp
 
 
 def num_traces(model) -> int:

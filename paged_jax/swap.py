@@ -108,8 +108,13 @@ def scatter_pages(kv: KVPool, pages: list[int], copied: KVPool, source: list[int
     src[: len(source)] = source
     if len(target) != n or source != list(range(len(pages))):
         copied = jax.tree.map(lambda x: x[:, :, src], copied)  # on the host, before the copy in
-    device = next(iter(kv.k.devices()))
-    return _scatter(kv, jnp.asarray(target), jax.device_put(copied, device))
+    # Onto the pool's device, committed only if the pool is: a committed pool coming back from an
+    # uncommitted one would be a new argument signature for every program that takes it (a recompile).
+    if kv.k.committed:
+        copied = jax.device_put(copied, kv.k.sharding)
+    else:  # from host memory (NumPy): uncommitted, on the default device, where the pool is
+        copied = jax.tree.map(lambda x: jax.device_put(np.asarray(x)), copied)
+    return _scatter(kv, jnp.asarray(target), copied)
 
 
 def _check_pages(name: str, pages, num_pages: int) -> None:

@@ -8,6 +8,16 @@ OpenAI and vLLM number them. Every engine request streams deltas
 (``SamplingParams.output_kind="delta"``): the engine detokenizes and cuts
 stop strings (:mod:`paged_jax.detokenizer`), this module only formats.
 
+Echo. ``echo`` with ``logprobs`` asks the engine for the prompt's
+log-probabilities (``SamplingParams.prompt_logprobs``, the same ``k``) and
+puts the prompt before each choice. ``max_tokens: 0`` with echo scores the
+prompt alone (lm-eval-harness' ``loglikelihood``): the engine cannot finish
+a request without an output token (every request ends on the token that
+reaches ``max_new_tokens`` or stops it), so it generates one, whose logits
+the prompt's last row computes anyway, and this module drops it, as vLLM
+does (``max_tokens=1`` when ``echo_without_generation`` in
+``vllm/entrypoints/openai/protocol.py``).
+
 Why the length checks happen here and again in the engine: the engine's
 message names its own request id and ``max_new_tokens``; the client sent
 ``prompt`` and ``max_tokens``, so the common cases are worded in the
@@ -17,6 +27,7 @@ client's terms before the engine sees them. What only the engine knows
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -97,9 +108,12 @@ class OpenAIServing:
         self._check_common(req)
         prompts = self._prompt_ids(req.prompt)
         max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        self._check_lengths(prompts, max_tokens, "max_tokens", "prompt")
-        sampling = self._sampling(req, logprobs=req.logprobs)
-        return await self._run(req, prompts, max_tokens, sampling, chat=False)
+        self._check_lengths(prompts, max_tokens, "max_tokens", "prompt", least=0 if req.echo else 1)
+        sampling = self._sampling(req, logprobs=req.logprobs, prompt_logprobs=req.logprobs if req.echo else None)
+        echo = None
+        if req.echo:  # a prompt sent as text comes back as sent; token ids as their decode
+            echo = [p if isinstance(p, str) else self._decode(ids) for p, ids in zip(_split(req.prompt)[0], prompts)]
+        return await self._run(req, prompts, max_tokens, sampling, chat=False, echo=echo)
 
     async def chat(self, req: ChatCompletionRequest):
         """As :meth:`completions`, for ``/v1/chat/completions``."""
@@ -136,10 +150,7 @@ class OpenAIServing:
 
     def _prompt_ids(self, prompt) -> list[list[int]]:
         """Each prompt's ids (one prompt, or a batch)."""
-        if isinstance(prompt, str) or (prompt and all(is_int(t) for t in prompt)):
-            prompts, names = [prompt], ["prompt"]
-        else:
-            prompts, names = list(prompt), [f"prompt[{i}]" for i in range(len(prompt))]
+        prompts, names = _split(prompt)
         if not prompts:
             raise bad_request("prompt is empty; need at least one token", "prompt")
         out = []
@@ -156,8 +167,12 @@ class OpenAIServing:
             out.append(ids)
         return out
 
-    def _check_lengths(self, prompts: list[list[int]], max_tokens: int, tokens_name: str, prompt_name: str) -> None:
-        _door(check_int, tokens_name, max_tokens)
+    def _decode(self, ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _check_lengths(self, prompts: list[list[int]], max_tokens: int, tokens_name: str, prompt_name: str,
+                       least: int = 1) -> None:
+        _door(check_int, tokens_name, max_tokens, least)
         for ids in prompts:
             if len(ids) >= self.max_seq_len:
                 raise bad_request(
@@ -169,7 +184,8 @@ class OpenAIServing:
                     f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion). "
                     f"Reduce {tokens_name} to at most {self.max_seq_len - len(ids)}", tokens_name)
 
-    def _sampling(self, req, *, logprobs: int | None, logprobs_name: str = "logprobs") -> SamplingParams:
+    def _sampling(self, req, *, logprobs: int | None, logprobs_name: str = "logprobs",
+                  prompt_logprobs: int | None = None) -> SamplingParams:
         temperature = 1.0 if req.temperature is None else req.temperature
         _door(check_float, "temperature", temperature, 0, MAX_TEMPERATURE)
         if req.n > self.max_seqs:
@@ -182,7 +198,8 @@ class OpenAIServing:
             raise bad_request(f"stop strings need a tokenizer; model {self.model_name!r} has none", "stop")
         try:
             return SamplingParams(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
-                                  seed=seed, n=req.n, stop=tuple(stop), logprobs=logprobs, output_kind="delta",
+                                  seed=seed, n=req.n, stop=tuple(stop), logprobs=logprobs,
+                                  prompt_logprobs=prompt_logprobs, output_kind="delta",
                                   skip_special_tokens=req.skip_special_tokens)
         except ValueError as e:
             name = re.match(r"(\w+)", str(e)).group(1)
@@ -192,10 +209,13 @@ class OpenAIServing:
 
     # ----------------------------------------------------------------- running
 
-    async def _run(self, req, prompts: list[list[int]], max_tokens: int, sampling: SamplingParams, *, chat: bool):
+    async def _run(self, req, prompts: list[list[int]], max_tokens: int, sampling: SamplingParams, *, chat: bool,
+                   echo: list[str] | None = None):
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        requests = [Request(request_id=f"{rid}-{i}", prompt_ids=ids, max_new_tokens=max_tokens, sampling=sampling,
-                            ignore_eos=req.ignore_eos, cache_salt=req.cache_salt) for i, ids in enumerate(prompts)]
+        # max_tokens 0 (echo only): one token generated and dropped (see the module docstring).
+        requests = [Request(request_id=f"{rid}-{i}", prompt_ids=ids, max_new_tokens=max(max_tokens, 1),
+                            sampling=sampling, ignore_eos=req.ignore_eos, cache_salt=req.cache_salt)
+                    for i, ids in enumerate(prompts)]
         try:
             stream = await admit(self.loop, requests)
         except ValueError as e:
@@ -204,7 +224,7 @@ class OpenAIServing:
             raise bad_request(message, param) from None
         except EngineDeadError as e:
             raise APIError(503, str(e), type="server_error", code="engine_dead") from None
-        state = _Response(self, req, rid, requests, sampling, chat=chat)
+        state = _Response(self, req, rid, requests, sampling, chat=chat, echo=echo, drop_output=max_tokens == 0)
         if req.stream:
             return state.events(stream)
         try:
@@ -231,10 +251,12 @@ class OpenAIServing:
 
 class _Response:
     """One HTTP request's choices as its outputs arrive, and the OpenAI
-    objects made of them."""
+    objects made of them. ``echo``: each prompt's text, put before its
+    choices (with its log-probs); ``drop_output``: the choices' tokens are
+    not the client's (echo with ``max_tokens`` 0)."""
 
     def __init__(self, serving: OpenAIServing, req, rid: str, requests: list[Request], sampling: SamplingParams, *,
-                 chat: bool):
+                 chat: bool, echo: list[str] | None = None, drop_output: bool = False):
         self.serving = serving
         self.req = req
         self.id = rid
@@ -247,6 +269,10 @@ class _Response:
         self.choices = [_Choice(i) for i in range(len(requests) * self.n)]
         self.cached = [0] * len(requests)
         self.text_offset = [0] * len(self.choices)
+        self.echo = echo
+        self.drop_output = drop_output
+        self.prompt_logprobs: list[list] = [[] for _ in requests]  # per prompt, as the engine reports them
+        self.echoed = [False] * len(self.choices)
 
     # ------------------------------------------------------------------ intake
 
@@ -255,8 +281,13 @@ class _Response:
         their deltas."""
         i = self.index_of[out.request_id]
         self.cached[i] = out.num_cached_tokens
+        self.prompt_logprobs[i] += out.prompt_logprobs or []
         touched = []
         for c in out.outputs:
+            if self.drop_output:  # the one token generated is not the client's: only the end is
+                c = dataclasses.replace(c, output_ids=[], text="", logprobs=[], stop_reason=None,
+                                        finish_reason="length" if c.finish_reason in ("stop", "length")
+                                        else c.finish_reason)
             choice = self.choices[i * self.n + c.index]
             choice.ids += c.output_ids
             if c.text:
@@ -281,7 +312,10 @@ class _Response:
         choices = []
         for ch in self.choices:
             text = "".join(ch.text)
-            lps = self._logprobs(ch, ch.ids, ch.logprobs) if self.top_k is not None else None
+            head, lps = self._echo(ch), None
+            if self.top_k is not None:
+                lps = _joined(head[1], self._logprobs(ch, ch.ids, ch.logprobs))
+            text = head[0] + text
             if self.chat:
                 choice = {"index": ch.index, "message": {"role": "assistant", "content": text}, "logprobs": lps,
                           "finish_reason": ch.finish_reason}
@@ -325,19 +359,40 @@ class _Response:
 
     def _chunk_choice(self, ch: _Choice, c: CompletionOutput) -> dict:
         finish = c.finish_reason
-        lps = None
+        head, lps = self._echo(ch), None  # the prompt, in the choice's first chunk
         if self.top_k is not None and c.logprobs is not None:
-            lps = self._logprobs(ch, c.output_ids, c.logprobs)
+            lps = _joined(head[1], self._logprobs(ch, c.output_ids, c.logprobs))
         if self.chat:
             delta = {"content": c.text or ""}
             out = {"index": ch.index, "delta": delta, "logprobs": lps, "finish_reason": finish}
         else:
-            out = {"index": ch.index, "text": c.text or "", "logprobs": lps, "finish_reason": finish}
+            out = {"index": ch.index, "text": head[0] + (c.text or ""), "logprobs": lps, "finish_reason": finish}
         if finish is not None:
             out["stop_reason"] = c.stop_reason
         if self.req.return_token_ids:
             out["token_ids"] = c.output_ids
         return out
+
+    def _echo(self, ch: _Choice) -> tuple[str, dict | None]:
+        """``(text, legacy log-probs)`` of ``ch``'s prompt the first time it
+        is asked for with echo on (the text offsets of the choice's tokens
+        then count on from the prompt's); ``("", None)`` otherwise. The
+        prompt's first token has no log-probability: null, as OpenAI's."""
+        if self.echo is None or self.echoed[ch.index]:
+            return "", None
+        self.echoed[ch.index] = True
+        i = ch.index // self.n
+        name = self.serving.token_text
+        tokens, lps, tops, offsets = [], [], [], []
+        entries = self.prompt_logprobs[i] + [None] * (len(self.prompts[i]) - len(self.prompt_logprobs[i]))
+        for tok, entry in zip(self.prompts[i], entries):  # (an aborted request's are cut short)
+            text = name(tok)
+            tokens.append(text)
+            lps.append(None if entry is None else _finite(entry[tok]))
+            tops.append(None if entry is None else {name(t): _finite(lp) for t, lp in entry.items()})
+            offsets.append(self.text_offset[ch.index])
+            self.text_offset[ch.index] += len(text)
+        return self.echo[i], {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
     def _logprobs(self, ch: _Choice, ids: list[int], entries: list[dict]) -> dict:
         """OpenAI's log-probs object for ``ids`` (chat: ``{"content":
@@ -367,6 +422,19 @@ class _Response:
 
 def _finite(lp: float) -> float:
     return lp if math.isfinite(lp) else LOGPROB_FLOOR
+
+
+def _joined(head: dict | None, tail: dict) -> dict:
+    """Legacy log-probs objects, one after the other (``head`` None: ``tail``)."""
+    return tail if head is None else {key: head[key] + tail[key] for key in tail}
+
+
+def _split(prompt) -> tuple[list, list[str]]:
+    """The prompts of a completion request's ``prompt`` (one, or a batch)
+    and their names in errors."""
+    if isinstance(prompt, str) or (prompt and all(is_int(t) for t in prompt)):
+        return [prompt], ["prompt"]
+    return list(prompt), [f"prompt[{i}]" for i in range(len(prompt))]
 
 
 def _door(check, name: str, *args):

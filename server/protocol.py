@@ -10,9 +10,9 @@ field, rather than coerced (pydantic's lax mode would turn ``"10"`` into
 expected (``"temperature": 0``).
 
 Fields whose values would change the output in ways the engine cannot
-compute (penalties, ``logit_bias``, ``echo``, ``best_of``, tools) are known
-here so that a non-default value is refused by name instead of silently
-ignored (:func:`unsupported`).
+compute (penalties, ``logit_bias``, ``echo`` without ``logprobs``,
+``best_of``, tools) are known here so that a non-default value is refused
+by name instead of silently ignored (:func:`unsupported`).
 
 vLLM's extensions: ``ignore_eos``, ``cache_salt``, ``skip_special_tokens``
 and ``return_token_ids`` (each choice then carries its ``token_ids``, and the
@@ -102,7 +102,11 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: ``prompt`` is a str, token ids, or a batch
-    of either (each prompt gets ``n`` choices, indexed prompt by prompt)."""
+    of either (each prompt gets ``n`` choices, indexed prompt by prompt).
+    ``echo`` with ``logprobs`` puts the prompt before each choice's text and
+    its tokens' log-probabilities before the completion's (the first
+    token's null); with ``max_tokens: 0`` the prompt alone (how evaluation
+    harnesses score a text)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
@@ -112,8 +116,9 @@ class CompletionRequest(_Sampling):
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.echo:
-            out.append(("echo", "echo is not supported"))
+        if self.echo and self.logprobs is None:
+            out.append(("echo", "echo is supported with logprobs only (to score a prompt: its text and its tokens' "
+                                "log-probabilities); set logprobs"))
         if self.best_of is not None and self.best_of != self.n:
             out.append(("best_of", "best_of other than n is not supported"))
         if self.suffix:

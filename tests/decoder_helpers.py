@@ -22,6 +22,19 @@ def nan_pool(config: LlamaConfig, num_pages: int = NUM_PAGES, page_size: int = P
     return jax.tree.map(lambda x: x if x.dtype == jnp.int8 else jnp.full_like(x, jnp.nan), kv)
 
 
+def small_mixed_batch() -> RaggedBatch:
+    """One flat mixed batch for pages of 4: row 0 prefills a 5-token prompt
+    (pages 1, 2), row 1 decodes its third token (page 3), two padding
+    tokens; logits at each row's last token."""
+    q_lens = np.array([5, 1], np.int32)
+    shape = batch_shape(q_lens, num_seq_rows=2, tiling=Tiling(min_tokens=8, max_prefill_chunks=2))
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    return RaggedBatch(tokens=i32([1, 2, 3, 4, 5, 6, 0, 0]), positions=i32([0, 1, 2, 3, 4, 2, 0, 0]),
+                       slots=i32([4, 5, 6, 7, 8, 14, -1, -1]), block_tables=i32([[1, 2, 0, 0], [3, 0, 0, 0]]),
+                       q_starts=i32([0, 5]), q_lens=i32(q_lens), kv_lens=i32([5, 3]), logits_rows=i32([4, 5]),
+                       shape=shape)
+
+
 def mixed_calls(model: Llama, schedule, *, page_size=PAGE_SIZE, num_pages=64, max_pages=16, tiling=None,
                 kv_dtype=None):
     """Runs the decoder over a schedule of flat mixed batches through the

@@ -38,13 +38,16 @@ def toy_params(seed=0):
 class ToyModel:
     """A one-layer attention LM in the engine's model protocol (params and
     a pure ``apply`` over a flat ragged batch). ``traces`` records the batch
-    shape of every trace, so a test can count compilations."""
+    shape of every trace, so a test can count compilations. ``window``: a
+    sliding window of that many tokens (its ``kv_window``), None for
+    causal attention over everything."""
 
     vocab_size = VOCAB
 
-    def __init__(self, params):
+    def __init__(self, params, window=None):
         self.params = params
         self.traces = []
+        self.kv_window = window
 
     def apply(self, params, batch, kv: KVPool):
         self.traces.append(batch.shape)  # runs at trace time only
@@ -54,7 +57,7 @@ class ToyModel:
         k = (x @ params["wk"]).reshape(t, KV_HEADS, HEAD_DIM)  # [T, K, H]
         v = (x @ params["wv"]).reshape(t, KV_HEADS, HEAD_DIM)  # [T, K, H]
         kv = KVPool(k=write_layer_pages(kv.k, 0, k, batch.slots), v=write_layer_pages(kv.v, 0, v, batch.slots))
-        o = attend(q, kv.k, kv.v, 0, batch)  # [T, N, H]
+        o = attend(q, kv.k, kv.v, 0, batch, sliding_window=self.kv_window)  # [T, N, H]
         h = x + o.reshape(t, -1) @ params["wo"]  # [T, D]
         return h[batch.logits_rows] @ params["emb"].T, kv  # logits [rows, V]
 
@@ -118,15 +121,17 @@ def serve(requests, num_pages=200, **kwargs):
     return {o.request_id: o for o in outs}, engine
 
 
-def dense_logits(params, tokens):
+def dense_logits(params, tokens, window=None):
     """The toy model without a cache, in float64 NumPy: causal attention
-    over the whole sequence, logits f64[V] at its last token."""
+    over the whole sequence (the last ``window`` tokens with a window),
+    logits f64[V] at its last token."""
     p = {k: np.asarray(v, np.float64) for k, v in params.items()}
     n = len(tokens)
     x = p["emb"][tokens] + p["pos"][np.arange(n)]  # [S, D]
     q = (x[-1] @ p["wq"]).reshape(HEADS, HEAD_DIM)  # [N, H]: only the last query matters
-    k = (x @ p["wk"]).reshape(n, KV_HEADS, HEAD_DIM)  # [S, K, H]
-    v = (x @ p["wv"]).reshape(n, KV_HEADS, HEAD_DIM)  # [S, K, H]
+    seen = slice(max(n - window, 0) if window else 0, n)
+    k = (x[seen] @ p["wk"]).reshape(-1, KV_HEADS, HEAD_DIM)  # [S, K, H]
+    v = (x[seen] @ p["wv"]).reshape(-1, KV_HEADS, HEAD_DIM)  # [S, K, H]
     o = []
     for h in range(HEADS):
         logits = k[:, h * KV_HEADS // HEADS] @ q[h] / np.sqrt(HEAD_DIM)  # [S]
@@ -135,12 +140,12 @@ def dense_logits(params, tokens):
     return (x[-1] + np.concatenate(o) @ p["wo"]) @ p["emb"].T  # [V]
 
 
-def greedy_reference(params, prompt, max_new):
+def greedy_reference(params, prompt, max_new, window=None):
     """``max_new`` greedy tokens of the f64 oracle after ``prompt``, each
     step recomputing the whole sequence."""
     tokens = list(prompt)
     for _ in range(max_new):
-        tokens.append(int(np.argmax(dense_logits(params, tokens))))
+        tokens.append(int(np.argmax(dense_logits(params, tokens, window))))
     return tokens[len(prompt):]
 
 

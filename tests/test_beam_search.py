@@ -130,7 +130,7 @@ def _unpressured_beams():
     return {o.request_id: o for o in make_engine(400, max_seqs=16).run(_preemption_requests())}
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", [pytest.param("recompute", marks=pytest.mark.slow), "swap"])  # 25 s: one mode by default
 def test_beam_groups_survive_preemption(mode):
     reqs = _preemption_requests()
     big = _unpressured_beams()

@@ -20,8 +20,7 @@ from models.llama import (
     make_step_fn,
 )
 from models.smollm2 import generate_greedy
-from tests.decoder_helpers import NUM_PAGES, PAGE_SIZE, mixed_calls, nan_pool
-from paged_jax.batch import RaggedBatch, Tiling, batch_shape
+from tests.decoder_helpers import NUM_PAGES, PAGE_SIZE, mixed_calls, nan_pool, small_mixed_batch
 from paged_jax.kv_cache import write_layer_pages, write_pages
 from paged_jax.page_state import NULL_PAGE
 
@@ -329,6 +328,7 @@ def test_generate_greedy_equals_dense_argmax_loop():
         generate_greedy(model, "text")
 
 
+@pytest.mark.slow  # 15-25 s; preemption is covered on the toy model (tests/test_engine.py)
 def test_engine_on_the_decoder_preemption_keeps_greedy_outputs():
     """The real decoder behind the engine: a pool small enough to force
     preemption by recompute gives the same greedy tokens as a large one, and
@@ -384,8 +384,8 @@ def test_mixed_batches_equal_dense_forward(kv_dtype):
 @pytest.mark.parametrize("impl", ["xla", "pallas_gpu"])
 def test_forward_ragged_checks_the_attention_once(monkeypatch, impl):
     """Validated at the door: one model call checks the attention's options,
-    layer and lengths once (``check_attend``); the work list, the padded
-    view and the kernels under it trust them (their ``unchecked_*``)."""
+    layer and lengths once (``check_attend``); the work list and the flat
+    kernels under it trust them (their ``unchecked_*``)."""
     from pallas_kernels import common
 
     counts = {}
@@ -400,13 +400,7 @@ def test_forward_ragged_checks_the_attention_once(monkeypatch, impl):
     for name in ("validate_inputs", "validate_options", "checked_lengths", "checked_layer"):
         monkeypatch.setattr(common, name, counting(name, getattr(common, name)))
     model = tiny_model()
-    q_lens = np.array([5, 1], np.int32)  # row 0: a 5-token prompt; row 1: decodes its third token
-    shape = batch_shape(q_lens, num_seq_rows=2, tiling=Tiling(min_tokens=8, max_prefill_chunks=2))
-    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
-    batch = RaggedBatch(tokens=i32([1, 2, 3, 4, 5, 6, 0, 0]), positions=i32([0, 1, 2, 3, 4, 2, 0, 0]),
-                        slots=i32([4, 5, 6, 7, 8, 14, -1, -1]), block_tables=i32([[1, 2, 0, 0], [3, 0, 0, 0]]),
-                        q_starts=i32([0, 5]), q_lens=i32(q_lens), kv_lens=i32([5, 3]), logits_rows=i32([4, 5]),
-                        shape=shape)
+    batch = small_mixed_batch()  # row 0: a 5-token prompt; row 1: decodes its third token
     kv = model.config.make_kv_pool(8, PAGE_SIZE)
     logits, _ = jax.eval_shape(lambda b, kv: forward_ragged(model, b, kv, impl=impl), batch, kv)
     assert logits.shape == (2, TINY["vocab_size"])

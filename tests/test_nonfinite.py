@@ -23,10 +23,10 @@ from paged_jax.ragged_attention import attend
 
 PAGE = 4
 IMPLS = ["xla", "xla_loop", "pallas_gpu", "pallas_tpu", "pallas_ragged"]
-"""Every path ``attend`` serves with: the XLA work list, the CPU decode loop,
-the GPU / TPU decode kernels and the ragged kernel (Pallas interpret mode
-here), and the padded XLA path that takes the chunks of ``xla_loop`` and
-``pallas_tpu``."""
+"""Every implementation ``attend`` serves with: the XLA work list (``xla``,
+and ``xla_loop``, whose CPU decode loop serves only padded batches) and the
+flat Pallas kernels (``pallas_gpu`` and ``pallas_ragged``: the Triton
+kernel; ``pallas_tpu``: the Mosaic kernel; interpret mode here)."""
 
 # Row 0 decodes (6 cached tokens), row 1 brings a 5-token chunk (9 cached,
 # queries at positions 4..8), row 2 is empty. Flat rows: 0 is row 0's query,

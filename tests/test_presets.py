@@ -137,6 +137,7 @@ def test_packaged_lengths_are_what_build_requests_samples():
     assert [[len(r.prompt_ids), r.max_new_tokens] for r in requests] == data["requests"][:20]
 
 
+@pytest.mark.slow  # 60-80 s: the whole CLI at a 35k vocabulary in bf16; tests/test_hf_loader.py and test_fp8.py run the CLI
 def test_serve_cli_with_a_preset(monkeypatch, tmp_path):
     """The whole CLI on a (tiny, test-only) preset: packaged requests, no
     tokenizer, bf16 weights and K/V, both modes, table written."""

@@ -3,7 +3,8 @@ it and the prefix cache.
 
 Random operations (allocate, append, extend, fork, a write into a shared
 page, free, cache hits, evictions through new allocations, swap out and swap
-in, and refused calls) run on the device functions of ``paged_jax.page_state`` and on the
+in, pages a sliding window drops, and refused calls) run on the device functions of
+``paged_jax.page_state`` and ``paged_jax.sliding_window`` and on the
 NumPy twin ``paged_jax.block_pool.BlockPool``, which is written separately
 from the same rules. After every step:
 
@@ -14,7 +15,9 @@ from the same rules. After every step:
 * every cached page holds, slot by slot, the tokens its cache entry names
   (a shadow of page contents follows every write and copy-on-write copy),
   so a hit can never hand out wrong K/V;
-* a refused call leaves the device state bit-identical.
+* a refused call leaves the device state bit-identical;
+* null entries (dropped pages) sit only at columns a window of ``WINDOW``
+  tokens can no longer see.
 """
 
 import jax
@@ -24,11 +27,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from paged_jax import page_state as ps
+from paged_jax import sliding_window as sw
 from paged_jax.block_pool import BlockPool
 from paged_jax.prefix_cache import PrefixCache, chain_keys
 
 NUM_PAGES, MAX_SEQS, MAX_PAGES, PAGE = 14, 4, 5, 2
 VOCAB = 2  # few distinct tokens: many equal pages, many hits
+WINDOW = 3  # tokens a sliding-window layer sees: pages fall out of it while slots grow
 EXTRA = (None,)
 
 
@@ -77,6 +82,8 @@ class SharingMachine(RuleBasedStateMachine):
     def _offer(self, s):
         keys = chain_keys(self.tokens[s], PAGE, EXTRA, [])
         for j in range(self.keyed[s], len(keys)):
+            if self.pool.block_tables[s, j] == ps.NULL_PAGE:  # dropped by the window before it was offered
+                continue
             self.cache.insert(int(self.pool.block_tables[s, j]), self.tokens[s], keys, EXTRA, j)
         self.keyed[s] = len(keys)
 
@@ -147,7 +154,8 @@ class SharingMachine(RuleBasedStateMachine):
         if not busy:
             return
         s = data.draw(st.sampled_from(busy))
-        self.swapped.append((list(self.tokens[s]), self.content[self.pool.pages(s)].copy()))
+        table = np.array(self.pool.pages(s))
+        self.swapped.append((list(self.tokens[s]), table != ps.NULL_PAGE, self.content[table[table != ps.NULL_PAGE]]))
         mask = np.zeros(MAX_SEQS, bool)
         mask[s] = True
         self._free(mask)
@@ -159,13 +167,15 @@ class SharingMachine(RuleBasedStateMachine):
         empty = [s for s in range(MAX_SEQS) if not self.tokens[s] and not self.pool.num_seq_pages[s]]
         if not self.swapped or not empty:
             return
-        tokens, content = self.swapped[-1]
+        tokens, live, content = self.swapped[-1]
         if len(content) > self.pool.num_free:
             return
         self.swapped.pop()
         s = data.draw(st.sampled_from(empty))
-        pages = self.pool.take_free(len(content))
-        self.content[pages] = content
+        fresh = self.pool.take_free(len(content))
+        self.content[fresh] = content
+        pages = np.zeros(len(live), np.int64)  # dropped pages stay dropped: nothing to copy back
+        pages[live] = fresh
         num_hit = np.zeros(MAX_SEQS, np.int32)
         table = np.zeros((MAX_SEQS, MAX_PAGES), np.int32)
         lens = np.zeros(MAX_SEQS, np.int32)
@@ -173,10 +183,23 @@ class SharingMachine(RuleBasedStateMachine):
         self.state, ok = ps.unchecked_share(self.state, jax.numpy.asarray(num_hit), jax.numpy.asarray(table),
                                             jax.numpy.asarray(lens))
         assert ok
-        self.pool.share(s, pages, len(tokens))
+        self.pool.share(s, pages.tolist(), len(tokens))
         self.tokens[s] = tokens
         self.keyed[s] = 0
         self._offer(s)
+
+    @rule(data=st.data())
+    def slide(self, data):
+        """Some slots drop the pages a window of ``WINDOW`` tokens no longer
+        sees (a sliding-window layer group while its sequences run)."""
+        mask = data.draw(st.lists(st.booleans(), min_size=MAX_SEQS, max_size=MAX_SEQS))
+        for s in range(MAX_SEQS):
+            if mask[s]:
+                self.pool.drop_before(s, int(sw.window_first_kept(len(self.tokens[s]), sliding_window=WINDOW,
+                                                                  page_size=PAGE)))
+        first_kept = self.pool.first_kept()
+        self.state = sw.drop_pages_before(self.state, first_kept.astype(np.int32))
+        self.pool.flush()
 
     @rule(data=st.data())
     def refused_share(self, data):
@@ -214,8 +237,12 @@ class SharingMachine(RuleBasedStateMachine):
     @invariant()
     def ref_counts_count_block_table_entries(self):
         held = np.arange(MAX_PAGES)[None, :] < self.pool.num_seq_pages[:, None]
-        entries = self.pool.block_tables[held]
-        assert (entries != ps.NULL_PAGE).all(), "the null page was handed out"
+        dropped = self.pool.block_tables == ps.NULL_PAGE
+        first_kept = sw.window_first_kept(np.array([len(t) for t in self.tokens]), sliding_window=WINDOW,
+                                          page_size=PAGE)
+        seen = np.arange(MAX_PAGES)[None, :] >= first_kept[:, None]
+        assert not (held & dropped & seen).any(), "a page the window still sees was dropped (or never given)"
+        entries = self.pool.block_tables[held & ~dropped]
         assert np.array_equal(np.bincount(entries, minlength=NUM_PAGES), self.pool.ref_counts)
         free = self.pool.free_pages()
         assert ps.NULL_PAGE not in free and len(set(free)) == len(free)
@@ -235,7 +262,10 @@ class SharingMachine(RuleBasedStateMachine):
     def slots_hold_their_tokens(self):
         for s in range(MAX_SEQS):
             for pos, t in enumerate(self.tokens[s]):
-                assert self.content[self.pool.block_tables[s, pos // PAGE], pos % PAGE] == t
+                page = self.pool.block_tables[s, pos // PAGE]
+                assert page != ps.NULL_PAGE or pos <= len(self.tokens[s]) - WINDOW, (s, pos)
+                if page != ps.NULL_PAGE:
+                    assert self.content[page, pos % PAGE] == t
 
 
 SharingMachine.TestCase.settings = settings(

@@ -102,6 +102,7 @@ def test_capital_of_france(ours):
     assert out[-1] == tok.eos_id  # stopped at <|im_end|>
 
 
+@pytest.mark.slow  # 30-45 s; the logits test covers the paged path on SmolLM2, tests/test_llama.py mixed batches
 def test_mixed_batches_match_transformers(ours, hf, prompts):
     """Three prompts prefilled in chunks that share calls with each other's
     decode tokens (page size 16: chunks end at a page boundary, inside a

@@ -176,3 +176,19 @@ def test_abort_a_swapped_request_empties_its_swap_space(n, num_pages):
     assert victim not in engine.kv_manager.swap and engine.kv_manager.swap.used == used - pages
     engine.run()
     assert engine.kv_manager.swap.used == 0 and check_accounting(engine)["used"] == 0
+
+
+
+def test_swap_in_keeps_the_pools_argument_signature():
+    """A pool coming back from the swap space is committed to its device
+    only if it was before: a committed pool where the step was compiled for
+    an uncommitted one is a new signature, and every program the engine
+    runs would compile again after the first swap-in."""
+    pool = KVPool(k=jnp.zeros((1, 1, 4, 2, 2)), v=jnp.zeros((1, 1, 4, 2, 2)))
+    assert not pool.k.committed
+    back = scatter_pages(pool, [2], gather_pages(pool, [1]))
+    assert not back.k.committed and not back.v.committed
+    committed = jax.device_put(KVPool(k=jnp.zeros((1, 1, 4, 2, 2)), v=jnp.zeros((1, 1, 4, 2, 2))), jax.devices()[0])
+    assert scatter_pages(committed, [2], gather_pages(committed, [1])).k.committed
+    _, engine = serve(sampled_requests(), num_pages=25, preemption_mode="swap")
+    assert engine.stats.swapped_in_pages > 0 and not engine.kv.k.committed

@@ -283,6 +283,7 @@ def test_trained_model_decodes_through_pages_as_the_dense_forward(trained):
                              state_p.seq_lens, jnp.ones((batch,), jnp.int32))
 
 
+@pytest.mark.slow  # 50-75 s; test_trained_model_decodes_through_pages_as_the_dense_forward is its fast twin
 def test_trained_model_served_by_the_engine_follows_the_dense_argmax(trained):
     """The serving engine (mixed prefill and decode, page size 4) on the
     trained model: every generated token is the dense forward's argmax over

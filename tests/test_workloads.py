@@ -55,9 +55,14 @@ def test_workload_names_and_their_policies():
     c = workloads.workload("chatbot", max_prompt_len=64)
     assert (c.prompts, c.max_prompt_len, c.policies) == ("chatbot", 64, policies.POLICIES)
     assert workloads.workload("beam-2").prompts == "sharegpt"
-    for bad in ("prefix-0", "prefix", "prefix-x", "chatbot-2", "fig16"):
+    assert workloads.workload("parallel-10").name == "parallel-10"
+    for bad in ("prefix-0", "prefix", "prefix-x", "chatbot-2", "fig16", "parallel-02", "beam-+2", "prefix- 5",
+                "parallel-4 ", "beam--1", "parallel-2.0", "parallel-\u00b2", "parallel-\u0663"):
         with pytest.raises(ValueError, match="workload must be"):
             workloads.workload(bad)
+    with pytest.raises(ValueError, match="'parallel-N', 'beam-W', 'prefix-K' or 'chatbot'.*without leading zeros, "
+                                         "sign or spaces.*got 'parallel-02'"):
+        workloads.workload("parallel-02")
     with pytest.raises(ValueError, match="max_prompt_len"):
         workloads.workload("basic", max_prompt_len=100)
     with pytest.raises(ValueError, match="max_prompt_len"):

@@ -1,0 +1,289 @@
+"""The TPU implementation of :mod:`pallas_kernels.flat_ragged_attention`: a
+Pallas (Mosaic) kernel that writes the call's new K/V into the pool and
+attends the flat batch's query tiles, with scalar prefetch and
+double-buffered page DMAs.
+
+Grid ``(U, K)``, sequential (``"arbitrary"`` on both axes): one program per
+query tile and KV head, holding the tile's ``Q`` tokens times the ``G`` query
+heads of the KV head (``M = Q * G`` rows). The tiles' sequence, causal limit
+and row count, the block tables and the new tokens' slots are
+scalar-prefetched into SMEM, so a program computes page addresses before any
+vector work. K/V pages stay in HBM (``memory_space=ANY``); a program copies
+``pages_per_compute_block`` pages at a time into one of two VMEM buffers,
+starting block ``j + 1``'s copy before computing block ``j``, and walks only
+the blocks its queries see (:func:`pallas_kernels.flat_batch.tile_blocks`,
+the XLA work list's formula). Online softmax in f32.
+
+The write. The pool is both an input and an output (``input_output_aliases``;
+the caller donates it). The grid's first program copies every new token's
+K/V (and scales) from the call's ``[T, K, H]`` input into its slot before it
+attends, and only then does any program read a page: the grid runs in order
+on one core, so all writes precede all reads. tpu-inference's v3 kernel
+instead merges each sequence's new K/V into the block it has fetched and
+writes it back as it goes (its ``_fetch_bkv`` / ``_update_kv_cache``), so a
+sequence reads its own new tokens from the input; that would not let a
+sequence read K/V another sequence of the same call writes into a shared
+page, which the engine's same-step prefix sharing relies on
+(``paged_jax.kv_manager``). Quantization (int8, fp8) is the XLA
+``common.quantize_kv`` before the kernel, so the bytes written are those of
+``paged_jax.kv_cache.write_layer_kv``.
+
+Facts borrowed from tpu-inference's ragged paged attention v3
+(``tpu_inference/kernels/ragged_paged_attention/v3/kernel.py``): lengths,
+flattened page indices and query offsets scalar-prefetched; K/V stay in HBM
+and are fetched by DMA into double buffers; a sequential (``"arbitrary"``)
+grid because later work depends on earlier; the new K/V passed to the kernel
+and the cache updated through an aliased output.
+
+On CPU it runs in TPU interpret mode (``pltpu.InterpretParams``), which
+simulates HBM, VMEM, DMAs and semaphores. It has not been compiled for a
+real TPU here: Mosaic's (8, 128) tiling wants ``M`` a multiple of 8 and
+``H`` of 128 (v3 pads heads to 128), which this kernel does not arrange.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import common
+from pallas_kernels.flat_batch import prefill_tiles, tile_blocks, tiles
+
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+"""Finite stand-in for -inf in the running max: a row that sees no key in a
+block keeps a finite max and zero probabilities instead of ``-inf - -inf``."""
+
+
+def _kernel(
+    # scalar prefetch (SMEM)
+    layer_ref,  # i32[1]
+    tile_seq_ref,  # i32[U] each tile's sequence
+    tile_end_ref,  # i32[U] each tile's causal limit: its last query's position + 1
+    tile_rows_ref,  # i32[U] each tile's query tokens
+    block_tables_ref,  # i32[E * pages_per_seq]
+    slots_ref,  # i32[T] the new tokens' flat slots (-1: none)
+    # inputs, then outputs, then scratch
+    *refs,
+    group: int,
+    pages_per_seq: int,
+    pages_per_compute_block: int,
+    scale: float,
+    soft_cap: float | None,
+    sliding_window: int | None,
+    quantized: bool,
+    write: bool,
+):
+    n_pool = 4 if quantized else 2  # K, V pages (and their scales)
+    q_ref, refs = refs[0], refs[1:]  # q: [M, H] this tile's rows of KV head h
+    new = refs[:n_pool] if write else ()  # [T, K, H] (scales f32[T, K, 1]) in HBM
+    refs = refs[len(new):]
+    pool_in, refs = refs[:n_pool], refs[n_pool:]  # [layers, K, P, L, H] (scales [layers, K, P, L]) in HBM
+    o_ref, refs = refs[0], refs[1:]  # f32[M, H]
+    pool = refs[:n_pool] if write else pool_in  # aliased outputs: the same buffers, written
+    bufs, sems, write_sem = refs[-n_pool - 2:-2], refs[-2], refs[-1]  # VMEM [2, ppcb, L(, H)] each; DMA sems
+
+    u, h = pl.program_id(0), pl.program_id(1)
+    rows_m, head_dim = q_ref.shape
+    page_size = pool[0].shape[3]
+    keys = pages_per_compute_block * page_size
+    layer = layer_ref[0]
+
+    if write:
+        @pl.when((u == 0) & (h == 0))
+        def _write_new_kv():
+            def token(t, carry):
+                slot = slots_ref[t]
+
+                @pl.when(slot >= 0)
+                def _():
+                    page, offset = slot // page_size, slot % page_size
+                    copies = []
+                    for i, (src, dst) in enumerate(zip(new, pool)):
+                        for head in range(dst.shape[1]):
+                            if i < 2:  # a token's [H] K or V
+                                s, d = src.at[t, head], dst.at[layer, head, page, offset]
+                            else:  # its scale, as a [1] row
+                                s, d = src.at[t, head], dst.at[layer, head, page, pl.ds(offset, 1)]
+                            copies.append(pltpu.make_async_copy(s, d, write_sem))
+                    for c in copies:
+                        c.start()
+                    for c in copies:
+                        c.wait()
+
+                return carry
+
+            lax.fori_loop(0, slots_ref.shape[0], token, 0)
+
+    seq, end, rows = tile_seq_ref[u], tile_end_ref[u], tile_rows_ref[u]
+    first_pos = end - rows
+    block_lo, n_blocks = tile_blocks(first_pos, end - 1, block_tokens=keys, sliding_window=sliding_window, xp=jnp)
+    block_hi = jnp.where(rows > 0, block_lo + n_blocks, block_lo)
+
+    def copies(j, slot):
+        """The DMAs that bring key block ``j`` into buffer ``slot``."""
+        out = []
+        for i in range(pages_per_compute_block):
+            page = block_tables_ref[seq * pages_per_seq + j * pages_per_compute_block + i]
+            for src, buf in zip(pool, bufs):
+                # The page's DMA source is its place in the stacked pool: no layer is copied out.
+                out.append(pltpu.make_async_copy(src.at[layer].at[h].at[page], buf.at[slot].at[i], sems.at[slot]))
+        return out
+
+    # Row r is query token r // G of the tile, head r % G of the group.
+    token_of_row = lax.broadcasted_iota(jnp.int32, (rows_m, 1), 0) // group
+    real = token_of_row < rows
+    q_pos = jnp.where(real, first_pos + token_of_row, -1)  # i32[M, 1]; -1 sees nothing
+    q = q_ref[...].astype(jnp.float32) * scale  # the one place q is scaled
+
+    def body(j, carry):
+        o_prev, l_prev, m_prev = carry
+        slot = (j - block_lo) % 2
+
+        @pl.when(j + 1 < block_hi)
+        def _prefetch_next():
+            for c in copies(j + 1, 1 - slot):
+                c.start()
+
+        for c in copies(j, slot):
+            c.wait()
+        k = bufs[0][slot].reshape(keys, head_dim).astype(jnp.float32)
+        v = bufs[1][slot].reshape(keys, head_dim).astype(jnp.float32)
+        k_pos = j * keys + lax.broadcasted_iota(jnp.int32, (1, keys), 1)  # i32[1, keys]
+        key_real = k_pos < end  # keys past the tile's causal limit: unwritten or another's
+        logits = jnp.einsum("mh,kh->mk", q, k, preferred_element_type=jnp.float32)  # f32[M, keys]
+        if quantized:
+            logits = logits * bufs[2][slot].reshape(1, keys)
+        if soft_cap is not None:
+            logits = soft_cap * jnp.tanh(logits / soft_cap)
+        visible = (k_pos <= q_pos) & key_real
+        if sliding_window is not None:
+            visible &= k_pos > q_pos - sliding_window
+        logits = jnp.where(visible, logits, MASK_VALUE)
+        m_next = jnp.maximum(m_prev, logits.max(axis=-1, keepdims=True))
+        correction = jnp.exp(m_prev - m_next)
+        p = jnp.where(visible, jnp.exp(logits - m_next), 0.0)  # f32[M, keys]
+        l_next = correction * l_prev + p.sum(axis=-1, keepdims=True)
+        if quantized:
+            # NaN may sit in the scales of slots nobody owns; 0 * NaN is NaN.
+            p = p * jnp.where(key_real, bufs[3][slot].reshape(1, keys), 0.0)
+        v = jnp.where(key_real.reshape(keys, 1), v, 0.0)
+        o_next = correction * o_prev + jnp.einsum("mk,kh->mh", p, v, preferred_element_type=jnp.float32)
+        return o_next, l_next, m_next
+
+    @pl.when(block_lo < block_hi)
+    def _prefetch_first():
+        for c in copies(block_lo, 0):
+            c.start()
+
+    init = (
+        jnp.zeros((rows_m, head_dim), jnp.float32),
+        jnp.zeros((rows_m, 1), jnp.float32),
+        jnp.full((rows_m, 1), MASK_VALUE, jnp.float32),
+    )
+    o, l, _ = lax.fori_loop(block_lo, block_hi, body, init)
+    # Only padding rows see no key (a real row sees its own): zeros by row,
+    # not by ``l > 0``, which would also zero a NaN ``l``.
+    o_ref[...] = jnp.where(real, o / jnp.where(real, l, 1.0), 0.0).astype(o_ref.dtype)
+
+
+def _call(q, new, pool, layer, block_tables, tile, first_row, slots, *, tile_q, pages_per_compute_block, scale,
+          soft_cap, sliding_window, interpret):
+    """One class's tiles (``tile``, ``flat_batch.Tiles``; ``first_row`` i32[U]
+    their first flat rows) through the kernel (``new`` empty: no write).
+
+    Returns:
+      ``(o f32[U, Q, N, H], pool)``.
+    """
+    t_total, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, _, page_size, _ = pool[0].shape
+    group = num_q_heads // num_kv_heads
+    num_tiles = tile.seq.shape[0]
+    rows_m = tile_q * group
+    quantized = len(pool) == 4
+    block_tables = common.pad_block_tables(block_tables, pages_per_compute_block)
+    pages_per_seq = block_tables.shape[1]
+
+    # q tiles [U, Q, N, H] -> [U, K, Q * G, H], rows ordered (token, head)
+    r = jnp.arange(tile_q, dtype=jnp.int32)
+    src = first_row[:, None] + r[None, :]
+    real = r[None, :] < tile.rows[:, None]
+    qt = q[jnp.where(real, src, 0)].reshape(num_tiles, tile_q, num_kv_heads, group, head_dim)
+    qt = qt.transpose(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, rows_m, head_dim)
+
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    tile_spec = pl.BlockSpec((None, None, rows_m, head_dim), lambda u, h, *_: (u, h, 0, 0))
+    scratch = [pltpu.VMEM((2, pages_per_compute_block, page_size, head_dim), x.dtype) for x in pool[:2]]
+    scratch += [pltpu.VMEM((2, pages_per_compute_block, page_size), jnp.float32) for _ in pool[2:]]
+    scratch += [pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA(())]
+    write = bool(new)
+    prefetch = (layer.reshape(1), tile.seq, tile.first_pos + tile.rows, tile.rows, block_tables.reshape(-1), slots)
+    # Operands: prefetch, q, new, pool; the pool (after q and new) is aliased to the outputs after o.
+    first_pool = len(prefetch) + 1 + len(new)
+    kernel = functools.partial(
+        _kernel, group=group, pages_per_seq=pages_per_seq, pages_per_compute_block=pages_per_compute_block,
+        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, quantized=quantized, write=write)
+    outs = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(prefetch),
+            grid=(num_tiles, num_kv_heads),
+            in_specs=[tile_spec] + [any_spec] * (len(new) + len(pool)),
+            out_specs=[tile_spec] + ([any_spec] * len(pool) if write else []),
+            scratch_shapes=scratch,
+        ),
+        out_shape=[jax.ShapeDtypeStruct(qt.shape, jnp.float32)]
+        + ([jax.ShapeDtypeStruct(x.shape, x.dtype) for x in pool] if write else []),
+        input_output_aliases={first_pool + i: 1 + i for i in range(len(pool))} if write else {},
+        # Sequential: the first program's writes must precede every read.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name=f"flat_ragged_tpu_q{tile_q}_ppcb{pages_per_compute_block}",
+    )(*prefetch, qt, *new, *pool)
+    o = outs[0].reshape(num_tiles, num_kv_heads, tile_q, group, head_dim).transpose(0, 2, 1, 3, 4)
+    return o.reshape(num_tiles, tile_q, num_q_heads, head_dim), (tuple(outs[1:]) if write else pool)
+
+
+@functools.partial(jax.jit, static_argnames=("block_q", "pages_per_compute_block", "decode_tiles", "prefill_chunks",
+                                             "scale", "soft_cap", "sliding_window", "interpret"))
+def flat_ragged_tpu(q, k_new, v_new, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, slots, k_scales,
+                    v_scales, *, block_q, pages_per_compute_block, decode_tiles, prefill_chunks, scale, soft_cap,
+                    sliding_window, interpret):
+    """``flat_ragged_attention``'s ``impl="tpu"``: the same arguments (all
+    checked, ``scale`` resolved, tiling resolved) and result ``(out, k_pool,
+    v_pool, k_scales, v_scales)``. The first class's call writes the new
+    K/V (the entry's door makes sure a class runs); with ``k_new`` None
+    nothing is written."""
+    t_total, num_q_heads, head_dim = q.shape
+    quantized = k_scales is not None
+    pool = (k_pool, v_pool) + ((k_scales, v_scales) if quantized else ())
+    new = ()
+    if k_new is not None:
+        if quantized:
+            (kq, ks), (vq, vs) = common.quantize_kv(k_new, k_pool.dtype), common.quantize_kv(v_new, v_pool.dtype)
+            new = (kq, vq, ks[..., None], vs[..., None])
+        else:
+            new = (k_new.astype(k_pool.dtype), v_new.astype(v_pool.dtype))
+    else:
+        slots = jnp.full((t_total,), -1, jnp.int32)
+    out = jnp.zeros(q.shape, q.dtype)
+    classes = [(q_lens == 1, decode_tiles, 1), (q_lens > 1, prefill_tiles(t_total, prefill_chunks, block_q), block_q)]
+    for rows, num_tiles, tile_q in classes:
+        if num_tiles == 0:
+            continue
+        t = tiles(jnp.where(rows, q_lens, 0), kv_lens, num_tiles=num_tiles, tile_q=tile_q)
+        first_row = q_starts[t.seq] + t.row0  # [U]
+        o, pool = _call(q, new, pool, layer, block_tables, t, first_row, slots, tile_q=tile_q,
+                        pages_per_compute_block=pages_per_compute_block, scale=scale, soft_cap=soft_cap,
+                        sliding_window=sliding_window, interpret=interpret)
+        new = ()  # written once, by the first class's call
+        r = jnp.arange(tile_q, dtype=jnp.int32)
+        dest = jnp.where(r[None, :] < t.rows[:, None], first_row[:, None] + r[None, :], t_total)
+        out = out.at[dest.reshape(-1)].set(o.reshape(-1, num_q_heads, head_dim).astype(q.dtype), mode="drop")
+    pool = tuple(pool) + (None, None) * (not quantized)
+    return (out, *pool)
+
