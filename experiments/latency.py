@@ -24,6 +24,11 @@ PERCENTILES = (50, 90, 99)
 
 # --------------------------------------------------------------- arrivals
 
+MAX_TRACE_S = 86_400.0
+"""Longest arrival trace :func:`arrival_times` gives, seconds (a day): a
+benchmark that waits longer is a typo, not an experiment."""
+
+
 def arrival_times(num_requests: int, request_rate: float, *, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
     """When each request arrives, seconds after the first: f64[num_requests],
     non-decreasing, the first 0.
@@ -37,7 +42,9 @@ def arrival_times(num_requests: int, request_rate: float, *, burstiness: float =
 
     Raises:
       ValueError: ``num_requests`` below 1, ``request_rate`` not > 0 (inf
-        allowed), ``burstiness`` not > 0 (inf allowed), ``seed`` below 0.
+        allowed), ``burstiness`` not > 0 (inf allowed), ``seed`` below 0,
+        or a trace that would not end within :data:`MAX_TRACE_S` (a rate
+        or burstiness so small that the gaps overflow or take years).
     """
     check_int("num_requests", num_requests)
     check_rate("request_rate", request_rate)
@@ -48,8 +55,13 @@ def arrival_times(num_requests: int, request_rate: float, *, burstiness: float =
     if math.isinf(burstiness):
         gaps = np.full(num_requests - 1, 1.0 / request_rate)
     else:
-        gaps = np.random.default_rng(seed).gamma(burstiness, 1.0 / (request_rate * burstiness), num_requests - 1)
-    return np.concatenate([[0.0], np.cumsum(gaps)])
+        with np.errstate(over="ignore", invalid="ignore"):
+            gaps = np.random.default_rng(seed).gamma(burstiness, 1.0 / (request_rate * burstiness), num_requests - 1)
+    times = np.concatenate([[0.0], np.cumsum(gaps)])
+    if not (np.isfinite(times).all() and times[-1] <= MAX_TRACE_S):
+        raise ValueError(f"request_rate={request_rate!r} with burstiness={burstiness!r} gives arrivals that do not end "
+                         f"within {MAX_TRACE_S:.0f} s (last arrival {times[-1]!r} s): raise them")
+    return times
 
 
 def check_rate(name: str, value) -> float:

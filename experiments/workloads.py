@@ -182,6 +182,9 @@ def workload(name: str, *, max_prompt_len: int | None = None) -> Workload:
         ``max_prompt_len`` given for a workload without one or out of
         range.
     """
+    if not isinstance(name, str):
+        raise ValueError(f"workload name must be a str ('basic', 'parallel-N', 'beam-W', 'prefix-K' or 'chatbot'), "
+                         f"got {name!r}")
     kind, _, k = name.partition("-")
     if max_prompt_len is not None and kind not in ("prefix", "chatbot"):
         raise ValueError(f"max_prompt_len applies to prefix-K and chatbot, got max_prompt_len={max_prompt_len} "

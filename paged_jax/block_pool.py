@@ -47,6 +47,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from paged_jax.checks import check_int
 from paged_jax.free_queue import free_order
 from paged_jax.page_state import NULL_PAGE, PageState, pages_for_tokens
 
@@ -123,7 +124,11 @@ class BlockPool:
         many reached zero (queued at :meth:`flush`, before the released
         slots' pages). Call :meth:`first_kept` for the next call's
         argument."""
-        n = min(int(first_kept), int(self.num_seq_pages[slot]))
+        slot = check_int("slot", slot, 0)
+        first_kept = check_int("first_kept", first_kept, 0)
+        if slot >= len(self.seq_lens):
+            raise ValueError(f"slot must be in [0, {len(self.seq_lens)}), got slot={slot}")
+        n = min(first_kept, int(self.num_seq_pages[slot]))
         pages = [p for p in self.block_tables[slot, :n].tolist() if p != NULL_PAGE]
         if not pages:
             return 0

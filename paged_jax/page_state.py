@@ -550,8 +550,9 @@ def unchecked_share(
       num_hit: i32[max_seqs] pages to take per slot, 0 for none.
       hit_pages: i32[max_seqs, max_pages_per_seq] their ids, in logical
         order; entries past ``num_hit[s]`` are ignored; ``NULL_PAGE``
-        entries before a slot's last page stand for pages a sliding window
-        dropped (:mod:`paged_jax.sliding_window`) and take no reference.
+        entries in a leading run before a slot's last page stand for pages
+        a sliding window dropped (:mod:`paged_jax.sliding_window`) and take
+        no reference.
       num_tokens: i32[max_seqs] tokens each slot holds afterwards, which
         the ``num_hit[s]`` pages must fit exactly (``ceil(num_tokens /
         page_size) == num_hit``); None for full pages.
@@ -560,7 +561,8 @@ def unchecked_share(
       ``(state, ok)``; ``ok`` is False, and the state unchanged, when a slot
       with a hit is not empty, ``num_hit`` is outside ``[0,
       max_pages_per_seq]``, ``num_tokens`` does not fit the pages, a
-      slot's last page is the null page, or a page id is outside the pool.
+      slot's null pages are not a leading run before a real one, or a page
+      id is outside the pool.
     """
     num_pages, max_pages, cap = state.num_pages, state.max_pages_per_seq, state.free_queue.shape[0]
     active = num_hit > 0
@@ -569,7 +571,9 @@ def unchecked_share(
     ok = ~jnp.any(active & occupied) & ~jnp.any((num_hit < 0) | (num_hit > max_pages))
     ok &= ~jnp.any(take & ((hit_pages < NULL_PAGE) | (hit_pages >= num_pages)))
     last = jnp.take_along_axis(hit_pages, jnp.clip(num_hit - 1, 0, max_pages - 1)[:, None], axis=1)[:, 0]
-    ok &= ~jnp.any(active & (last == NULL_PAGE))  # null entries only where a window dropped pages
+    ok &= ~jnp.any(active & (last == NULL_PAGE))  # null entries only where a window dropped pages:
+    after_live = jnp.cumsum(take & (hit_pages != NULL_PAGE), axis=1) > 0  # a leading run, never a hole
+    ok &= ~jnp.any(take & after_live & (hit_pages == NULL_PAGE))
     lens = num_hit * state.page_size if num_tokens is None else num_tokens
     ok &= ~jnp.any(active & (pages_for_tokens(lens, state.page_size) != num_hit))
     table = jnp.where(take, hit_pages, NULL_PAGE)
@@ -605,8 +609,8 @@ def share(state: PageState, num_hit, hit_pages) -> tuple[PageState, jax.Array]:
     Raises:
       ValueError: wrong shapes or dtypes; (eager calls) a slot with a hit
         that is not empty, ``num_hit`` outside ``[0, max_pages_per_seq]``,
-        a page listed twice for one slot, a slot whose last page is the
-        null page, or a page id outside the pool. The state is then
+        a page listed twice for one slot, a slot whose null pages are not
+        a leading run before a real one, or a page id outside the pool. The state is then
         untouched.
     """
     S, P = state.max_seqs, state.max_pages_per_seq
@@ -627,9 +631,11 @@ def share(state: PageState, num_hit, hit_pages) -> tuple[PageState, jax.Array]:
             row = [p for p in pages[slot, : n[slot]].tolist() if p != NULL_PAGE]
             if len(set(row)) < len(row):
                 raise ValueError(f"hit_pages[{slot}] lists a page twice ({row}): each logical page needs its own page")
-            if pages[slot, n[slot] - 1] == NULL_PAGE:
-                raise ValueError(f"hit_pages[{slot}] ends with the null page; only pages a sliding window dropped "
-                                 f"(before the last) may be null")
+            full = pages[slot, : n[slot]].tolist()
+            live = [j for j, p in enumerate(full) if p != NULL_PAGE]
+            if full[-1] == NULL_PAGE or live != list(range(live[0] if live else 0, len(full))):
+                raise ValueError(f"hit_pages[{slot}] = {full} has the null page after a page or last; only a "
+                                 f"leading run of pages a sliding window dropped may be null")
         taken = pages[np.arange(P)[None, :] < n[:, None]]
         bad_pages = taken[(taken < NULL_PAGE) | (taken >= state.num_pages)]
         if bad_pages.size:

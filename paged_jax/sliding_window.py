@@ -71,9 +71,23 @@ def window_first_kept(num_computed, *, sliding_window: int, page_size: int):
     Returns:
       the same shape as ``num_computed``: columns to drop, >= 0 (numpy on
       numpy input, jax on jax input).
+
+    Raises:
+      ValueError: ``sliding_window`` or ``page_size`` not an int >= 1;
+        ``num_computed`` not a (signed) integer or integer array, or
+        (concrete values) negative.
     """
     sliding_window = check_int("sliding_window", sliding_window, 1)
     page_size = check_int("page_size", page_size, 1)
+    if isinstance(num_computed, (int, np.integer)) and not isinstance(num_computed, bool):
+        num_computed = check_int("num_computed", int(num_computed), 0)
+    else:
+        dtype = getattr(num_computed, "dtype", None)
+        # signed only: an unsigned count wraps around below zero (10 - 20 + 1 in uint8 is 247)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.signedinteger):
+            raise ValueError(f"num_computed must be an int or a signed integer array, got {num_computed!r:.80}")
+        if not ps.is_traced(num_computed) and (np.asarray(num_computed) < 0).any():
+            raise ValueError(f"num_computed must be >= 0, got {np.asarray(num_computed).tolist()!r:.80}")
     skipped = num_computed - sliding_window + 1
     return (skipped * (skipped > 0)) // page_size
 
@@ -84,14 +98,17 @@ def drop_pages_before(state: ps.PageState, first_kept) -> ps.PageState:
 
     Raises:
       ValueError: ``first_kept`` not an integer array of shape
-        (max_seqs,); (eager calls) a negative entry.
+        (max_seqs,); (eager calls) an entry outside ``[0,
+        max_pages_per_seq]`` (checked before the cast to int32, so a large
+        value cannot wrap around).
     """
     shape, dtype = getattr(first_kept, "shape", None), getattr(first_kept, "dtype", None)
     if shape != (state.max_seqs,) or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
         raise ValueError(f"first_kept must be int[max_seqs={state.max_seqs}], got shape {shape} dtype {dtype}")
     if not ps.is_traced(state, first_kept):
-        bad = np.flatnonzero(np.asarray(first_kept) < 0)
+        values = np.asarray(first_kept)
+        bad = np.flatnonzero((values < 0) | (values > state.max_pages_per_seq))
         if bad.size:
-            raise ValueError(f"first_kept must be >= 0, got {np.asarray(first_kept)[bad].tolist()} at slots "
-                             f"{bad.tolist()}")
+            raise ValueError(f"first_kept must be in [0, max_pages_per_seq={state.max_pages_per_seq}], got "
+                             f"{values[bad].tolist()} at slots {bad.tolist()}")
     return unchecked_drop_pages_before(state, jnp.asarray(first_kept, jnp.int32))

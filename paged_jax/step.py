@@ -53,7 +53,8 @@ class PagedModel(Protocol):
 
 def check_model(model, kv_pool: KVPool, vocab_size: int | None) -> int | None:
     """Checks that ``model`` is a :class:`PagedModel` that fits ``kv_pool``
-    (its ``check_kv_pool(pool)``, if it has one) and that ``vocab_size``
+    (its ``check_kv_pool(pool)``, if it has one), that its ``kv_window``
+    (if any) is None or an int >= 1, and that ``vocab_size``
     does not exceed its vocabulary. Returns the vocabulary size prompt ids
     are checked against: ``vocab_size``, or the model's when None.
 
@@ -71,6 +72,9 @@ def check_model(model, kv_pool: KVPool, vocab_size: int | None) -> int | None:
         if model_vocab is not None and vocab_size > model_vocab:
             # An id past the embedding would be clamped by the lookup: a silent wrong token.
             raise ValueError(f"vocab_size={vocab_size} exceeds the model's vocabulary of {model_vocab} tokens")
+    window = getattr(model, "kv_window", None)
+    if window is not None and (type(window) is not int or window < 1):  # the attention takes Python ints only
+        raise ValueError(f"model.kv_window must be None or an int >= 1 (tokens every layer attends), got {window!r}")
     if getattr(model, "check_kv_pool", None) is not None:
         model.check_kv_pool(kv_pool)
     return vocab_size

@@ -48,8 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="tokens per model call (default 256, raised to --max-seqs)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="weight dtype (default float32 on CPU, bfloat16 on GPU and TPU)")
-    p.add_argument("--kv-dtype", choices=("float32", "bfloat16", "int8"), default=None,
-                   help="K/V page dtype (default float32 on CPU, bfloat16 on GPU and TPU)")
+    p.add_argument("--kv-dtype", choices=("float32", "bfloat16", "int8", "fp8", "float8_e4m3fn", "float8_e5m2"),
+                   default=None, help="K/V page dtype (default float32 on CPU, bfloat16 on GPU and TPU; fp8 is "
+                   "float8_e4m3fn; int8 and fp8 pages carry per-token scales)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="JAX's persistent compilation cache folder, so a restart compiles nothing (default: off)")

@@ -39,6 +39,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from models.llm import LLM
 from paged_jax.checks import check_instance
@@ -150,13 +151,23 @@ def build_app(llm: LLM, *, model_name: str | None = None, api_key: str | None = 
 
 
 async def _parse(request: Request, model: type[pydantic.BaseModel]):
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # gone before its body arrived: nobody to answer
+        raise APIError(CLIENT_CLOSED, "the client disconnected before sending its whole body") from None
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad_request("the request body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
+    try:  # a lone UTF-16 surrogate ("\\ud800") is valid JSON but not text: no tokenizer can take it
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(f"the request body holds a lone UTF-16 surrogate ({e.object[e.start:e.end]!a}), which is "
+                          "not text") from None
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as e:

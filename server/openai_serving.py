@@ -27,6 +27,8 @@ client's terms before the engine sees them. What only the engine knows
 
 from __future__ import annotations
 
+import asyncio
+
 import dataclasses
 import json
 import math
@@ -37,6 +39,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from paged_jax.checks import check_float, check_int, is_int
+from paged_jax.detokenizer import IncrementalDetokenizer, as_tokenizer
 from paged_jax.engine import Request
 from paged_jax.requests import CompletionOutput, RequestOutput
 from paged_jax.sampling import SamplingParams
@@ -106,7 +109,7 @@ class OpenAIServing:
         """A response dict, or (``stream``) an async iterator of SSE
         strings. Raises :class:`APIError` for anything refused."""
         self._check_common(req)
-        prompts = self._prompt_ids(req.prompt)
+        prompts = await asyncio.to_thread(self._prompt_ids, req.prompt)  # a long text must not stall other clients
         max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         self._check_lengths(prompts, max_tokens, "max_tokens", "prompt", least=0 if req.echo else 1)
         sampling = self._sampling(req, logprobs=req.logprobs, prompt_logprobs=req.logprobs if req.echo else None)
@@ -126,7 +129,7 @@ class OpenAIServing:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - a template may raise anything (raise_exception, TemplateError)
             raise bad_request(f"messages: the chat template refused them: {e}", "messages") from None
-        ids = self.tokenizer.encode(text)
+        ids = await asyncio.to_thread(self.tokenizer.encode, text)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         given, name = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens is not None
@@ -269,6 +272,7 @@ class _Response:
         self.choices = [_Choice(i) for i in range(len(requests) * self.n)]
         self.cached = [0] * len(requests)
         self.text_offset = [0] * len(self.choices)
+        self._offset_text: dict[int, IncrementalDetokenizer] = {}  # choice -> its completion's text so far
         self.echo = echo
         self.drop_output = drop_output
         self.prompt_logprobs: list[list] = [[] for _ in requests]  # per prompt, as the engine reports them
@@ -385,14 +389,32 @@ class _Response:
         name = self.serving.token_text
         tokens, lps, tops, offsets = [], [], [], []
         entries = self.prompt_logprobs[i] + [None] * (len(self.prompts[i]) - len(self.prompt_logprobs[i]))
+        tokenizer = self.serving.tokenizer
+        prompt_text = None if tokenizer is None else IncrementalDetokenizer(as_tokenizer(tokenizer), [],
+                                                                             skip_special_tokens=False)
         for tok, entry in zip(self.prompts[i], entries):  # (an aborted request's are cut short)
             text = name(tok)
             tokens.append(text)
             lps.append(None if entry is None else _finite(entry[tok]))
             tops.append(None if entry is None else {name(t): _finite(lp) for t, lp in entry.items()})
-            offsets.append(self.text_offset[ch.index])
-            self.text_offset[ch.index] += len(text)
+            offsets.append(self._advance(ch.index, tok, text, prompt_text))
+        self.text_offset[ch.index] = len(self.echo[i])  # the completion's text follows the prompt's as sent
         return self.echo[i], {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _advance(self, index: int, tok: int, text: str, decoded: IncrementalDetokenizer | None) -> int:
+        """Choice ``index``'s text offset of token ``tok``, then moves it past
+        the token: by the characters the token completes in ``decoded`` (the
+        text decoded so far; a byte of a character split over tokens adds
+        none until the character is whole), or by ``len(text)`` without a
+        tokenizer."""
+        at = self.text_offset[index]
+        if decoded is None:
+            self.text_offset[index] = at + len(text)
+        else:
+            before = len(decoded.text)
+            decoded.push(tok)
+            self.text_offset[index] = at + len(decoded.text) - before
+        return at
 
     def _logprobs(self, ch: _Choice, ids: list[int], entries: list[dict]) -> dict:
         """OpenAI's log-probs object for ``ids`` (chat: ``{"content":
@@ -410,13 +432,19 @@ class _Response:
                                                  for t, lp in list(entry.items())[: self.top_k]]})
             return {"content": content}
         tokens, lps, tops, offsets = [], [], [], []
+        decoded = None
+        if self.serving.tokenizer is not None:
+            if ch.index not in self._offset_text:  # the completion as the engine detokenizes it, after the prompt
+                self._offset_text[ch.index] = IncrementalDetokenizer(
+                    as_tokenizer(self.serving.tokenizer), self.prompts[ch.index // self.n],
+                    skip_special_tokens=self.req.skip_special_tokens)
+            decoded = self._offset_text[ch.index]
         for tok, entry in zip(ids, entries):
             text = name(tok)
             tokens.append(text)
             lps.append(_finite(entry[tok]))
             tops.append({name(t): _finite(lp) for t, lp in entry.items()})
-            offsets.append(self.text_offset[ch.index])
-            self.text_offset[ch.index] += len(text)
+            offsets.append(self._advance(ch.index, tok, text, decoded))
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 

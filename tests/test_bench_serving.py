@@ -52,6 +52,8 @@ def test_arrivals_at_two_rates_are_one_trace_stretched():
     (dict(request_rate=-1.0), "request_rate"), (dict(request_rate=0), "request_rate"),
     (dict(request_rate=math.nan), "request_rate"), (dict(request_rate=1.0, burstiness=0.0), "burstiness"),
     (dict(request_rate=1.0, burstiness=-2.0), "burstiness"), (dict(request_rate=1.0, seed=-1), "seed"),
+    (dict(request_rate=1.0, burstiness=5e-324), "do not end within"),  # gaps overflow to NaN: it hung
+    (dict(request_rate=1e-300), "do not end within"),  # a sleep past time_t: it crashed after the warm-up
 ])
 def test_arrival_arguments_are_checked(kwargs, name):
     with pytest.raises(ValueError, match=name):

@@ -293,8 +293,9 @@ def test_share_refuses_bad_hits_and_leaves_the_state():
     for args, match in (
         (hits(1, [5, 5]), "lists a page twice"),
         (hits(0, [5]), "already hold a sequence"),
-        (hits(1, [0]), "ends with the null page"),
-        (hits(1, [5, 0]), "ends with the null page"),
+        (hits(1, [0]), "null page after a page or last"),
+        (hits(1, [5, 0]), "null page after a page or last"),
+        (hits(1, [5, 0, 6]), "null page after a page or last"),
         (hits(1, [10]), r"hit_pages must be in \[0, num_pages=10\)"),
         (hits(1, [-1, 5]), r"hit_pages must be in \[0, num_pages=10\)"),
         ((np.array([5, 0, 0], np.int32), np.zeros((3, 4), np.int32)), "num_hit must be in"),

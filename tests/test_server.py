@@ -254,6 +254,9 @@ def _raw(http, path, body, **kw):
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", b"{not json", None),
     ("/v1/completions", b"[1, 2]", None),
+    ("/v1/completions", b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", None),  # a RecursionError: was a 500
+    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 1}', None),  # a lone surrogate: was a 500
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udc00"}]}', None),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
@@ -505,3 +508,18 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(llm, echo_client, oracle
         assert lp[0] is None
         assert lp[1:] == pytest.approx([want.prompt_logprobs[p][ids[p]] for p in range(1, n)], abs=1e-4)
         assert chunks[-1].usage.prompt_tokens == n and chunks[-1].usage.completion_tokens == 0
+
+
+def test_echo_text_offsets_index_the_returned_text_with_split_characters(echo_client):
+    """Emoji and accents split over byte-level tokens: each offset is where its token's text starts in the
+    returned text (a token holding only part of a character points at where that character starts)."""
+    prompt = "I \u2764\ufe0f \U0001f355 caf\u00e9"
+    r = echo_client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, **ECHO)
+    [c] = r.choices
+    lp = c.logprobs
+    assert c.text.startswith(prompt)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(c.text)
+    whole = [(t, at) for t, at in zip(lp.tokens, lp.text_offset) if "\ufffd" not in t]
+    assert len(whole) >= 5
+    for t, at in whole:
+        assert c.text[at: at + len(t)] == t, (t, at, c.text)

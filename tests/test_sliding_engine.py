@@ -107,3 +107,10 @@ def test_a_model_with_a_full_attention_layer_keeps_every_page():
     engine = make_engine()  # the shared toy model: causal attention over everything
     engine.run(toy_requests(2, seed=1, max_new=(30, 40)))
     assert engine.kv_manager.sliding_window is None and engine.stats.window_dropped_pages == 0
+
+
+@pytest.mark.parametrize("window", [np.int64(3), 0, 2.5, True])
+def test_a_bad_kv_window_is_refused_when_the_engine_is_built(window):
+    with pytest.raises(ValueError, match="model.kv_window must be None or an int >= 1"):
+        Engine(ToyModel(toy_params(), window=window), toy_pool(20), EngineConfig(max_seqs=2, max_seq_len=40),
+               vocab_size=VOCAB)

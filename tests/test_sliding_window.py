@@ -128,13 +128,24 @@ def test_a_drop_and_a_free_in_one_call_queue_as_on_device():
 
 
 def test_drop_refuses_bad_arguments_and_leaves_the_state():
-    state, _ = grown([8, 4])
+    state, pool = grown([8, 4])
     before = jax.tree.map(np.asarray, state)
-    for bad, match in ((np.array([1, -1], np.int32), "must be >= 0"), (np.array([1], np.int32), "int\\[max_seqs=2\\]"),
+    for bad, match in ((np.array([1, -1], np.int32), "must be in \\[0, max_pages_per_seq=6\\]"),
+                       (np.array([2**32 + 1, 0], np.int64), "must be in \\[0, max_pages_per_seq=6\\]"),
+                       (np.array([1], np.int32), "int\\[max_seqs=2\\]"),
                        (np.array([1.0, 0.0]), "int\\[max_seqs=2\\]")):
         with pytest.raises(ValueError, match=match):
             sw.drop_pages_before(state, bad)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state)))
+    tables = pool.block_tables.copy()
+    for slot, first, match in ((0, -1, "first_kept"), (-2, 1, "slot"), (2, 1, "slot"), (0, 2.7, "first_kept"),
+                               (0, True, "first_kept")):
+        with pytest.raises(ValueError, match=match):
+            pool.drop_before(slot, first)
+    assert np.array_equal(pool.block_tables, tables)
+    for bad in (np.array([10], np.uint8), np.array([10.5]), "10", None, -1):
+        with pytest.raises(ValueError, match="num_computed"):
+            sw.window_first_kept(bad, sliding_window=20, page_size=2)
 
 
 def test_a_hit_with_dropped_pages_shares_only_the_live_ones():

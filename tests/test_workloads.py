@@ -63,6 +63,9 @@ def test_workload_names_and_their_policies():
     with pytest.raises(ValueError, match="'parallel-N', 'beam-W', 'prefix-K' or 'chatbot'.*without leading zeros, "
                                          "sign or spaces.*got 'parallel-02'"):
         workloads.workload("parallel-02")
+    for bad in (None, 5, ["basic"], b"basic"):
+        with pytest.raises(ValueError, match="workload name must be a str"):
+            workloads.workload(bad)
     with pytest.raises(ValueError, match="max_prompt_len"):
         workloads.workload("basic", max_prompt_len=100)
     with pytest.raises(ValueError, match="max_prompt_len"):
