@@ -53,6 +53,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import common
 from pallas_kernels.flat_batch import prefill_tiles, tile_blocks, tiles
+from pallas_kernels.paged_attention_tpu import next_block_ready
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 """Finite stand-in for -inf in the running max: a row that sees no key in a
@@ -142,15 +143,7 @@ def _kernel(
 
     def body(j, carry):
         o_prev, l_prev, m_prev = carry
-        slot = (j - block_lo) % 2
-
-        @pl.when(j + 1 < block_hi)
-        def _prefetch_next():
-            for c in copies(j + 1, 1 - slot):
-                c.start()
-
-        for c in copies(j, slot):
-            c.wait()
+        slot = next_block_ready(j, block_lo, block_hi, copies)
         k = bufs[0][slot].reshape(keys, head_dim).astype(jnp.float32)
         v = bufs[1][slot].reshape(keys, head_dim).astype(jnp.float32)
         k_pos = j * keys + lax.broadcasted_iota(jnp.int32, (1, keys), 1)  # i32[1, keys]

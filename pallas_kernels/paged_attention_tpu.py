@@ -52,6 +52,24 @@ class TPUBlockSizes:
         common.check_block_sizes(self, positive=("pages_per_compute_block",))
 
 
+def next_block_ready(j, block_lo, block_hi, copies):
+    """The double-buffered page pipeline of a TPU kernel's key loop, at
+    step ``j`` of ``[block_lo, block_hi)``: starts the copies of block
+    ``j + 1`` into the other buffer (if there is one), waits for block
+    ``j``'s, and returns ``j``'s buffer slot (0 or 1). ``copies(j, slot)``
+    gives the DMA descriptors of block ``j`` into ``slot``; block
+    ``block_lo``'s must have been started before the loop."""
+    slot = (j - block_lo) % 2
+
+    @pl.when(j + 1 < block_hi)
+    def _prefetch_next():
+        for c in copies(j + 1, 1 - slot):
+            c.start()
+
+    for c in copies(j, slot):
+        c.wait()
+    return slot
+
 def _kernel(
     # scalar prefetch (SMEM)
     layer_ref,  # i32[1] the layer of the stacked pool
@@ -99,15 +117,7 @@ def _kernel(
 
     def body(j, carry):
         o_prev, l_prev, m_prev = carry
-        slot = (j - block_lo) % 2
-
-        @pl.when(j + 1 < block_hi)
-        def _prefetch_next():
-            for c in copies(j + 1, 1 - slot):
-                c.start()
-
-        for c in copies(j, slot):
-            c.wait()
+        slot = next_block_ready(j, block_lo, block_hi, copies)
         k = k_buf[slot].reshape(keys, head_dim).astype(jnp.float32)
         v = v_buf[slot].reshape(keys, head_dim).astype(jnp.float32)
         k_pos = j * keys + lax.broadcasted_iota(jnp.int32, (1, keys), 1)  # i32[1, keys]
