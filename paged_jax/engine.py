@@ -17,8 +17,9 @@ loop (``add_request``, ``abort``, ``step``, ``run``) and reads the results:
   swap space, and what each decision costs;
 - :mod:`paged_jax.input_builder`: one call's flat batch;
 - :mod:`paged_jax.prompt_logprobs`: the rows that score prompt tokens;
-- :mod:`paged_jax.step`: the one jitted device program per iteration (free,
-  share, fork, grow with copy-on-write, forward, sample); the model is an
+- :mod:`paged_jax.step`: the one jitted device program per iteration (drop
+  pages out of a sliding window, free, share, fork, grow with
+  copy-on-write, forward, sample); the model is an
   object the caller passes in, this package never imports one;
 - :mod:`paged_jax.beam_search`: beams chosen after each call.
 
@@ -442,8 +443,9 @@ class Engine:
                                  prompt_book=self._prompt_lps)
         for seq in forks_pre:
             seq.fork_pre = None
-        # The twin takes the same steps as the device call: free, share (done
-        # at admission), fork (beams), extend, fork (parallel samples).
+        # The twin takes the same steps as the device call: drop (a window's
+        # pages, at the round's start), free, share (done at admission), fork
+        # (beams), extend, fork (parallel samples).
         expected_free = kvm.plan_call(call.inputs.fork_pre, call.inputs.num_new, call.inputs.fork_src)
         self.stats.programs.add((call.shape, call.options))
         c0, t0 = compile_seconds(), time.perf_counter()
