@@ -53,7 +53,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import common
 from pallas_kernels.flat_batch import prefill_tiles, tile_blocks, tiles
-from pallas_kernels.paged_attention_tpu import next_block_ready
+from pallas_kernels.paged_attention_tpu import next_block_ready, online_softmax_step
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 """Finite stand-in for -inf in the running max: a row that sees no key in a
@@ -142,7 +142,6 @@ def _kernel(
     q = q_ref[...].astype(jnp.float32) * scale  # the one place q is scaled
 
     def body(j, carry):
-        o_prev, l_prev, m_prev = carry
         slot = next_block_ready(j, block_lo, block_hi, copies)
         k = bufs[0][slot].reshape(keys, head_dim).astype(jnp.float32)
         v = bufs[1][slot].reshape(keys, head_dim).astype(jnp.float32)
@@ -157,16 +156,8 @@ def _kernel(
         if sliding_window is not None:
             visible &= k_pos > q_pos - sliding_window
         logits = jnp.where(visible, logits, MASK_VALUE)
-        m_next = jnp.maximum(m_prev, logits.max(axis=-1, keepdims=True))
-        correction = jnp.exp(m_prev - m_next)
-        p = jnp.where(visible, jnp.exp(logits - m_next), 0.0)  # f32[M, keys]
-        l_next = correction * l_prev + p.sum(axis=-1, keepdims=True)
-        if quantized:
-            # NaN may sit in the scales of slots nobody owns; 0 * NaN is NaN.
-            p = p * jnp.where(key_real, bufs[3][slot].reshape(1, keys), 0.0)
-        v = jnp.where(key_real.reshape(keys, 1), v, 0.0)
-        o_next = correction * o_prev + jnp.einsum("mk,kh->mh", p, v, preferred_element_type=jnp.float32)
-        return o_next, l_next, m_next
+        return online_softmax_step(carry, logits, visible, key_real, v,
+                                   bufs[3][slot].reshape(1, keys) if quantized else None)
 
     @pl.when(block_lo < block_hi)
     def _prefetch_first():

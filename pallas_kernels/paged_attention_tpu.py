@@ -52,6 +52,26 @@ class TPUBlockSizes:
         common.check_block_sizes(self, positive=("pages_per_compute_block",))
 
 
+def online_softmax_step(carry, logits, visible, key_real, v, v_scale=None):
+    """One key block of a TPU kernel's online softmax (the flash-attention
+    recurrence): ``carry = (o f32[M, H], l f32[M, 1], m f32[M, 1])``, the
+    block's masked ``logits`` f32[M, keys] (``visible`` bool[M, keys]),
+    ``key_real`` bool[1, keys] (keys that hold a written token), ``v``
+    f32[keys, H] and, for a quantized pool, the values' per-key scales
+    f32[1, keys]. Values of keys that are not real are zeroed first: NaN
+    may sit in the pages (or scales) of slots nobody owns, and 0 * NaN is
+    NaN. Returns the new carry."""
+    o_prev, l_prev, m_prev = carry
+    m_next = jnp.maximum(m_prev, logits.max(axis=-1, keepdims=True))
+    correction = jnp.exp(m_prev - m_next)
+    p = jnp.where(visible, jnp.exp(logits - m_next), 0.0)
+    l_next = correction * l_prev + p.sum(axis=-1, keepdims=True)
+    if v_scale is not None:
+        p = p * jnp.where(key_real, v_scale, 0.0)
+    v = jnp.where(key_real.reshape(-1, 1), v, 0.0)
+    o_next = correction * o_prev + jnp.einsum("mk,kh->mh", p, v, preferred_element_type=jnp.float32)
+    return o_next, l_next, m_next
+
 def next_block_ready(j, block_lo, block_hi, copies):
     """The double-buffered page pipeline of a TPU kernel's key loop, at
     step ``j`` of ``[block_lo, block_hi)``: starts the copies of block
@@ -116,7 +136,6 @@ def _kernel(
     q = q_ref[...].astype(jnp.float32) * scale  # the one place q is scaled; f32[G, H]
 
     def body(j, carry):
-        o_prev, l_prev, m_prev = carry
         slot = next_block_ready(j, block_lo, block_hi, copies)
         k = k_buf[slot].reshape(keys, head_dim).astype(jnp.float32)
         v = v_buf[slot].reshape(keys, head_dim).astype(jnp.float32)
@@ -131,16 +150,9 @@ def _kernel(
         if sliding_window is not None:
             visible &= k_pos > length - 1 - sliding_window
         logits = jnp.where(visible, logits, -jnp.inf)
-        m_next = jnp.maximum(m_prev, logits.max(axis=-1, keepdims=True))  # finite: block j has a visible key
-        correction = jnp.exp(m_prev - m_next)
-        p = jnp.where(visible, jnp.exp(logits - m_next), 0.0)  # f32[G, keys]
-        l_next = correction * l_prev + p.sum(axis=-1, keepdims=True)
-        if quantized:
-            # NaN may sit in the scales of slots nobody owns; 0 * NaN is NaN.
-            p = p * jnp.where(key_real, v_scale_buf[slot].reshape(1, keys), 0.0)
-        v = jnp.where(key_real.reshape(keys, 1), v, 0.0)
-        o_next = correction * o_prev + jnp.einsum("gt,th->gh", p, v, preferred_element_type=jnp.float32)
-        return o_next, l_next, m_next
+        # m stays finite: block j has a visible key
+        return online_softmax_step(carry, logits, visible, key_real, v,
+                                   v_scale_buf[slot].reshape(1, keys) if quantized else None)
 
     @pl.when(block_lo < block_hi)
     def _prefetch_first():
