@@ -117,26 +117,32 @@ class BlockPool:
         self.num_seq_pages[slot] = 0
         return freed
 
-    def drop_before(self, slot: int, first_kept: int) -> int:
+    def drop_before(self, slot: int, first_kept: int) -> tuple[int, int]:
         """Drops ``slot``'s pages at columns below ``first_kept`` (a
         sliding window's, see :mod:`paged_jax.sliding_window`): their
-        entries become ``NULL_PAGE`` and they lose a reference. Returns how
-        many reached zero (queued at :meth:`flush`, before the released
-        slots' pages). Call :meth:`first_kept` for the next call's
-        argument."""
+        entries become ``NULL_PAGE`` and they lose a reference. Pages that
+        reach zero are queued at :meth:`flush`, before the released slots'
+        pages.
+
+        Returns:
+          ``(dropped, freed)``: entries dropped now, and pages of them that
+          reached zero. Dropped entries form a leading run, so when column
+          ``first_kept - 1`` is already null nothing is scanned: ``(0, 0)``.
+        """
         slot = check_int("slot", slot, 0)
         first_kept = check_int("first_kept", first_kept, 0)
         if slot >= len(self.seq_lens):
             raise ValueError(f"slot must be in [0, {len(self.seq_lens)}), got slot={slot}")
         n = min(first_kept, int(self.num_seq_pages[slot]))
-        pages = [p for p in self.block_tables[slot, :n].tolist() if p != NULL_PAGE]
-        if not pages:
-            return 0
+        if n == 0 or self.block_tables[slot, n - 1] == NULL_PAGE:
+            return 0, 0
+        row = self.block_tables[slot, :n]
+        pages = row[row != NULL_PAGE].tolist()
         if slot in self._dropped:  # the device drops once per call
             raise RuntimeError(f"internal: slot {slot} dropped pages twice before one flush")
         self._dropped[slot] = (n, pages)
         self.block_tables[slot, :n] = NULL_PAGE
-        return self._unref(pages)
+        return len(pages), self._unref(pages)
 
     def first_kept(self) -> np.ndarray:
         """i64[max_seqs] the columns each slot drops below in the next call

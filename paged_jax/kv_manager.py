@@ -225,13 +225,14 @@ class KVCacheManager:
         """Drops the pages ``running`` sequences' windows no longer see
         (nothing without a ``sliding_window``); they count as free from now
         on, and the next call drops them on device first."""
-        if self.sliding_window is None:
+        if self.sliding_window is None or not running:
             return
-        for seq in running:
-            first = int(window_first_kept(seq.num_computed, sliding_window=self.sliding_window,
-                                          page_size=self.page_size))
-            freed = self.pool.drop_before(seq.slot, first) if first else 0
-            self._first_kept[seq.slot] = first  # idempotent on device: null entries stay null
+        firsts = window_first_kept(np.array([seq.num_computed for seq in running], np.int64),
+                                   sliding_window=self.sliding_window, page_size=self.page_size)
+        for seq, first in zip(running, firsts.tolist()):
+            dropped, freed = self.pool.drop_before(seq.slot, first) if first else (0, 0)
+            if dropped:  # only a slot with new entries to drop costs the device call any work
+                self._first_kept[seq.slot] = first
             self.num_free += freed
             self.stats.window_dropped_pages += freed
 
