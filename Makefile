@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-all tables check-tables serving-figures serving-figures-quick bench-serving serve clean
+.PHONY: setup demo test test-all tables check-tables serving-figures serving-figures-14 serving-figures-quick bench-serving serve clean
 
 setup: $(STAMP)
 
@@ -23,16 +23,29 @@ tables: setup
 	$(PY) -m experiments.reproduce
 	$(PY) -m experiments.sharing
 
-# The paper's serving figures (12, 13: latency against request rate, paged vs the Orca baselines), scaled down
-# for CPU (about 10 minutes on 2 cores); --quick on a toy model in seconds, written outside results/.
-serving-figures: setup
+# The paper's serving figures (12-17: latency against request rate, paged vs the Orca baselines) and the
+# light-load TTFT, scaled down for CPU (each sweep 5-15 minutes on 2 cores, about two hours in all); --quick on
+# a toy model, written outside results/.
+FIG14_WORKLOADS = parallel-2 parallel-4 parallel-6 beam-2 beam-4 beam-6
+
+serving-figures: setup serving-figures-14
 	$(PY) -m experiments.serving_figures
+	$(PY) -m experiments.serving_ttft
 	$(PY) -m experiments.serving_figures --workload prefix-1
 	$(PY) -m experiments.serving_figures --workload prefix-5
 	$(PY) -m experiments.serving_figures --workload chatbot
 
+# Figure 14: six sweeps (each 5-15 minutes on 2 busy CPU cores), then their summary.
+serving-figures-14: setup
+	for w in $(FIG14_WORKLOADS); do $(PY) -m experiments.serving_figures --workload $$w || exit 1; done
+	$(PY) -m experiments.serving_fig14
+
 serving-figures-quick: setup
 	$(PY) -m experiments.serving_figures --quick --model toy --out /tmp/paged_jax_serving_quick
+	$(PY) -m experiments.serving_ttft --model toy --num-requests 4 --max-output-len 6 --max-seqs 16 --max-batched-tokens 32 --out /tmp/paged_jax_serving_quick
+	$(PY) -m experiments.serving_figures --quick --model toy --workload parallel-2 --out /tmp/paged_jax_serving_quick
+	$(PY) -m experiments.serving_figures --quick --model toy --workload beam-2 --out /tmp/paged_jax_serving_quick
+	$(PY) -m experiments.serving_fig14 --quick --workloads parallel-2 beam-2 --out /tmp/paged_jax_serving_quick
 	$(PY) -m experiments.serving_figures --quick --model toy --workload prefix-5 --out /tmp/paged_jax_serving_quick
 	$(PY) -m experiments.serving_figures --quick --model toy --workload chatbot --out /tmp/paged_jax_serving_quick
 

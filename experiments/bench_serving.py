@@ -45,6 +45,24 @@ a warm-up over HTTP compiles its programs first (its ``/metrics`` count
 what compiles during each timed run: the ``compiled`` column), and its
 prefix cache is reset before each run (``POST /reset_prefix_cache``).
 
+Checked before anything loads (argparse errors naming the flag;
+:mod:`experiments.preflight`): a ``--workload`` whose requests run more
+sequences than ``--max-seqs``; a ``--kv-budget-tokens`` whose pool and
+weights need more memory than the device has (from the model's config,
+not its weights); with ``--backend http``, a ``--base-url`` where no server
+answers ``/health`` within a few seconds (a trailing ``/v1``, as OpenAI
+clients take it, is dropped), a key it refuses, a ``--served-model`` it
+does not list, an empty ``--api-key``. Before the warm-up, every request:
+in process against every policy's engine (its length, its sequences
+against the pool), over HTTP against the server's ``max_model_len``.
+
+``--profile DIR`` (in process) serves the requests once more after the
+timed runs, untimed, at the lowest rate with the first policy, and writes a
+``jax.profiler`` trace of ``--profile-steps`` steps after the first
+``--profile-skip`` (:mod:`paged_jax.profiling`); with ``--backend http``
+it is refused: the engine runs in the server (``python -m server --profile
+DIR``).
+
 Usage: ``python -m experiments.bench_serving --request-rate 0.5 1 2 --policy paged max``;
 ``python -m experiments.bench_serving --backend http --base-url http://127.0.0.1:8000 --request-rate 1 inf``
 """
@@ -59,13 +77,22 @@ import os
 import re
 import sys
 
-from experiments import http_backend, latency, online, provenance
-from experiments.cli import add_compile_cache_args, add_flag, check_outputs, machine, setup_compile_cache
+import jax.numpy as jnp
+
+from experiments import http_backend, latency, online, preflight, provenance
+from experiments.cli import (
+    add_compile_cache_args, add_flag, check_outputs, machine, resolve_dtype, setup_compile_cache,
+)
+from paged_jax.profiling import ProfileSpec, add_profile_args, check_profile_args
+from paged_jax.kv_cache import default_kv_dtype
 from experiments.tables import markdown_table, write_table
 
 
+PROG = "python -m experiments.bench_serving"
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m experiments.bench_serving", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     online.add_serving_flags(p, num_requests=32, max_output_len=48)
     p.add_argument("--request-rate", type=float, nargs="+", default=[1.0],
                    help="requests per second, one run each; inf sends all at once (default 1)")
@@ -81,15 +108,18 @@ def parse_args(argv=None):
                    help="inprocess (default): drive the engine in this process; http: send the requests to a "
                         "running OpenAI-compatible server (python -m server) at --base-url")
     p.add_argument("--base-url", default="http://127.0.0.1:8000",
-                   help="the server's root URL, without /v1 (--backend http; default %(default)s)")
+                   help="the server's root URL; a trailing /v1, as OpenAI clients take it, is dropped (--backend "
+                        "http; default %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("PAGED_JAX_API_KEY"),
                    help="the server's API key (--backend http; default $PAGED_JAX_API_KEY)")
     p.add_argument("--served-model", default=None,
                    help="the model name to send (--backend http; default the first of the server's /v1/models)")
     add_flag(p, "out")
     add_compile_cache_args(p)
+    add_profile_args(p)
     args = p.parse_args(argv)
     online.check_serving_flags(p, args)
+    check_profile_args(p, args)
     args.request_rate = online.check_rates(p, "--request-rate", args.request_rate)
     try:
         args.slos = latency.parse_goodput(args.goodput)
@@ -101,7 +131,13 @@ def parse_args(argv=None):
         p.error(f"--workload: {e}")
     if len(set(args.policy)) != len(args.policy):
         p.error(f"--policy: each policy once, got {' '.join(args.policy)}")
+    preflight.check_workload_fits(p, args.workload_, args.max_seqs)
+    if args.api_key == "":
+        p.error("--api-key must not be empty (leave it out for a server without a key)")
     if args.backend == "http":
+        if args.profile is not None:
+            p.error("--profile traces this process's engine steps, and with --backend http the engine runs in the "
+                    "server: profile the server process (python -m server --profile DIR) instead")
         if args.policy != ["paged"]:
             p.error(f"--backend http: the server's engine has one policy (paged); got --policy {' '.join(args.policy)}")
         if args.workload.startswith("beam"):
@@ -112,7 +148,29 @@ def parse_args(argv=None):
         p.error(f"--name must be a file stem of letters, digits, '_', '.' and '-' (the files land in --out), "
                 f"got {args.name!r}")
     check_outputs(p, args)
+    _preflight(p, args)
     return args
+
+
+def _preflight(p: argparse.ArgumentParser, args) -> None:
+    """The checks that read something (a model's config, a server's
+    answers), after the flags' own: an argparse error naming the flag for a
+    KV pool the machine cannot hold (in process), or a server that is not
+    there, refuses the key or does not serve ``--served-model`` (http; sets
+    ``args.served``, a :class:`experiments.preflight.ServedModel`)."""
+    if args.backend == "http":
+        try:
+            args.base_url = preflight.server_root(args.base_url)
+            args.served = preflight.probe_server(args.base_url, api_key=args.api_key, model=args.served_model)
+        except ValueError as e:
+            p.error(str(e))
+        return
+    try:
+        config = preflight.model_config(args.model)
+    except (OSError, ValueError) as e:
+        p.error(f"--model {args.model!r}: {e}")
+    preflight.check_kv_budget(p, "--kv-budget-tokens", args.kv_budget_tokens, args.page_size, config,
+                              kv_dtype=jnp.dtype(default_kv_dtype()), weight_dtype=resolve_dtype(args.dtype))
 
 
 def main(argv=None) -> list[online.OnlineResult]:
@@ -125,6 +183,10 @@ def main(argv=None) -> list[online.OnlineResult]:
         print(setup_compile_cache(args))
         model_name, requests, spec, setup = online.load_setup(args)
         requests = args.workload_.apply(requests)
+        try:  # every request against every policy's engine: a refusal now, not after the warm-up
+            preflight.check_requests(spec.build, args.policy, requests)
+        except ValueError as e:
+            raise SystemExit(f"{PROG}: error: {e}") from None
         print(setup)
         print(online.warm_up_line(spec, args.workload_))
         results = []
@@ -135,19 +197,46 @@ def main(argv=None) -> list[online.OnlineResult]:
                                              progress=True)
                 print(online.report(result))
                 results.append(result)
+        profile_run(ProfileSpec.from_args(args), spec, requests, args)
     write_results(args, record, model_name, requests, setup, results)
     return results
+
+
+def profile_run(profile: ProfileSpec | None, spec: online.EngineSpec, requests: list, args) -> int:
+    """``--profile``: serves the requests once more, untimed (tracing slows
+    the steps it traces, so no table row reads this run), at the lowest
+    ``--request-rate`` with the first ``--policy``, tracing steps
+    ``[skip, skip + steps)`` into ``--profile``. Returns the steps traced
+    (0 without ``--profile``, or when the run ended first)."""
+    if profile is None:
+        return 0
+    policy, rate = args.policy[0], args.request_rate[0]
+    print(f"\nprofiling: {policy} at {rate:g} req/s once more, untimed, tracing steps {profile.skip}-"
+          f"{profile.skip + profile.steps - 1}")
+    arrivals = latency.arrival_times(len(requests), rate, burstiness=args.burstiness, seed=args.seed)
+    with profile.wrap(spec.build(policy)) as stepper:
+        online.run_online(stepper, requests, arrivals)
+    if stepper.traced:
+        print(f"wrote a trace of {stepper.traced} steps to {profile.out_dir} (Perfetto: "
+              "plugins/profile/*/perfetto_trace.json.gz)")
+    else:
+        print(f"no trace written: the run ended within --profile-skip {profile.skip} steps")
+    return stepper.traced
 
 
 def run_over_http(args) -> tuple[str, list, str, list[online.OnlineResult]]:
     """``--backend http``: ``(model name, requests, setup line, one result
     per rate)`` from the server at ``--base-url``."""
-    served, max_len = asyncio.run(http_backend.served_model(args.base_url, args.api_key))
-    target = http_backend.Target(base_url=args.base_url, model=args.served_model or served, api_key=args.api_key)
+    max_len = args.served.max_model_len
+    target = http_backend.Target(base_url=args.base_url, model=args.served.name, api_key=args.api_key)
     tokenizer, vocab_size, model_name = http_backend.tokenizer_for(args.model)
     requests, source = args.workload_.requests(tokenizer, vocab_size=vocab_size, num_requests=args.num_requests,
                                                max_output_len=args.max_output_len, seed=args.seed)
     requests = args.workload_.apply(requests)
+    try:  # the server would refuse them in the timed run, after the warm-up
+        preflight.check_lengths(requests, max_len)
+    except ValueError as e:
+        raise SystemExit(f"{PROG}: error: {e}") from None
     setup = (f"{model_name} served over HTTP at {args.base_url} (model {target.model!r}, max_model_len {max_len}); "
              f"{len(requests)} requests ({source}): {sum(len(r.prompt_ids) for r in requests)} prompt tokens, "
              f"{sum(r.max_new_tokens for r in requests)} output tokens (true lengths capped at "

@@ -17,6 +17,16 @@ count is sampled every :data:`SAMPLE_EVERY_S` seconds during the run.
 Latencies here include the client and the network stack: TTFT counts from
 the moment the request was due to its first chunk's arrival, as vLLM's
 ``bench serve`` counts it.
+
+The clients can run in a child process (:class:`ClientProcess`, ``python
+-m experiments.http_backend --worker``) when the server runs in the
+caller's: on a machine of few cores, clients in the server's process share
+its interpreter lock and hide how much of a latency is the server's. The
+child reports its CPU seconds per run (:attr:`HttpRun.client_cpu_s`) and,
+per request, the response id the server gave it, so the server's own
+timestamps (:mod:`server.timing`) can be matched to the client's. Times on
+both sides are ``time.perf_counter()``, which on Linux is
+``CLOCK_MONOTONIC``: one clock for every process of the machine.
 """
 
 from __future__ import annotations
@@ -24,7 +34,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import pathlib
+import pickle
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 
@@ -35,6 +49,7 @@ from tqdm.auto import tqdm
 
 from experiments.latency import RequestRecord
 from experiments.online import TOY_CONFIG, OnlineRun
+from experiments.provenance import REPO
 from models.hf_loader import load_hf_tokenizer
 from models.llm import SMOLLM2
 from models.presets import PRESETS
@@ -89,6 +104,30 @@ class ServerCounters:
         the requests between two scrapes, seconds; None for none."""
         n = self.ttft_count - before.ttft_count
         return (self.ttft_sum_s - before.ttft_sum_s) / n if n else None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HttpRun:
+    """One run of the clients (:func:`measure_http_async`).
+
+    Attributes:
+      run: the requests' outputs and records (seconds after ``t0``).
+      before, after: the server's counters before and after the run.
+      response_ids: the ``id`` of each request's response, in the order of
+        the requests (``cmpl-...``; the server's engine requests are this
+        id with ``-0``, ``-1``, ... appended).
+      t0: ``time.perf_counter()`` of the trace's zero in the clients'
+        process (``CLOCK_MONOTONIC`` on Linux: comparable across processes).
+      client_cpu_s: CPU seconds (user + system, every thread) the clients'
+        process spent from the trace's zero to the last response.
+    """
+
+    run: OnlineRun
+    before: ServerCounters
+    after: ServerCounters
+    response_ids: list[str]
+    t0: float
+    client_cpu_s: float
 
 
 def payload(request: Request, model: str) -> dict:
@@ -156,14 +195,16 @@ async def reset_prefix_cache(target: Target) -> int:
 
 
 async def _send(client: httpx.AsyncClient, target: Target, request: Request, due: float, t0: float,
-                bar) -> tuple[RequestOutput, float]:
-    """Streams one request at ``t0 + due``; ``(its output, its due time)``
-    with times on the client's clock (seconds after ``t0``)."""
+                bar) -> tuple[RequestOutput, float, str | None]:
+    """Streams one request at ``t0 + due``; ``(its output, its due time,
+    the response's id)`` with times on the client's clock (seconds after
+    ``t0``)."""
     await asyncio.sleep(max(0.0, t0 + due - time.perf_counter()))
     sent = time.perf_counter() - t0
     choices: dict[int, CompletionOutput] = {}
     first = None
     usage = None
+    response_id = None
     async with client.stream("POST", "/v1/completions", json=payload(request, target.model)) as r:
         if r.status_code != 200:
             body = (await r.aread()).decode(errors="replace")
@@ -180,6 +221,7 @@ async def _send(client: httpx.AsyncClient, target: Target, request: Request, due
                 raise RuntimeError(f"request {request.request_id!r}: the server failed mid-stream: {chunk['error']}")
             if chunk.get("usage"):
                 usage = chunk["usage"]
+            response_id = response_id or chunk.get("id")
             for c in chunk.get("choices", ()):
                 out = choices.setdefault(c["index"], CompletionOutput(index=c["index"], output_ids=[],
                                                                       finish_reason=None, text=""))
@@ -199,7 +241,7 @@ async def _send(client: httpx.AsyncClient, target: Target, request: Request, due
         bar.update(1)
     return RequestOutput(request_id=request.request_id, prompt_ids=request.token_ids(),
                          outputs=[choices[i] for i in sorted(choices)], num_preemptions=0, first_token_s=first,
-                         finish_s=finish, num_cached_tokens=cached, finished=True, arrival_s=sent), due
+                         finish_s=finish, num_cached_tokens=cached, finished=True, arrival_s=sent), due, response_id
 
 
 async def _sample_running(client: httpx.AsyncClient, t0: float, times: list, counts: list, stop: asyncio.Event):
@@ -216,9 +258,29 @@ async def _sample_running(client: httpx.AsyncClient, t0: float, times: list, cou
             pass
 
 
+def _check_trace(target: Target, requests: Sequence[Request], arrivals: Sequence[float]) -> np.ndarray:
+    """``arrivals`` as f64[len(requests)] once everything can be sent."""
+    arrivals = np.asarray(arrivals, np.float64)
+    if arrivals.shape != (len(requests),):
+        raise ValueError(f"need one arrival per request, got {arrivals.shape} for {len(requests)} requests")
+    if len(requests) and (arrivals[0] < 0 or (np.diff(arrivals) < 0).any()):
+        raise ValueError("arrivals must be non-negative and non-decreasing")
+    for r in requests:
+        payload(r, target.model)  # refuse what cannot be sent before anything is
+    return arrivals
+
+
 async def run_http_async(target: Target, requests: Sequence[Request], arrivals: Sequence[float], *,
                          progress: bool = False,
                          sample_running: bool = True) -> tuple[OnlineRun, ServerCounters, ServerCounters]:
+    """Sends ``requests[i]`` at ``arrivals[i]`` seconds after the start:
+    :func:`measure_http_async`'s ``(run, before, after)``."""
+    m = await measure_http_async(target, requests, arrivals, progress=progress, sample_running=sample_running)
+    return m.run, m.before, m.after
+
+
+async def measure_http_async(target: Target, requests: Sequence[Request], arrivals: Sequence[float], *,
+                             progress: bool = False, sample_running: bool = True) -> HttpRun:
     """Sends ``requests[i]`` at ``arrivals[i]`` seconds after the start.
 
     Args:
@@ -227,29 +289,23 @@ async def run_http_async(target: Target, requests: Sequence[Request], arrivals: 
         sides); off, the run's running counts are a single 0.
 
     Returns:
-      ``(the run, the server's counters before, after)``; the run's times
-      are seconds on the client's clock after the trace's zero, its running
-      counts the server's running sequences sampled from ``/metrics``.
+      an :class:`HttpRun`; the run's times are seconds on the client's
+      clock after the trace's zero, its running counts the server's running
+      sequences sampled from ``/metrics``.
 
     Raises:
       ValueError: lengths differ, arrivals decrease or are negative; a
         request :func:`payload` refuses.
       RuntimeError: the server refused a request or failed mid-stream.
     """
-    arrivals = np.asarray(arrivals, np.float64)
-    if arrivals.shape != (len(requests),):
-        raise ValueError(f"need one arrival per request, got {arrivals.shape} for {len(requests)} requests")
-    if len(requests) and (arrivals[0] < 0 or (np.diff(arrivals) < 0).any()):
-        raise ValueError("arrivals must be non-negative and non-decreasing")
-    for r in requests:
-        payload(r, target.model)  # refuse what cannot be sent before anything is
+    arrivals = _check_trace(target, requests, arrivals)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(TIMEOUT_S)
     async with httpx.AsyncClient(base_url=target.base_url, headers=target.headers, limits=limits,
                                  timeout=timeout) as client:
         before = await scrape(client)
         bar = tqdm(total=len(requests), unit="req", leave=False, disable=None) if progress else None
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         times, counts = [0.0], [0]
         stop = asyncio.Event()
         sampler = asyncio.create_task(_sample_running(client, t0, times, counts, stop)) if sample_running else None
@@ -262,13 +318,15 @@ async def run_http_async(target: Target, requests: Sequence[Request], arrivals: 
                 await sampler
             if bar is not None:
                 bar.close()
+        cpu_s = time.process_time() - cpu0
         after = await scrape(client)
-    outputs = [out for out, _ in results]
-    records = [RequestRecord.from_output(out, arrival_s=due) for out, due in results]
+    outputs = [out for out, _, _ in results]
+    records = [RequestRecord.from_output(out, arrival_s=due) for out, due, _ in results]
     end = max((r.finish_s for r in records), default=0.0)
     run = OnlineRun(outputs=outputs, records=records, start_s=0.0, end_s=end, running_times=times,
                     running_counts=counts)
-    return run, before, after
+    return HttpRun(run=run, before=before, after=after, response_ids=[rid for _, _, rid in results], t0=t0,
+                   client_cpu_s=cpu_s)
 
 
 def run_http(target: Target, requests: Sequence[Request], arrivals: Sequence[float], *, progress: bool = False,
@@ -293,6 +351,85 @@ def warm_up_http(target: Target, batches: Sequence[Sequence[Request]]) -> Compil
         return after.since(before)
 
     return asyncio.run(go())
+
+
+class ClientProcess:
+    """The streaming clients of :func:`measure_http_async` in a child
+    process, kept for several runs; a context manager (closing ends it).
+
+    The child is ``python -m experiments.http_backend --worker`` (this
+    module, so it imports neither the server nor a model); a run's
+    requests go to it and its :class:`HttpRun` comes back, pickled, over
+    its stdin and stdout. It starts importing at once, so a caller that
+    makes it before a warm-up pays nothing for the wait.
+
+    Raises:
+      OSError: the child cannot be started.
+    """
+
+    def __init__(self):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
+                                                           if p)}
+        self._proc = subprocess.Popen([sys.executable, "-m", "experiments.http_backend", "--worker"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO, env=env)
+
+    def run(self, target: Target, requests: Sequence[Request], arrivals: Sequence[float], *,
+            sample_running: bool = True) -> HttpRun:
+        """:func:`measure_http_async` in the child; waits for its result.
+
+        Raises:
+          ValueError: what :func:`measure_http_async` refuses (checked here,
+            before the child gets anything).
+          RuntimeError: the run failed in the child (its message), or the
+            child has died.
+        """
+        arrivals = _check_trace(target, requests, arrivals)
+        try:
+            pickle.dump((target, list(requests), [float(a) for a in arrivals], sample_running), self._proc.stdin)
+            self._proc.stdin.flush()
+            ok, value = pickle.load(self._proc.stdout)
+        except (BrokenPipeError, EOFError):
+            raise RuntimeError(f"the client process ended (exit code {self._proc.poll()}); its stderr above says "
+                               "why") from None
+        if not ok:
+            raise RuntimeError(f"the client process failed: {value}")
+        return value
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Ends the child (it exits when its stdin closes)."""
+        if self._proc.stdin is not None and not self._proc.stdin.closed:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
+
+    def __enter__(self) -> ClientProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _worker(jobs, results) -> None:
+    """The child's loop: a pickled ``(target, requests, arrivals,
+    sample_running)`` in, ``(True, HttpRun)`` or ``(False, message)`` out,
+    until ``jobs`` ends."""
+    while True:
+        try:
+            target, requests, arrivals, sample_running = pickle.load(jobs)
+        except EOFError:
+            return
+        try:
+            result = (True, asyncio.run(measure_http_async(target, requests, arrivals,
+                                                           sample_running=sample_running)))
+        except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+            result = (False, f"{type(e).__name__}: {e}")
+        pickle.dump(result, results)
+        results.flush()
 
 
 def tokenizer_for(spec: str) -> tuple[object | None, int, str]:
@@ -320,3 +457,14 @@ def tokenizer_for(spec: str) -> tuple[object | None, int, str]:
         return tok, tok.vocab_size, path.name
     raise ValueError(f"--model {spec!r}: expected 'smollm2', 'toy', a preset {sorted(PRESETS)}, a .gguf file or a "
                      "Hugging Face folder (the same model the server serves)")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--worker"]:
+        sys.exit("usage: python -m experiments.http_backend --worker (ClientProcess starts it; it reads pickled "
+                 "jobs on stdin)")
+    from experiments import http_backend  # noqa: PLW0406 - pickles must name this module, not __main__
+
+    _results = sys.stdout.buffer
+    sys.stdout = sys.stderr  # stdout carries the results: anything printed goes to stderr
+    http_backend._worker(sys.stdin.buffer, _results)

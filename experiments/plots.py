@@ -232,3 +232,60 @@ def plot_block_size(path: pathlib.Path, rows: Sequence[dict]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
+
+
+def plot_sharing_workloads(path: pathlib.Path, rows: Sequence[dict], *, paper_over_oracle: dict[str, float],
+                           paper_saving: dict[str, tuple[float, float, float, float]]) -> None:
+    """Figure 14 summarized (:mod:`experiments.serving_fig14`): left, paged's
+    requests served per second over each baseline's at the highest rate
+    swept, against the sequences per request, one line per (baseline,
+    parallel / beam), the paper's vLLM / Orca (Oracle) as stars; right, KV
+    saved by sharing (paged), the paper's Figure 15 ranges shaded.
+
+    Args:
+      rows: dicts with ``workload`` (``parallel-N``, ``beam-W``),
+        ``sequences``, ``policy``, ``served_at_top`` (req/s) and
+        ``kv_saved_by_sharing`` (``"41.6%"``).
+      paper_over_oracle: workload -> the paper's ratio (``basic`` drawn at
+        one sequence).
+      paper_saving: ``parallel`` / ``beam`` -> (Alpaca low, high, ShareGPT
+        low, high), percent.
+    """
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    kinds = [k for k in ("parallel", "beam") if any(r["workload"].startswith(k + "-") for r in rows)]
+    for i, kind in enumerate(kinds):
+        mine = [r for r in rows if r["workload"].startswith(kind + "-")]
+        paged = {r["sequences"]: r["served_at_top"] for r in mine if r["policy"] == "paged"}
+        for j, policy in enumerate(dict.fromkeys(r["policy"] for r in mine if r["policy"] != "paged")):
+            pts = sorted((r["sequences"], paged[r["sequences"]] / r["served_at_top"]) for r in mine
+                         if r["policy"] == policy and r["served_at_top"])
+            left.plot(*zip(*pts), ("-", "--")[i] + "os^"[j % 3], color=COLORS[j],
+                      label=f"{kind}: paged / {policy}")
+        saved = sorted((r["sequences"], float(r["kv_saved_by_sharing"].rstrip("%"))) for r in mine
+                       if r["policy"] == "paged")
+        right.plot(*zip(*saved), ("o-", "s--")[i], color=COLORS[i], label=f"{kind}, measured (paged)")
+        lo_a, hi_a, lo_s, hi_s = paper_saving[kind]
+        right.axhspan(lo_s, hi_s, color=COLORS[i], alpha=0.12, label=f"{kind}, paper ShareGPT {lo_s:g}-{hi_s:g}%")
+        right.axhspan(lo_a, hi_a, color=COLORS[i], alpha=0.25, hatch="//",
+                      label=f"{kind}, paper Alpaca {lo_a:g}-{hi_a:g}%")
+    for name, value in paper_over_oracle.items():
+        k = 1 if name == "basic" else int(name.partition("-")[2])
+        left.plot([k], [value], "*", color="black", markersize=11)
+        left.annotate(f"paper {name}: {value:g}x", (k, value), textcoords="offset points", xytext=(5, 4), fontsize=7)
+    for ax in (left, right):
+        ax.set_xlim(0.5, 6.5)
+    left.axhline(1, color="gray", linewidth=0.8)
+    left.set_xlabel("sequences per request (n or beam width)")
+    left.set_ylabel("paged / policy, requests served at the top rate")
+    left.legend(fontsize=7)
+    left.grid(alpha=0.3)
+    left.set_title("Throughput over the Orca baselines (stars: paper, vs Oracle)", fontsize=9)
+    right.set_xlabel("sequences per request (n or beam width)")
+    right.set_ylabel("KV saved by sharing (%)")
+    right.set_ylim(0, 100)
+    right.legend(fontsize=7)
+    right.grid(alpha=0.3)
+    right.set_title("KV memory saved by sharing (paper: Figure 15)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)

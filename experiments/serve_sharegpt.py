@@ -17,8 +17,9 @@ reported separately), so that the mode that runs second is not favoured by
 programs the first one compiled.
 
 The model is SmolLM2-135M-Instruct from its GGUF (``--model smollm2``, the
-default), a local Hugging Face checkpoint folder (``--model PATH``: Llama,
-Mistral or Qwen2 safetensors, :mod:`models.hf_loader`), or a real
+default), a local Hugging Face checkpoint folder (``--model PATH``: the
+families :mod:`models.hf_loader` reads), a ``.gguf`` file of those families
+(:mod:`models.gguf_loader`), or a real
 architecture with random weights (``--model llama-3-8b``, ``qwen2.5-7b``,
 ``smollm2-135m``: :mod:`models.presets`). A preset needs neither the GGUF nor
 the ShareGPT package: it serves the packaged request lengths
@@ -29,7 +30,7 @@ Weights in ``--dtype`` and K/V in ``--kv-dtype``: f32 on CPU, bf16 on GPU
 and TPU by default.
 
 ``--profile DIR`` serves paged once more, untimed, and writes a
-``jax.profiler`` trace of a few of its steps (:mod:`experiments.profiling`).
+``jax.profiler`` trace of a few of its steps (:mod:`paged_jax.profiling`).
 
 The engine, the timing and the result row are :mod:`experiments.serving`'s;
 this script holds the flags and the printing.
@@ -60,17 +61,18 @@ from experiments.cli import (
     resolve_dtype,
     setup_compile_cache,
 )
-from experiments.profiling import ProfileSpec, add_profile_args, check_profile_args
+from paged_jax.profiling import ProfileSpec, add_profile_args, check_profile_args
 from experiments.serving import CSV_COLUMNS, MODES, MatmulFloor, ServeResult, load_model, serve
 from experiments.sharegpt import MAX_SEQ_LEN, PACKAGED_LIMIT, PACKAGED_REQUESTS, build_requests, packaged_requests
 from experiments.tables import markdown_table, write_table
+from models.gguf_loader import open_gguf, read_config
 from models.hf_loader import read_hf_config
 from models.llama import RaggedModel
 from models.presets import PRESETS, bytes_to_build
 from paged_jax.engine import num_traces
 from paged_jax.kv_cache import default_kv_dtype
 from paged_jax.sharding import init_distributed, make_mesh, parse_mesh
-from pallas_kernels.common import KV_DTYPE_ALIASES, is_quantized
+from pallas_kernels.common import KV_DTYPE_ALIASES
 
 KV_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2", "fp8")
 """--kv-dtype's choices; ``fp8`` is float8_e4m3fn (``KV_DTYPE_ALIASES``)."""
@@ -118,7 +120,8 @@ def parse_args(argv=None):
     )
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (SmolLM2-135M-Instruct from its GGUF, the default), the path of a Hugging Face "
-                        "checkpoint folder (config.json, *.safetensors, tokenizer.json; llama, mistral or qwen2), or "
+                        "checkpoint folder (config.json, *.safetensors, tokenizer.json: Llama, Mistral, Qwen2/3, "
+                        "Gemma 2/3, OLMo 2), the path of a .gguf file of those families, or "
                         f"a random-weight preset of a real architecture ({', '.join(sorted(PRESETS))}), which serves "
                         "the packaged ShareGPT request lengths and needs no tokenizer")
     add_flag(p, "dtype")
@@ -160,17 +163,17 @@ def parse_args(argv=None):
             p.error(f"--model {args.model} in {dtype} needs about {need / 1e9:.1f} GB to build its weights, and "
                     f"{jax.default_backend()} has {have / 1e9:.1f} GB available (try --dtype bfloat16, a smaller "
                     "preset, or an accelerator)")
-    if args.model != "smollm2" and args.model not in PRESETS:  # fail now, not after loading: reads config.json only
+    if args.model != "smollm2" and args.model not in PRESETS:  # fail now, not after loading: reads config.json or the GGUF header only
         try:
-            read_hf_config(args.model)
+            if str(args.model).lower().endswith(".gguf"):
+                read_config(open_gguf(args.model))
+            else:
+                read_hf_config(args.model)
         except (OSError, ValueError) as e:
-            p.error(f"--model {args.model!r} is neither 'smollm2', a preset ({', '.join(sorted(PRESETS))}) nor "
-                    f"a supported checkpoint folder: {e}")
+            p.error(f"--model {args.model!r} is neither 'smollm2', a preset ({', '.join(sorted(PRESETS))}), a "
+                    f"supported .gguf file nor a supported checkpoint folder: {e}")
     if args.mesh is not None and args.stream:
         p.error("--stream is not supported with --mesh (the data-parallel engine does not stream)")
-    if args.mesh is not None and args.kv_dtype is not None and is_quantized(args.kv_dtype):
-        p.error(f"--kv-dtype {args.kv_dtype} (quantized, with scales) is not supported with --mesh yet; use bfloat16 "
-                "or float32")
     if args.mesh is not None:
         try:
             args.mesh_sizes = parse_mesh(args.mesh)

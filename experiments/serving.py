@@ -30,7 +30,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from experiments.profiling import ProfileSpec
+from paged_jax.profiling import ProfileSpec
 from experiments.sharegpt import MAX_SEQ_LEN
 from models import llm
 from models.llama import RaggedModel, weight_matmuls
@@ -151,7 +151,7 @@ def run_timed(engine: Engine | DataParallelEngine, requests: list[Request], *, p
         after every step and joined here (ids, text, token times), as a
         server streaming every request would.
       profile: trace a few steps of the run (``--profile``,
-        :class:`experiments.profiling.StepProfiler`).
+        :class:`paged_jax.profiling.StepProfiler`).
 
     Returns:
       ``(outputs in finishing order, wall seconds less the compilation

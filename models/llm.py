@@ -41,7 +41,7 @@ from models.hf_loader import load_hf
 from models.llama import Llama, RaggedModel
 from models.presets import PRESETS, random_model
 from models.smollm2 import load_llama_gguf, load_smollm2
-from models.tokenizer import Tokenizer, load_tokenizer
+from models.tokenizer import Tokenizer, load_tokenizer_if_supported
 from paged_jax.checks import check_bool, check_int, is_int
 from paged_jax.engine import Engine, EngineConfig
 from paged_jax.kv_cache import default_kv_dtype
@@ -90,7 +90,9 @@ def load_model(spec: str | os.PathLike, *, dtype=jnp.float32) -> tuple[Llama, To
         - a key of :data:`models.presets.PRESETS` (``"smollm2-135m"``,
           ``"llama-3-8b"``, ...): that architecture with random weights and
           no tokenizer (serving measurements; prompts must be token ids);
-        - a path to a ``.gguf`` file (llama family, byte-level BPE);
+        - a path to a ``.gguf`` file (:mod:`models.gguf_families`; its
+          tokenizer when :func:`models.tokenizer.load_tokenizer` rebuilds it,
+          else None with a warning: prompts are then token ids);
         - a Hugging Face checkpoint folder (:mod:`models.hf_loader`).
       dtype: the weights' dtype (a float dtype; checkpoints are cast).
 
@@ -123,7 +125,7 @@ def load_model(spec: str | os.PathLike, *, dtype=jnp.float32) -> tuple[Llama, To
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"model {str(spec)!r} is a file but not a .gguf; {accepted}")
-        return load_llama_gguf(path, param_dtype=dtype), load_tokenizer(path), path.name
+        return load_llama_gguf(path, param_dtype=dtype), load_tokenizer_if_supported(path), path.name
     text = os.fspath(spec)
     if not isinstance(spec, str) or os.sep in text or "/" in text or text.lower().endswith(".gguf"):
         raise FileNotFoundError(f"model path {text!r} does not exist (a .gguf file or a Hugging Face folder)")

@@ -16,7 +16,12 @@ KV pool (:meth:`ShardedLlama.make_kv_pool`): ``[layers, K', P, L, H]`` with
 the KV-head axis split over ``model`` and the page axis over ``data``: data
 shard ``d`` owns global pages ``[d * P_d, (d + 1) * P_d)``, addressed by
 local ids ``0 .. P_d - 1`` (each shard has its own null page 0), so a block
-table can name no other shard's page.
+table can name no other shard's page. A quantized pool (int8, fp8) shards
+its scales ``f32[layers, K', P, L]`` the same way (:func:`kv_pool_specs`):
+a scale is per token and KV head, so it lives on the device holding its
+page, and a device quantizes and dequantizes its own heads with no
+communication. Replicated KV heads hold replicated scales: each replica
+computes the same K/V from the same weights, so it quantizes them the same.
 
 Attention runs under ``jax.shard_map`` on each device's own heads and
 pages: a Pallas kernel cannot be partitioned automatically, and the XLA
@@ -45,13 +50,25 @@ from jax.sharding import PartitionSpec as P
 from models.llama import Llama, LlamaConfig, forward, forward_ragged
 from paged_jax import attention as paged_attn
 from paged_jax.batch import RaggedBatch
-from paged_jax.checks import check_choice, check_instance
-from paged_jax.kv_cache import KVPool, init_kv_pool
+from paged_jax.checks import check_choice, check_instance, check_int
+from paged_jax.kv_cache import KVPool, check_pool, init_kv_pool
 from paged_jax.sharding import DATA, MODEL, HeadLayout, head_layout, split_evenly
 from pallas_kernels import common
 
 KV_SPEC = P(None, MODEL, DATA, None, None)
-"""The pool ``[layers, K', P, L, H]``: KV heads over model, pages over data."""
+"""K and V pages ``[layers, K', P, L, H]``: KV heads over model, pages over data."""
+SCALE_SPEC = P(None, MODEL, DATA, None)
+"""A quantized pool's scales ``f32[layers, K', P, L]``: sharded as their pages."""
+
+
+def kv_pool_specs(quantized: bool) -> KVPool:
+    """The pool's partition specs, shaped as the pool (a :class:`KVPool` of
+    ``PartitionSpec``): :data:`KV_SPEC` for K and V, :data:`SCALE_SPEC` for
+    the scales of a ``quantized`` pool (None for a float one), so
+    ``shard_map`` and ``jit`` take it as the pool's spec tree."""
+    if quantized:
+        return KVPool(k=KV_SPEC, v=KV_SPEC, k_scale=SCALE_SPEC, v_scale=SCALE_SPEC)
+    return KVPool(k=KV_SPEC, v=KV_SPEC)
 
 # Which axis of each stacked weight is split over the model axis (None: replicated).
 _SPLIT_AXIS = {
@@ -157,37 +174,45 @@ class ShardedLlama:
         """A zeroed pool sharded over the mesh: ``[layers, K', D * P_d, L,
         H]``, KV heads over ``model``, pages over ``data``; data shard ``d``
         owns pages ``[d * P_d, (d + 1) * P_d)`` under local ids ``0 .. P_d -
-        1`` (page 0 of each shard is its null page).
+        1`` (page 0 of each shard is its null page). Every shard's pages are
+        exactly ``dtype``; a quantized dtype (int8, float8_e4m3fn or
+        ``"fp8"``, float8_e5m2) adds f32 scales ``[layers, K', D * P_d, L]``
+        sharded as the pages (:func:`kv_pool_specs`).
 
         Args:
           pages_per_shard: P_d, pages of each data shard, null page included
             (>= 2).
           page_size: L, tokens per page.
+          dtype: the page dtype (``pallas_kernels.common.KV_DTYPES``).
 
         Raises:
-          ValueError: a quantized dtype (int8, fp8: the scales have no
-            sharding yet), and as :func:`paged_jax.kv_cache.init_kv_pool`.
+          ValueError: as :func:`paged_jax.kv_cache.init_kv_pool`.
         """
         dtype = common.check_kv_dtype("dtype", dtype)
-        if common.is_quantized(dtype):
-            raise ValueError(f"quantized K/V ({dtype.name}) is not supported on a mesh yet (its scales have no "
-                             f"sharding); use bfloat16 or float32, got dtype={dtype.name}")
+        pages_per_shard = check_int("pages_per_shard", pages_per_shard, 2)  # a null page and one more
         data = self.mesh.shape[DATA]
-        sharding = NamedSharding(self.mesh, KV_SPEC)
+        shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec),
+                                 kv_pool_specs(common.is_quantized(dtype)))
         pool = jax.jit(lambda: init_kv_pool(
             num_layers=self.config.num_layers, num_kv_heads=self.config.num_kv_heads,
             num_pages=pages_per_shard * data, page_size=page_size, head_dim=self.config.head_dim, dtype=dtype),
-            out_shardings=KVPool(k=sharding, v=sharding))
-        if pages_per_shard < 2:
-            raise ValueError(f"pages_per_shard must be >= 2 (a null page and one more), got {pages_per_shard=}")
+            out_shardings=shardings)
         return pool()
 
     def kv_bytes_per_device(self, pages_per_shard: int, page_size: int, dtype=jnp.float32) -> int:
         """Bytes of K and V one device holds for a pool of ``pages_per_shard``
-        pages per data shard (its KV heads, padding and replicas included)."""
+        pages per data shard (its KV heads, padding and replicas included;
+        a quantized pool's f32 scales too): ``2 * layers * k * P_d * L * b``
+        with ``k`` = :attr:`HeadLayout.kv_heads_per_device` and ``b`` =
+        ``H * itemsize``, plus 4 for a quantized dtype's scale
+        (``pallas_kernels.common.kv_bytes_per_token``).
+
+        Raises:
+          ValueError: ``dtype`` is not a K/V page dtype.
+        """
         c = self.config
-        return (2 * c.num_layers * self.layout.kv_heads_per_device * pages_per_shard * page_size * c.head_dim
-                * jnp.dtype(dtype).itemsize)
+        per_token = common.kv_bytes_per_token(c.head_dim, common.check_kv_dtype("dtype", dtype))
+        return 2 * c.num_layers * self.layout.kv_heads_per_device * pages_per_shard * page_size * per_token
 
     # -- a padded batch over the whole mesh ---------------------------------
 
@@ -201,7 +226,8 @@ class ShardedLlama:
         Args:
           tokens: i32[B, T]; block_tables: i32[B, pages_per_seq] local page
             ids; kv_lens, q_lens: i32[B]; as in :func:`models.llama.forward`.
-          kv: a pool from :meth:`make_kv_pool` (donated: use the returned one).
+          kv: a pool from :meth:`make_kv_pool`, float or quantized
+            (donated: use the returned one).
           all_logits: logits for every query row.
 
         Returns:
@@ -225,9 +251,11 @@ class ShardedLlama:
                                    np.asarray(q_lens), tokens.shape[1])
         except ValueError as e:
             raise ValueError(f"{e} (page ids are local to each data shard: [0, {pages_per_shard}))") from None
-        fn = self._forwards.get(all_logits)
+        key = (all_logits, kv.quantized)
+        fn = self._forwards.get(key)
         if fn is None:
             local_graphdef, impl = self._local_graphdef, self.impl
+            kv_specs = kv_pool_specs(kv.quantized)
 
             def local(params, tokens, kv, block_tables, kv_lens, q_lens):
                 model = nnx.merge(local_graphdef, params)
@@ -236,9 +264,9 @@ class ShardedLlama:
 
             rows = P(DATA)
             fn = jax.jit(jax.shard_map(local, mesh=self.mesh,
-                                       in_specs=(self.param_specs, rows, KV_SPEC, rows, rows, rows),
-                                       out_specs=(rows, KV_SPEC), check_vma=False), donate_argnums=(2,))
-            self._forwards[all_logits] = fn
+                                       in_specs=(self.param_specs, rows, kv_specs, rows, rows, rows),
+                                       out_specs=(rows, kv_specs), check_vma=False), donate_argnums=(2,))
+            self._forwards[key] = fn
         return fn(self.params, jnp.asarray(tokens, jnp.int32), kv, jnp.asarray(block_tables, jnp.int32),
                   jnp.asarray(kv_lens, jnp.int32), jnp.asarray(q_lens, jnp.int32))
 
@@ -267,33 +295,35 @@ class ShardedRaggedModel:
         self.vocab_size = self.sharded.vocab_size
         self.params = self.sharded.params
         self.mesh = mesh
-        local_graphdef, impl = self.sharded._local_graphdef, impl
+        local_graphdef = self.sharded._local_graphdef
 
         def local(params, batch: RaggedBatch, kv: KVPool):
             return forward_ragged(nnx.merge(local_graphdef, params), batch, kv, impl=impl,
                                   reduce=lambda y: jax.lax.psum(y, MODEL))
 
-        self._apply = jax.shard_map(local, mesh=mesh, in_specs=(self.sharded.param_specs, P(), KV_SPEC),
-                                    out_specs=(P(), KV_SPEC), check_vma=False)
+        # One shard_map per pool kind: a quantized pool's spec tree has its scales.
+        self._apply = {quantized: jax.shard_map(local, mesh=mesh, in_specs=(self.sharded.param_specs, P(), specs),
+                                                out_specs=(P(), specs), check_vma=False)
+                       for quantized, specs in ((q, kv_pool_specs(q)) for q in (False, True))}
 
     def apply(self, params, batch: RaggedBatch, kv: KVPool):
-        return self._apply(params, batch, kv)
+        return self._apply[kv.quantized](params, batch, kv)
 
     def make_kv_pool(self, num_pages: int, page_size: int, dtype=jnp.float32) -> KVPool:
         """The engine's pool: ``num_pages`` pages (null page included), KV
-        heads split over the model axis."""
+        heads (and a quantized pool's scales) split over the model axis."""
         return self.sharded.make_kv_pool(num_pages, page_size, dtype)
 
     def check_kv_pool(self, kv: KVPool) -> None:
-        """Raises ValueError unless ``kv`` fits the padded model."""
+        """Raises ValueError unless ``kv`` fits the padded model and is a
+        well-formed pool, float or quantized with its scales
+        (:func:`paged_jax.kv_cache.check_pool`)."""
         want = (self.config.num_layers, self.config.num_kv_heads, self.config.head_dim)
         got = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
         if got != want:
             raise ValueError(f"kv pool must have (num_layers, num_kv_heads, head_dim)={want} for this sharded "
                              f"model (KV heads padded for the mesh), got {got}")
-        if kv.quantized or common.is_quantized(kv.k.dtype):
-            raise ValueError(f"quantized K/V ({kv.k.dtype}) is not supported on a mesh yet; use a bfloat16 or "
-                             "float32 pool")
+        check_pool(kv)
 
 
 def make_data_parallel_engine(model: Llama, mesh: Mesh, config, *, pages_per_shard: int, page_size: int,

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from models.checkpoint import assign_params
+from models.gguf_families import check_rope_factors, layer_tensors
 from models.gguf_loader import load_gguf
 from models.llama import Llama, LlamaConfig, StepFn, make_step_fn
 from models.tokenizer import Tokenizer, load_tokenizer
@@ -23,75 +24,65 @@ from paged_jax import page_state as ps
 from paged_jax.checks import check_int
 
 
-def _stacked(weights: dict[str, np.ndarray], config: LlamaConfig, name: str, path: str) -> np.ndarray:
-    """``blk.{i}.{name}.weight`` for every layer as one [layers, ...] array."""
-    try:
-        return np.stack([weights[f"blk.{i}.{name}.weight"] for i in range(config.num_layers)])
-    except KeyError as e:
-        raise ValueError(f"GGUF {path!r} lacks tensor {e.args[0]!r}") from e
+_RESHAPE = {
+    # GGUF [layers, out, in] (biases [layers, out]) -> ours; n, k, h, d = N, K, H, D.
+    "attn_q.weight": lambda w, n, k, h, d: w.transpose(0, 2, 1).reshape(-1, d, n, h),  # [layers, D, N, H]
+    "attn_k.weight": lambda w, n, k, h, d: w.transpose(0, 2, 1).reshape(-1, d, k, h),  # [layers, D, K, H]
+    "attn_v.weight": lambda w, n, k, h, d: w.transpose(0, 2, 1).reshape(-1, d, k, h),  # [layers, D, K, H]
+    "attn_output.weight": lambda w, n, k, h, d: w.transpose(0, 2, 1).reshape(-1, n, h, d),  # [layers, N, H, D]
+    "ffn_gate.weight": lambda w, n, k, h, d: w.transpose(0, 2, 1),  # [layers, D, F]
+    "ffn_up.weight": lambda w, n, k, h, d: w.transpose(0, 2, 1),  # [layers, D, F]
+    "ffn_down.weight": lambda w, n, k, h, d: w.transpose(0, 2, 1),  # [layers, F, D]
+    "attn_q.bias": lambda b, n, k, h, d: b.reshape(-1, n, h),  # [layers, N, H]
+    "attn_k.bias": lambda b, n, k, h, d: b.reshape(-1, k, h),  # [layers, K, H]
+    "attn_v.bias": lambda b, n, k, h, d: b.reshape(-1, k, h),  # [layers, K, H]
+}
+"""Per-block GGUF tensors that change layout on the way in; norms are taken as they are."""
 
 
 def gguf_to_params(weights: dict[str, np.ndarray], config: LlamaConfig, path: str = "<weights>") -> dict:
-    """Our parameter layout from GGUF tensors (``[out, in]``, q/k already
-    un-permuted by :func:`models.gguf_loader.load_gguf`).
+    """Our parameter layout from GGUF tensors (``[out, in]``, in Hugging
+    Face conventions as :func:`models.gguf_loader.load_gguf` leaves them),
+    for any family :func:`models.gguf_families.layer_tensors` knows.
 
     Returns:
       Nested dict of f32 numpy arrays keyed like :class:`Llama`'s state.
 
     Raises:
       ValueError: a missing tensor, or one the decoder would not read (a
-        bias, ``rope_freqs.weight``: names them and ``path``).
+        bias the config does not announce; ``rope_freqs.weight`` that the
+        config's RoPE does not reproduce): names them and ``path``.
     """
     n, k, h, d = config.num_q_heads, config.num_kv_heads, config.head_dim, config.model_dim
-    layers = config.num_layers
 
     def get(name):
         if name not in weights:
             raise ValueError(f"GGUF {path!r} lacks tensor {name!r}")
         return weights[name]
 
-    def stacked(name):
-        return _stacked(weights, config, name, path)
-
-    params = {
-        "embed": get("token_embd.weight"),  # [V, D]
-        "final_norm": {"scale": get("output_norm.weight")},  # [D]
-        "blocks": {
-            "attn_norm": {"scale": stacked("attn_norm")},  # [layers, D]
-            "mlp_norm": {"scale": stacked("ffn_norm")},  # [layers, D]
-            "attn": {
-                # [layers, N * H, D] -> [layers, D, N, H]
-                "wq": stacked("attn_q").transpose(0, 2, 1).reshape(layers, d, n, h),
-                "wk": stacked("attn_k").transpose(0, 2, 1).reshape(layers, d, k, h),
-                "wv": stacked("attn_v").transpose(0, 2, 1).reshape(layers, d, k, h),
-                # [layers, D, N * H] -> [layers, N, H, D]
-                "wo": stacked("attn_output").transpose(0, 2, 1).reshape(layers, n, h, d),
-            },
-            "mlp": {
-                "w_gate": stacked("ffn_gate").transpose(0, 2, 1),  # [layers, D, F]
-                "w_up": stacked("ffn_up").transpose(0, 2, 1),  # [layers, D, F]
-                "w_down": stacked("ffn_down").transpose(0, 2, 1),  # [layers, F, D]
-            },
-        },
-    }
+    per_layer = layer_tensors(config)
+    params: dict = {"embed": get("token_embd.weight"),  # [V, D]
+                    "final_norm": {"scale": get("output_norm.weight")}}  # [D]
+    for name, where in per_layer.items():
+        stacked = np.stack([get(f"blk.{i}.{name}") for i in range(config.num_layers)])  # [layers, ...]
+        node = params.setdefault("blocks", {})
+        for part in where[:-1]:
+            node = node.setdefault(part, {})
+        node[where[-1]] = _RESHAPE[name](stacked, n, k, h, d) if name in _RESHAPE else stacked
     if not config.tie_embeddings:
         params["lm_head"] = get("output.weight")  # [V, D]
     # A tensor the decoder does not read would change what the checkpoint computes: llama.cpp stores Llama
-    # 3.1+'s scaled RoPE as `rope_freqs.weight`, which a plain-RoPE load would drop into wrong outputs.
+    # 3.1+'s scaled RoPE as `rope_freqs.weight`, read (and here checked) against the config's rope_scaling.
     known = {"token_embd.weight", "output_norm.weight", "output.weight"} | {
-        f"blk.{i}.{name}.weight" for i in range(layers) for name in _LAYER_TENSORS}
+        f"blk.{i}.{name}" for i in range(config.num_layers) for name in per_layer}
+    if "rope_freqs.weight" in weights:
+        check_rope_factors(weights["rope_freqs.weight"], config, path)
+        known.add("rope_freqs.weight")
     extra = sorted(set(weights) - known)
     if extra:
-        why = (" (llama.cpp's RoPE frequency factors: Llama 3.1+ scaled RoPE; load the Hugging Face folder, whose "
-               "rope_parameters the decoder applies)") if "rope_freqs.weight" in extra else ""
         raise ValueError(f"GGUF {path!r} has tensors the decoder does not read: {extra[:5]}"
-                         f"{' ...' if len(extra) > 5 else ''}{why}")
+                         f"{' ...' if len(extra) > 5 else ''}")
     return params
-
-
-_LAYER_TENSORS = ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
-                  "ffn_down")
-"""Per-layer tensors (``blk.{i}.<name>.weight``) of a llama-family GGUF that the decoder reads."""
 
 
 def load_llama_gguf(gguf_path: str | os.PathLike | None = None, *, param_dtype=jnp.float32) -> Llama:
@@ -103,8 +94,9 @@ def load_llama_gguf(gguf_path: str | os.PathLike | None = None, *, param_dtype=j
 
     Raises:
       FileNotFoundError: the file does not exist.
-      ValueError: not a llama-family GGUF, a missing tensor, or a tensor
-        whose shape does not fit the config; the message names the path.
+      ValueError: an unsupported architecture or feature
+        (:mod:`models.gguf_families`), a missing tensor, or a tensor whose
+        shape does not fit the config; the message names the path.
     """
     ckpt = load_gguf(gguf_path)
     config = LlamaConfig(**ckpt.config)

@@ -1,12 +1,17 @@
-"""The SmolLM2 tokenizer, rebuilt from a GGUF's vocabulary and merges.
+"""A GGUF's byte-level BPE tokenizer (SmolLM2's; Llama 3's and Qwen2 / 3's
+splitting too), rebuilt from its vocabulary and merges.
 
-The GGUF stores a byte-level BPE (``tokenizer.ggml.model = gpt2``, pre-tokenizer
-``smollm``): the token strings, the merges as ``"left right"`` strings and a
-type per token (3 = control). We rebuild it with the ``tokenizers`` library
-the way transformers does when it loads the same file, plus SmolLM2's
-pre-tokenizer, which splits every digit on its own:
+The GGUF stores a byte-level BPE (``tokenizer.ggml.model = gpt2``): the
+token strings, the merges as ``"left right"`` strings and a type per token
+(3 = control), and names its pre-tokenizer (``tokenizer.ggml.pre``). We
+rebuild it with the ``tokenizers`` library the way transformers does when it
+loads the same file. SmolLM2's pre-tokenizer (``smollm``) splits every digit
+on its own; ``llama-bpe`` and ``qwen2`` split by their regular expressions
+first (:data:`GGUF_PRE_TOKENIZERS`); any other is refused by name
+(SentencePiece vocabularies, ``tokenizer.ggml.model = llama``, too):
 
-  pre-tokenizer  Sequence([Digits(individual_digits=True), ByteLevel(add_prefix_space=False)])
+  pre-tokenizer  Sequence([Digits(individual_digits=True), ByteLevel(add_prefix_space=False)]) (smollm),
+                 Sequence([Split(pattern, "isolated"), ByteLevel(add_prefix_space=False, use_regex=False)])
   model          BPE(vocab, merges), no unknown-token fusing
   decoder        ByteLevel
   special        the control tokens (``<|im_start|>``, ``<|im_end|>``, ...),
@@ -21,6 +26,7 @@ the ids, match ``AutoTokenizer(...).apply_chat_template`` exactly.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Sequence
 
 import tokenizers
@@ -32,6 +38,21 @@ CONTROL_TOKEN_TYPE = 3
 """``tokenizer.ggml.token_type`` of control (special) tokens."""
 
 IM_END = "<|im_end|>"
+
+_SPLITS = {
+    # Llama 3's and Qwen2's split patterns, as in their tokenizer.json files and in transformers' GGUF
+    # tokenizer reader (integrations/gguf/gguf_tokenizer_mapping.py, GGUF_PRE_TOKENIZER_SPLITS).
+    "llama-bpe": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+    "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+}
+GGUF_PRE_TOKENIZERS = ("smollm",) + tuple(_SPLITS)
+"""``tokenizer.ggml.pre`` values whose splitting rules :func:`load_tokenizer`
+rebuilds: SmolLM2's (every digit alone, then GPT-2's byte-level split),
+Llama 3's (``llama-bpe``) and Qwen2 / Qwen3's (``qwen2``). Others split text
+by their own rules; a byte-level BPE built with the wrong ones gives other
+ids without an error, so they are refused by name."""
 
 
 class Tokenizer:
@@ -150,6 +171,24 @@ def _compile_template(source: str):
     return env.from_string(source)
 
 
+def gguf_tokenizer_problem(reader) -> str | None:
+    """Why :func:`load_tokenizer` cannot rebuild a GGUF's tokenizer, or None
+    if it can: no tokenizer metadata, a ``tokenizer.ggml.model`` other than
+    ``gpt2`` (byte-level BPE; Gemma's ``llama`` is SentencePiece), or a
+    ``tokenizer.ggml.pre`` outside :data:`GGUF_PRE_TOKENIZERS`."""
+    kind = metadata(reader, "tokenizer.ggml.model", None)
+    if kind is None:
+        return "the file holds no tokenizer (no tokenizer.ggml.model)"
+    if kind != "gpt2":
+        what = " (SentencePiece, Gemma's and Llama 2's)" if kind == "llama" else ""
+        return f"tokenizer.ggml.model {kind!r}{what} is not supported; only 'gpt2' (byte-level BPE) is"
+    pre = metadata(reader, "tokenizer.ggml.pre", None)
+    if pre not in GGUF_PRE_TOKENIZERS:
+        return (f"tokenizer.ggml.pre {pre!r} is not supported (its pre-tokenizer rules are not rebuilt here); "
+                f"supported: {list(GGUF_PRE_TOKENIZERS)}")
+    return None
+
+
 def load_tokenizer(gguf_path: str | os.PathLike | None = None) -> Tokenizer:
     """Builds the tokenizer stored in a GGUF file.
 
@@ -159,16 +198,18 @@ def load_tokenizer(gguf_path: str | os.PathLike | None = None) -> Tokenizer:
 
     Raises:
       FileNotFoundError: the file does not exist.
-      ValueError: not a GGUF, or its tokenizer is not byte-level BPE
-        (``tokenizer.ggml.model`` other than ``gpt2``).
+      ValueError: not a GGUF, or its tokenizer is not one this rebuilds
+        (:func:`gguf_tokenizer_problem`: not byte-level BPE, or another
+        pre-tokenizer than SmolLM2's); names the file and the key.
     """
     reader = open_gguf(gguf_path)
     path = reader.data.filename
-    kind = metadata(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"GGUF {path!r}: tokenizer.ggml.model must be 'gpt2' (byte-level BPE), got {kind!r}")
+    problem = gguf_tokenizer_problem(reader)
+    if problem is not None:
+        raise ValueError(f"GGUF {path!r}: {problem}")
     tokens = metadata(reader, "tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in metadata(reader, "tokenizer.ggml.merges")]
+    # A vocabulary of single bytes has no merges, and gguf-py writes no empty array.
+    merges = [tuple(m.split(" ", 1)) for m in metadata(reader, "tokenizer.ggml.merges", [])]
     token_types = metadata(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
 
     vocab = {tok: i for i, tok in enumerate(tokens)}
@@ -176,9 +217,16 @@ def load_tokenizer(gguf_path: str | os.PathLike | None = None) -> Tokenizer:
         models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
                    end_of_word_suffix="", fuse_unk=False)
     )
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
+    pre = metadata(reader, "tokenizer.ggml.pre")
+    if pre == "smollm":
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(tokenizers.Regex(_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
     tok.decoder = decoders.ByteLevel()
     specials = [t for t, kind in zip(tokens, token_types) if kind == CONTROL_TOKEN_TYPE]
     tok.add_special_tokens(
@@ -192,3 +240,21 @@ def load_tokenizer(gguf_path: str | os.PathLike | None = None) -> Tokenizer:
                             metadata(reader, "tokenizer.ggml.eos_token_id", 2))),
         chat_template=metadata(reader, "tokenizer.chat_template", None),
     )
+
+
+def load_tokenizer_if_supported(gguf_path: str | os.PathLike) -> Tokenizer | None:
+    """:func:`load_tokenizer`, or None with a ``UserWarning`` saying why
+    (:func:`gguf_tokenizer_problem`) when the file's tokenizer is not one
+    this rebuilds: the model still serves prompts given as token ids.
+
+    Raises:
+      FileNotFoundError, ValueError: as :func:`load_tokenizer` for a missing
+        or unreadable file.
+    """
+    reader = open_gguf(gguf_path)
+    problem = gguf_tokenizer_problem(reader)
+    if problem is not None:
+        warnings.warn(f"GGUF {reader.data.filename!r}: {problem}; serving without a tokenizer (prompts must be "
+                      "token ids)", UserWarning, stacklevel=2)
+        return None
+    return load_tokenizer(gguf_path)

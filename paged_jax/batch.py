@@ -113,9 +113,12 @@ class RaggedBatch:
     Attributes:
       tokens: i32[T] token ids; padding rows hold any valid id.
       positions: i32[T] each token's position in its sequence.
-      slots: i32[T] flat KV slot (``page * page_size + offset``) each token's
-        K/V is written to; -1 for padding (dropped).
-      block_tables: i32[S, pages_per_seq] every sequence row's pages.
+      slots: i32[G * T] flat KV slot (``page * page_size + offset``) each token's
+        K/V is written to, group after group (:mod:`paged_jax.kv_groups`;
+        ``G = 1`` for a model with one kind of layer); -1 for padding
+        (dropped).
+      block_tables: i32[G * S, pages_per_seq] every sequence row's pages,
+        group after group (row ``group * S + s``).
       q_starts: i32[S] first flat row of each sequence's tokens.
       q_lens: i32[S] tokens each sequence brings (0: not in this call).
       kv_lens: i32[S] tokens each sequence holds after this call.
@@ -127,13 +130,27 @@ class RaggedBatch:
 
     tokens: jax.Array  # i32[T]
     positions: jax.Array  # i32[T]
-    slots: jax.Array  # i32[T]
-    block_tables: jax.Array  # i32[S, pages_per_seq]
+    slots: jax.Array  # i32[G * T]
+    block_tables: jax.Array  # i32[G * S, pages_per_seq]
     q_starts: jax.Array  # i32[S]
     q_lens: jax.Array  # i32[S]
     kv_lens: jax.Array  # i32[S]
     logits_rows: jax.Array  # i32[R + P]
     shape: BatchShape = struct.field(pytree_node=False)
+
+    @property
+    def num_groups(self) -> int:
+        """``G``, block tables per sequence (layer groups, :mod:`paged_jax.kv_groups`)."""
+        return self.block_tables.shape[0] // self.q_starts.shape[0]
+
+    def group(self, g) -> "RaggedBatch":
+        """Layer group ``g``'s view (int or traced i32[]): its block
+        tables i32[S, pages_per_seq] and slots i32[T], the rest shared."""
+        G = self.num_groups
+        if G == 1:
+            return self
+        S, T = self.q_starts.shape[0], self.tokens.shape[0]
+        return self.replace(block_tables=self.block_tables.reshape(G, S, -1)[g], slots=self.slots.reshape(G, T)[g])
 
 
 def batch_shape(q_lens, *, num_seq_rows: int, tiling: Tiling = Tiling(), num_samples: int = 0,

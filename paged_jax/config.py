@@ -100,10 +100,12 @@ class EngineConfig:
       swap_space_pages: pages the swap space holds; default as many as the
         KV pool's usable pages.
       drop_out_of_window_pages: when every layer of the model attends a
-        sliding window (``PagedModel.kv_window``), return the pages that
-        left it to the pool while the sequence runs
-        (:mod:`paged_jax.sliding_window`); False keeps every page until the
-        sequence ends (the same outputs, more memory).
+        sliding window (``PagedModel.kv_window``), or a hybrid model's
+        pool is laid out by layer group (``PagedModel.kv_groups``,
+        :mod:`paged_jax.kv_groups`), return the pages that left a window to
+        the pool while the sequence runs (:mod:`paged_jax.sliding_window`);
+        False keeps every page until the sequence ends (the same outputs,
+        more memory; a hybrid model then needs a pool of every layer).
     """
 
     max_seqs: int = 64

@@ -64,7 +64,7 @@ from paged_jax.sampling import SamplingParams
 from paged_jax.scheduler import ScheduledSeq, Scheduler
 from paged_jax.sequence import BeamCandidates, Sequence, SequenceGroup
 from paged_jax.stats import CallRecord, EngineStats, compile_seconds
-from paged_jax.step import PagedModel, check_model, device_step, num_traces
+from paged_jax.step import PagedModel, check_model, device_step, engine_kv_groups, num_traces
 
 __all__ = [  # the engine's API; the types live in their own modules and are re-exported here
     "CallRecord", "CompletionOutput", "Engine", "EngineConfig", "EngineStats", "PagedModel", "Request",
@@ -115,9 +115,10 @@ class Engine:
 
     Raises:
       ValueError: the pool cannot hold one sequence of ``config.max_seq_len``
-        tokens (then no schedule could finish a long request), or does not
-        fit the model; a bad ``vocab_size`` (or one above the model's) or
-        ``stop_ids``; a model without ``params`` and ``apply``.
+        tokens in each layer group (then no schedule could finish a long
+        request), or does not fit the model (:func:`engine_kv_groups`); a bad
+        ``vocab_size`` (or one above the model's) or ``stop_ids``; a model
+        without ``params`` and ``apply``.
       RuntimeError: (from :meth:`step`) the engine failed in an earlier step.
     """
 
@@ -126,11 +127,13 @@ class Engine:
         check_instance("kv_pool", kv_pool, KVPool, what="paged_jax.kv_cache.KVPool")
         check_instance("config", config, EngineConfig)
         vocab_size = check_model(model, kv_pool, vocab_size)
-        usable = (kv_pool.num_pages - 1) * kv_pool.page_size
+        groups = engine_kv_groups(model, kv_pool, config.drop_out_of_window_pages)
+        usable = (kv_pool.num_pages - 1) * kv_pool.page_size // groups.num_groups  # a sequence holds G tables
         if usable < config.max_seq_len:
             raise ValueError(
-                f"the KV pool holds {usable} tokens ({kv_pool.num_pages - 1} usable pages x "
-                f"page_size={kv_pool.page_size}), fewer than one sequence of max_seq_len={config.max_seq_len}"
+                f"the KV pool holds {usable} tokens per layer group ({kv_pool.num_pages - 1} usable pages x "
+                f"page_size={kv_pool.page_size} / {groups.num_groups} groups), fewer than one sequence of "
+                f"max_seq_len={config.max_seq_len}"
             )
         stop_ids = list(stop_ids) if isinstance(stop_ids, (list, tuple, set, frozenset, range)) else stop_ids
         if not isinstance(stop_ids, list):
@@ -149,18 +152,19 @@ class Engine:
         self.kv_manager = KVCacheManager(
             kv_pool, max_seqs=config.max_seqs, max_seq_len=config.max_seq_len, reservation=config.reservation,
             enable_prefix_caching=config.enable_prefix_caching, swap_space_pages=swap_pages, stats=self.stats,
-            sliding_window=getattr(model, "kv_window", None) if config.drop_out_of_window_pages else None)
+            groups=groups, max_num_batched_tokens=config.max_num_batched_tokens)
         self.scheduler = Scheduler(
             max_seqs=config.max_seqs, max_num_batched_tokens=config.max_num_batched_tokens, tiling=config.tiling,
             preemption_mode=config.preemption_mode, kv=self.kv_manager, stats=self.stats)
         self.max_pages_per_seq = self.kv_manager.max_pages_per_seq
         self.limits = RequestLimits(
             vocab_size=vocab_size, max_seq_len=config.max_seq_len, max_seqs=config.max_seqs,
-            page_size=self.page_size, usable_pages=kv_pool.num_pages - 1, reservation=config.reservation)
+            page_size=self.page_size, usable_pages=(kv_pool.num_pages - 1) // groups.num_groups,
+            reservation=config.reservation)
         self._live: dict = {}  # request_id -> group, while unfinished: ids need only be unique among these
         self._prompt_lps = PromptLogprobsBook()
         self._inflight: _InFlight | None = None  # the dispatched call not yet read
-        self._no_prev = jnp.zeros(config.max_seqs, jnp.int32)
+        self._no_prev = jnp.zeros(config.max_seqs, jnp.int32)  # per slot
         self._failed: BaseException | None = None
         self._t0: float | None = None
 
@@ -391,7 +395,7 @@ class Engine:
             return []
         self.clock()  # starts it
         t_start, c_start = time.perf_counter(), compile_seconds()
-        # Named phases for a profiler's trace (experiments.profiling): nearly free when none runs.
+        # Named phases for a profiler's trace (paged_jax.profiling): nearly free when none runs.
         with jax.profiler.TraceAnnotation("schedule"):
             scheduled = self.scheduler.schedule()
         prev, self._inflight = self._inflight, None

@@ -76,7 +76,7 @@ def build_step_inputs(
       prompt_book: the records of requests asking for prompt log-probs
         (their rows are added); None: none asks.
     """
-    S = len(pages.free_mask)
+    S = len(pages.ahead)  # sequence slots (the page state has a row per slot and layer group)
     q_lens = np.zeros(S, np.int32)
     q_starts = np.zeros(S, np.int32)
     fork_src = np.full(S, -1, np.int32)

@@ -37,8 +37,27 @@ before anything grows, so this round's growth may take them). Costs count
 table positions as before; the dropped pages simply join the free count.
 A swapped-out sequence copies only its live pages and gets its null
 entries back at swap-in; a fork shares the nulls; the prefix cache never
-keys a dropped page. Models that mix sliding and full layers need a block
-table per layer group and keep every page here.
+keys a dropped page.
+
+Layer groups. A model that mixes sliding and full layers (Gemma 2 / 3,
+gpt-oss) has a block table per layer group (:mod:`paged_jax.kv_groups`
+says why one pool with per-group tables, vLLM v1's hybrid layout): the
+page state has ``G * S`` rows, row ``group * S + slot``, and every
+operation on a slot is the same operation on its ``G`` rows (free, share,
+grow, fork), so the rows of a slot always hold the same tokens and the
+same table positions. Each sliding group's rows drop the pages before its
+own window at the round's start; the full groups' rows never drop. Costs
+are sums over the rows: growing a sequence by ``n`` tokens takes each
+group's new pages (a sliding group's growth offset by what it dropped at
+the round's start), and admitting one counts, per sliding group, only the
+pages its window holds once its known tokens are computed (the pages its
+chunked prefill holds for a while beyond them are checked round by round,
+like any growth, with preemption when the pool is short). Swapping copies
+each group's live pages; a fork (parallel samples, beams) forks all ``G``
+rows. What ``G > 1`` does not do yet: prefix caching (a sliding group's
+hit needs its own pages inside the window, keyed per group:
+:data:`PREFIX_CACHING_OFF`) and reservation policies other than
+``"paged"`` (refused by name).
 
 Reservations. Under a reservation policy other than ``"paged"``
 (:mod:`paged_jax.config`) a sequence holds pages for
@@ -63,11 +82,18 @@ from paged_jax.block_pool import BlockPool
 from paged_jax.checks import check_int
 from paged_jax.config import reserved_tokens
 from paged_jax.kv_cache import KVPool
+from paged_jax.kv_groups import KVGroups, single_group
 from paged_jax.prefix_cache import PrefixCache, chain_keys
 from paged_jax.sequence import Sequence, SequenceGroup
 from paged_jax.sliding_window import drop_pages_before, window_first_kept
 from paged_jax.stats import EngineStats
 from paged_jax.swap import SwapSpace, SwappedGroup, gather_pages, scatter_pages
+
+
+PREFIX_CACHING_OFF = (
+    "prefix caching is off for models with several layer groups: a hit must hold each sliding group's pages "
+    "inside its window, keyed per group (vLLM v1's find_longest_cache_hit), which is not built yet")
+"""Why :class:`KVCacheManager` keeps no prefix cache when ``G > 1``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,20 +125,21 @@ class Admission:
 
 @dataclasses.dataclass(frozen=True)
 class CallPages:
-    """The page-state part of the next call's inputs (numpy, one row per
-    page-state slot ``S``; ``M`` = most pages per sequence).
+    """The page-state part of the next call's inputs (numpy; ``S``
+    sequence slots, ``G * S`` page-state rows, row ``group * S + slot``;
+    ``M`` = most pages per sequence).
 
     Attributes:
-      free_mask: bool[S] slots to free first.
-      num_hit: i32[S] pages an empty slot takes (prefix hit, swap-in or
+      free_mask: bool[G * S] rows to free first.
+      num_hit: i32[G * S] pages an empty row takes (prefix hit, swap-in or
         same-step pages).
-      hit_pages: i32[S, M] their ids.
-      hit_tokens: i32[S] tokens the slot then holds.
+      hit_pages: i32[G * S, M] their ids.
+      hit_tokens: i32[G * S] tokens the row then holds.
       ahead: i32[S] of those tokens, how many the call itself computes
         (same-step pages): the slot grows by its chunk less these.
-      min_pages: i32[S] pages a slot the call grows holds afterwards at
+      min_pages: i32[G * S] pages a row the call grows holds afterwards at
         least (its reservation; 0 when paging on demand).
-      first_kept: i32[S] block-table columns each slot drops below first
+      first_kept: i32[G * S] block-table columns each row drops below first
         (a sliding window's, :mod:`paged_jax.sliding_window`; 0 none).
     """
 
@@ -141,31 +168,64 @@ class KVCacheManager:
       stats: counters it adds to.
       sliding_window: tokens every layer of the model attends (its pages
         out of that window are dropped while sequences run), or None when
-        some layer attends everything.
+        some layer attends everything; ignored when ``groups`` is given.
+      groups: the layer groups, one block table each (module docstring;
+        :func:`paged_jax.step.engine_kv_groups`); default one group of
+        the pool's layers attending ``sliding_window``.
+      max_num_batched_tokens: tokens one call computes at most (a first
+        chunk's bound, for admission costs with several groups); default
+        ``max_seq_len``.
+
+    Attributes:
+      prefix_caching_off: why there is no prefix cache although
+        ``enable_prefix_caching`` asked for one ("" otherwise).
+
+    Raises:
+      ValueError: ``groups`` whose ``group_size`` is not the pool's layer
+        count; several groups with a ``reservation`` other than "paged".
     """
 
     def __init__(self, kv_pool: KVPool, *, max_seqs: int, max_seq_len: int, reservation: str,
                  enable_prefix_caching: bool, swap_space_pages: int, stats: EngineStats,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, groups: KVGroups | None = None,
+                 max_num_batched_tokens: int | None = None):
         self.kv = kv_pool
-        self.sliding_window = None if sliding_window is None else check_int("sliding_window", sliding_window)
+        self.max_num_batched_tokens = max_seq_len if max_num_batched_tokens is None else check_int(
+            "max_num_batched_tokens", max_num_batched_tokens)
+        if groups is None:
+            groups = single_group(kv_pool.num_layers, None if sliding_window is None else
+                                  check_int("sliding_window", sliding_window))
+        if groups.group_size != kv_pool.num_layers:
+            raise ValueError(f"groups.group_size={groups.group_size} must equal the pool's {kv_pool.num_layers} layers")
+        if groups.num_groups > 1 and reservation != "paged":
+            raise ValueError(f"reservation={reservation!r} with {groups.num_groups} layer groups: reservation "
+                             "policies serve models with one kind of layer only; use 'paged'")
+        self.groups = groups
+        self.sliding_window = groups.uniform_window  # the window every layer attends, if one group
+        self.num_slots = max_seqs
+        rows = groups.num_groups * max_seqs  # page-state rows: group * max_seqs + slot
         self.page_size = L = kv_pool.page_size
         self.max_seq_len = max_seq_len
         self.max_pages_per_seq = ps.pages_for_tokens(max_seq_len, L)
         self.reservation = reservation
-        self.state = ps.init_page_state(num_pages=kv_pool.num_pages, max_seqs=max_seqs,
+        self.state = ps.init_page_state(num_pages=kv_pool.num_pages, max_seqs=rows,
                                         max_pages_per_seq=self.max_pages_per_seq, page_size=L)
-        self.prefix_cache = PrefixCache(L) if enable_prefix_caching else None
-        self.pool = BlockPool(num_pages=kv_pool.num_pages, max_seqs=max_seqs, max_pages_per_seq=self.max_pages_per_seq,
+        self.prefix_caching_off = PREFIX_CACHING_OFF if enable_prefix_caching and groups.num_groups > 1 else ""
+        self.prefix_cache = PrefixCache(L) if enable_prefix_caching and not self.prefix_caching_off else None
+        self.pool = BlockPool(num_pages=kv_pool.num_pages, max_seqs=rows, max_pages_per_seq=self.max_pages_per_seq,
                               page_size=L, on_evict=self.prefix_cache.evict if self.prefix_cache is not None else None)
         self.swap = SwapSpace(swap_space_pages)
         self.stats = stats
         self.num_free = kv_pool.num_pages - 1  # free pages once this round's plan is done
-        self._held = np.zeros(max_seqs, np.int64)  # pages per slot once this round's plan is done
-        self._to_free = np.zeros(max_seqs, bool)  # freed by the next call
-        self._min_pages = np.zeros(max_seqs, np.int32)  # pages each slot the next call grows holds at least
-        self._first_kept = np.zeros(max_seqs, np.int32)  # columns each slot drops below in the next call
-        self._hits: dict[int, tuple[list[int], int, int]] = {}  # slot -> (pages, tokens, tokens ahead), next call
+        self._held = np.zeros(rows, np.int64)  # pages (table positions) per row once this round's plan is done
+        self._to_free = np.zeros(rows, bool)  # freed by the next call
+        self._min_pages = np.zeros(rows, np.int32)  # pages each row the next call grows holds at least
+        self._first_kept = np.zeros(rows, np.int32)  # columns each row drops below in the next call
+        self._hits: dict[int, tuple[list[int], int, int]] = {}  # row -> (pages, tokens, tokens ahead), next call
+
+    def rows(self, seq: Sequence) -> list[int]:
+        """``seq``'s page-state rows, one per layer group."""
+        return self.groups.rows(seq.slot, self.num_slots)
 
     # -------------------------------------------------------------- costs
 
@@ -181,9 +241,15 @@ class KVCacheManager:
         return max(ps.pages_for_tokens(num_tokens, self.page_size), self.reserved_pages(seq))
 
     def grow_cost(self, seq: Sequence, n: int) -> int:
-        """Pages running ``seq`` takes to compute ``n`` more tokens (a
-        copy-on-write copy counted when its next token lands in a shared page)."""
-        return self.pages_for(seq, seq.num_computed + n) - int(self._held[seq.slot]) + self.pool.cow_needed(seq.slot)
+        """Pages running ``seq`` takes to compute ``n`` more tokens, summed
+        over its layer groups (a copy-on-write copy counted when its next
+        token lands in a shared page)."""
+        return sum(self._row_growth(seq, row, n, cow=True) for row in self.rows(seq))
+
+    def _row_growth(self, seq: Sequence, row: int, n: int, *, cow: bool) -> int:
+        """Pages ``row`` (of ``seq``) takes to hold ``n`` more tokens than
+        it holds once this round's plan is done."""
+        return self.pages_for(seq, seq.num_computed + n) - int(self._held[row]) + (cow and self.pool.cow_needed(row))
 
     def fills_page(self, seq: Sequence, n: int) -> bool:
         """After ``n`` more tokens, ``seq``'s pages are full (its next token
@@ -194,17 +260,34 @@ class KVCacheManager:
         """What admitting ``members`` (a waiting group's live sequences)
         costs now."""
         swapped = self.swap.get(group)
-        if swapped is not None:
+        G = self.groups.num_groups
+        if swapped is not None:  # each member's table: its G groups' tables one after the other
             rows = [swapped.tables[s.index] for s in members]
-            cost = len(set().union(*rows) - {-1}) + sum(self.pages_for(s, s.num_tokens) - len(r) + 1
+            cost = len(set().union(*rows) - {-1}) + sum(G * (self.pages_for(s, s.num_tokens) + 1) - len(r)
                                                  for s, r in zip(members, rows))
             return Admission(cost=cost, hits=[[] for _ in members], swapped=swapped, members=members,
                              computed=[swapped.num_tokens[s.index] for s in members])
         hits = [self._lookup(s) for s in members]
-        new_pages = sum(self.pages_for(s, len(s.tokens)) - len(h) for s, h in zip(members, hits))
+        new_pages = sum(self._known_pages(s) - len(h) for s, h in zip(members, hits))
         cost = new_pages + sum(1 for p in set().union(*hits) if self.pool.ref_counts[p] == 0)
         return Admission(cost=cost, hits=hits, swapped=None, members=members,
                          computed=[len(h) * self.page_size for h in hits])
+
+    def _known_pages(self, seq: Sequence) -> int:
+        """Pages admitting ``seq`` (no prefix hit) costs, summed over its
+        groups: a full group's pages for its known tokens; with several
+        groups, a sliding group's the more of the pages its window still
+        sees once they are computed and the pages of its first chunk (at
+        most ``max_num_batched_tokens`` tokens, taken whole before the next
+        round drops any), so the first call's growth always fits."""
+        n = len(seq.tokens)
+        total = self.pages_for(seq, n)
+        if self.groups.num_groups == 1:
+            return total
+        L, first_chunk = self.page_size, ps.pages_for_tokens(min(n, self.max_num_batched_tokens), self.page_size)
+        return sum(total if w is None else max(first_chunk, total - int(window_first_kept(n, sliding_window=w,
+                                                                                          page_size=L)))
+                   for w in self.groups.windows)
 
     def _lookup(self, seq: Sequence) -> list[int]:
         """Cached pages holding ``seq``'s first tokens, never all of them:
@@ -225,23 +308,29 @@ class KVCacheManager:
         """Drops the pages ``running`` sequences' windows no longer see
         (nothing without a ``sliding_window``); they count as free from now
         on, and the next call drops them on device first."""
-        if self.sliding_window is None or not running:
+        if not running:
             return
-        firsts = window_first_kept(np.array([seq.num_computed for seq in running], np.int64),
-                                   sliding_window=self.sliding_window, page_size=self.page_size)
-        for seq, first in zip(running, firsts.tolist()):
-            dropped, freed = self.pool.drop_before(seq.slot, first) if first else (0, 0)
-            if dropped:  # only a slot with new entries to drop costs the device call any work
-                self._first_kept[seq.slot] = first
-            self.num_free += freed
-            self.stats.window_dropped_pages += freed
+        computed = np.array([seq.num_computed for seq in running], np.int64)
+        for g, window in enumerate(self.groups.windows):
+            if window is None:  # a full group keeps every page
+                continue
+            firsts = window_first_kept(computed, sliding_window=window, page_size=self.page_size)
+            for seq, first in zip(running, firsts.tolist()):
+                row = g * self.num_slots + seq.slot
+                dropped, freed = self.pool.drop_before(row, first) if first else (0, 0)
+                if dropped:  # only a row with new entries to drop costs the device call any work
+                    self._first_kept[row] = first
+                self.num_free += freed
+                self.stats.window_dropped_pages += freed
 
     def reserve(self, seq: Sequence, n: int) -> None:
         """Plans ``n`` more tokens for running ``seq`` in the next call."""
-        need = self.grow_cost(seq, n)
-        self.num_free -= need
-        self._held[seq.slot] += need
-        self._min_pages[seq.slot] = self.reserved_pages(seq)
+        reserved = self.reserved_pages(seq)
+        for row in self.rows(seq):
+            need = self._row_growth(seq, row, n, cow=True)
+            self.num_free -= need
+            self._held[row] += need
+            self._min_pages[row] = reserved
 
     def admit(self, group: SequenceGroup, adm: Admission, chunks: list[int]) -> None:
         """Gives the admitted members (now holding slots) their pages: back
@@ -261,11 +350,13 @@ class KVCacheManager:
                 for seq, n in zip(members, chunks):
                     self._take_filled_pages(seq, n)
         for seq, n in zip(members, chunks):
-            held = int(self.pool.num_seq_pages[seq.slot])
-            need = self.pages_for(seq, seq.num_computed + n) - held + (self.pool.cow_needed(seq.slot) if n else 0)
-            self.num_free -= need
-            self._held[seq.slot] = held + need
-            self._min_pages[seq.slot] = self.reserved_pages(seq)
+            reserved = self.reserved_pages(seq)
+            for row in self.rows(seq):
+                self._held[row] = self.pool.num_seq_pages[row]
+                need = self._row_growth(seq, row, n, cow=n > 0)
+                self.num_free -= need
+                self._held[row] += need
+                self._min_pages[row] = reserved
 
     def _admit_hits(self, seq: Sequence, hits: list[int]) -> None:
         st = self.stats
@@ -314,10 +405,13 @@ class KVCacheManager:
         if fresh:
             self.kv = scatter_pages(self.kv, fresh, swapped.pages, source=needed)
         for seq in members:
-            table = [new_page[i] for i in swapped.tables[seq.index]]
+            tables = swapped.tables[seq.index]
+            n = len(tables) // self.groups.num_groups  # each group's table, one after the other
             seq.num_computed = swapped.num_tokens[seq.index]
-            self.pool.share(seq.slot, table, seq.num_computed)
-            self._hits[seq.slot] = (table, seq.num_computed, 0)
+            for g, row in enumerate(self.rows(seq)):
+                table = [new_page[i] for i in tables[g * n : (g + 1) * n]]
+                self.pool.share(row, table, seq.num_computed)
+                self._hits[row] = (table, seq.num_computed, 0)
         self.stats.swapped_in_pages += len(needed)
 
     def swap_out(self, group: SequenceGroup, members: list[Sequence]) -> bool:
@@ -328,8 +422,10 @@ class KVCacheManager:
         tables, num_tokens = {}, {}
         for seq in members:
             holder = seq.fork_pre or seq  # a beam not forked yet holds its parent's pages
-            pages = self.pool.pages(holder.slot)[: ps.pages_for_tokens(seq.num_computed, self.page_size)]
-            # A page a window dropped stays dropped: nothing to copy (-1 in the swapped table).
+            n = ps.pages_for_tokens(seq.num_computed, self.page_size)
+            # Its groups' tables one after the other (n entries each); a page a window dropped stays dropped:
+            # nothing to copy (-1 in the swapped table).
+            pages = [p for row in self.rows(holder) for p in self.pool.pages(row)[:n]]
             tables[seq.index] = [unique.setdefault(p, len(unique)) if p != ps.NULL_PAGE else -1 for p in pages]
             num_tokens[seq.index] = seq.num_computed
         if not unique or not self.swap.fits(len(unique)):
@@ -358,11 +454,12 @@ class KVCacheManager:
         """``seq``'s pages lose a reference (freed on device by the next
         call, or by :meth:`flush_frees`); a page another sequence shares
         stays held."""
-        if seq.slot in self._hits:  # given pages this round, but no call has taken them yet
-            raise RuntimeError(f"internal: slot {seq.slot} released before the call that shares its pages")
-        self.num_free += self.pool.release(seq.slot)  # not scheduled in this round: no planned growth
-        self._held[seq.slot] = 0
-        self._to_free[seq.slot] = True
+        for row in self.rows(seq):
+            if row in self._hits:  # given pages this round, but no call has taken them yet
+                raise RuntimeError(f"internal: slot {seq.slot} released before the call that shares its pages")
+            self.num_free += self.pool.release(row)  # not scheduled in this round: no planned growth
+            self._held[row] = 0
+            self._to_free[row] = True
 
     def offer(self, seq: Sequence) -> None:
         """Offers ``seq``'s newly full pages to the prefix cache: pages whose
@@ -384,12 +481,14 @@ class KVCacheManager:
 
     def call_pages(self) -> CallPages:
         """The next call's page-state inputs."""
-        S, M = len(self._to_free), self.max_pages_per_seq
-        num_hit, hit_tokens, ahead = np.zeros(S, np.int32), np.zeros(S, np.int32), np.zeros(S, np.int32)
-        hit_pages = np.zeros((S, M), np.int32)
-        for slot, (pages, tokens, computed_ahead) in self._hits.items():
-            num_hit[slot], hit_tokens[slot], ahead[slot] = len(pages), tokens, computed_ahead
-            hit_pages[slot, : len(pages)] = pages
+        R, M = len(self._to_free), self.max_pages_per_seq
+        num_hit, hit_tokens, ahead = np.zeros(R, np.int32), np.zeros(R, np.int32), np.zeros(self.num_slots, np.int32)
+        hit_pages = np.zeros((R, M), np.int32)
+        for row, (pages, tokens, computed_ahead) in self._hits.items():
+            num_hit[row], hit_tokens[row] = len(pages), tokens
+            hit_pages[row, : len(pages)] = pages
+            if row < self.num_slots:  # a slot's rows hold the same tokens ahead (same-step pages: one group only)
+                ahead[row] = computed_ahead
         return CallPages(free_mask=self._to_free.copy(), num_hit=num_hit, hit_pages=hit_pages, hit_tokens=hit_tokens,
                          first_kept=self._first_kept.copy(),
                          ahead=ahead, min_pages=self._min_pages.copy())
@@ -399,13 +498,18 @@ class KVCacheManager:
         its frees and shares: forks ``fork_pre`` (i32[S] source slot or
         -1), grows by ``num_new`` (i32[S]) to at least the planned
         reservations (:attr:`CallPages.min_pages`), forks ``fork_src``.
-        Returns the free pages the device must report after it."""
+        Returns the free pages the device must report after it. A slot's
+        growth and forks apply to each of its rows (one per layer group),
+        as :func:`paged_jax.step.device_step` applies them."""
+        S = self.num_slots
         for dst in np.flatnonzero(fork_pre >= 0):
-            self.pool.fork(int(fork_pre[dst]), int(dst))
-        if self.pool.extend(num_new, self._min_pages) is None:  # the plan is exact: a bug
+            for g in range(self.groups.num_groups):
+                self.pool.fork(g * S + int(fork_pre[dst]), g * S + int(dst))
+        if self.pool.extend(np.tile(num_new, self.groups.num_groups), self._min_pages) is None:  # the plan is exact
             raise RuntimeError(f"the scheduler planned growth the pool cannot give ({self.pool.num_free} free pages)")
         for dst in np.flatnonzero(fork_src >= 0):
-            self.pool.fork(int(fork_src[dst]), int(dst))
+            for g in range(self.groups.num_groups):
+                self.pool.fork(g * S + int(fork_src[dst]), g * S + int(dst))
         self._hits.clear()
         self._to_free[:] = False
         self._min_pages[:] = 0

@@ -54,7 +54,8 @@ class EngineStats:
     the paper's Figures 15 and 17. ``recomputed_tokens``: tokens prefilled
     again after a preemption by recompute. ``window_dropped_pages``: pages
     returned to the pool while their sequence ran because a sliding window
-    no longer saw them (:mod:`paged_jax.sliding_window`).
+    no longer saw them (:mod:`paged_jax.sliding_window`), every layer group
+    counted (:mod:`paged_jax.kv_groups`).
     """
 
     iterations: int = 0

@@ -24,6 +24,7 @@ from paged_jax import page_state as ps
 from paged_jax.batch import BatchShape, RaggedBatch
 from paged_jax.checks import check_int
 from paged_jax.kv_cache import KVPool, copy_pages
+from paged_jax.kv_groups import KVGroups, single_group
 from paged_jax.sampling import greedy, sample
 from paged_jax.sliding_window import unchecked_drop_pages_before
 from paged_jax.slots import flat_slot_mapping
@@ -32,7 +33,7 @@ from paged_jax.slots import flat_slot_mapping
 class PagedModel(Protocol):
     """What the engine needs of a model.
 
-    Attributes (``kv_window`` optional):
+    Attributes (``kv_window`` and ``kv_groups`` optional):
       params: the weights, a pytree (an argument of the jitted step, never a
         constant folded into it).
       vocab_size: tokens in the vocabulary (prompt ids are checked against
@@ -40,6 +41,12 @@ class PagedModel(Protocol):
       kv_window: tokens every layer attends, or None (absent: None) when
         some layer attends all; the engine then drops pages out of the
         window while sequences run (:mod:`paged_jax.sliding_window`).
+      kv_groups: the layer groups (:class:`paged_jax.kv_groups.KVGroups`)
+        of a model that mixes kinds of layer: with a pool of
+        ``kv_groups.group_size`` layers the engine keeps a block table per
+        group and drops each sliding group's pages out of its window;
+        ``apply`` then takes block tables and slots for every group
+        (:class:`paged_jax.batch.RaggedBatch`). Absent: one group.
       apply: ``apply(params, batch: RaggedBatch, kv: KVPool) -> (logits
         f32[R + P, V] at ``batch.logits_rows``, kv)``, pure and jittable, writing
         the batch's K/V at ``batch.slots`` (``models.llama.RaggedModel``).
@@ -75,26 +82,68 @@ def check_model(model, kv_pool: KVPool, vocab_size: int | None) -> int | None:
     window = getattr(model, "kv_window", None)
     if window is not None and (type(window) is not int or window < 1):  # the attention takes Python ints only
         raise ValueError(f"model.kv_window must be None or an int >= 1 (tokens every layer attends), got {window!r}")
+    groups = getattr(model, "kv_groups", None)
+    if groups is not None and not isinstance(groups, KVGroups):
+        raise ValueError(f"model.kv_groups must be None or a paged_jax.kv_groups.KVGroups, got {groups!r:.80}")
     if getattr(model, "check_kv_pool", None) is not None:
         model.check_kv_pool(kv_pool)
     return vocab_size
 
 
+def engine_kv_groups(model, kv_pool: KVPool, drop_out_of_window_pages: bool) -> KVGroups:
+    """The layer groups an engine keeps block tables for (the model is
+    checked by :func:`check_model`).
+
+    - a model with ``kv_groups`` and a pool of ``kv_groups.group_size``
+      layers: those groups (a sliding group drops its pages out of its
+      window);
+    - a pool of every layer (``kv_pool.num_layers`` = the model's layers),
+      or ``drop_out_of_window_pages=False``: one group of every layer,
+      attending its ``kv_window`` when every layer slides and drops are on,
+      else keeping every page (a hybrid model kept whole: the layout before
+      layer groups).
+
+    Raises:
+      ValueError: a hybrid model's pool of ``group_size`` layers with
+        ``drop_out_of_window_pages=False`` (one table cannot serve several
+        groups), or a pool that is neither ``group_size`` nor every layer.
+    """
+    groups = getattr(model, "kv_groups", None)
+    window = getattr(model, "kv_window", None) if drop_out_of_window_pages else None
+    layers = kv_pool.num_layers
+    if groups is None or groups.num_groups == 1:
+        return single_group(layers, window if groups is None else groups.uniform_window if drop_out_of_window_pages
+                            else None)
+    if layers == groups.group_size and layers != groups.num_layers:
+        if not drop_out_of_window_pages:
+            raise ValueError(f"a pool of group_size={groups.group_size} layers holds {groups.num_groups} layer groups; "
+                             f"drop_out_of_window_pages=False keeps one table: give a pool of every layer "
+                             f"({groups.num_layers})")
+        return groups
+    if layers == groups.num_layers:
+        return single_group(layers)
+    raise ValueError(f"kv_pool has {layers} layers: expected the model's {groups.num_layers} (every page kept) or "
+                     f"its group_size={groups.group_size} (a block table per layer group)")
+
+
 @struct.dataclass
 class StepInputs:
     """Host-built arrays of one call (numpy; :func:`paged_jax.input_builder.build_step_inputs`),
-    a pytree handed to the jitted step as is. ``S`` page-state rows, ``T``
-    tokens, ``R`` sampling logits rows, ``P`` prompt-scoring logits rows
+    a pytree handed to the jitted step as is. ``S`` sequence slots, ``G``
+    layer groups (:mod:`paged_jax.kv_groups`; the page state has ``G * S``
+    rows, row ``group * S + slot``: the page-state fields are per row, the
+    others per slot, and the step applies a slot's growth and forks to its
+    ``G`` rows), ``T`` tokens, ``R`` sampling logits rows, ``P`` prompt-scoring logits rows
     (``BatchShape.num_prompt_logits``, 0 in most calls)."""
 
-    first_kept: np.ndarray  # i32[S] block-table columns each slot drops below first (a sliding window's)
-    free_mask: np.ndarray  # bool[S] slots to free before growing
-    num_hit: np.ndarray  # i32[S] pages an empty slot takes (a prefix-cache hit or a swap-in)
-    hit_pages: np.ndarray  # i32[S, max_pages_per_seq] their ids
-    hit_tokens: np.ndarray  # i32[S] tokens they hold
-    num_new: np.ndarray  # i32[S] tokens each row grows by (its chunk, less the tokens its shared pages hold ahead)
-    q_lens: np.ndarray  # i32[S] tokens each row computes in the call
-    min_pages: np.ndarray  # i32[S]
+    first_kept: np.ndarray  # i32[G * S] block-table columns each page-state row drops below first (a sliding window's)
+    free_mask: np.ndarray  # bool[G * S] rows to free before growing
+    num_hit: np.ndarray  # i32[G * S] pages an empty row takes (a prefix-cache hit or a swap-in)
+    hit_pages: np.ndarray  # i32[G * S, max_pages_per_seq] their ids
+    hit_tokens: np.ndarray  # i32[G * S] tokens they hold
+    num_new: np.ndarray  # i32[S] tokens each slot grows by (its chunk, less the tokens its shared pages hold ahead)
+    q_lens: np.ndarray  # i32[S] tokens each slot computes in the call
+    min_pages: np.ndarray  # i32[G * S]
     fork_pre: np.ndarray  # i32[S] slot each empty slot forks from before growing (beam search), -1 none
     fork_src: np.ndarray  # i32[S] slot each empty slot forks from after growing (parallel samples), -1 none
     tokens: np.ndarray  # i32[T]
@@ -167,21 +216,25 @@ def device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array,
     _TRACES[id(model)] += 1  # runs at trace time only
     state = jax.lax.cond(jnp.any(inp.first_kept > 0), unchecked_drop_pages_before, lambda st, f: st, state,
                          inp.first_kept)
+    S = inp.q_lens.shape[0]
+    G = state.max_seqs // S  # layer groups: a slot's growth and forks apply to its G rows
     state = ps.unchecked_free(state, inp.free_mask)
     state, hit_ok = jax.lax.cond(
         jnp.any(inp.num_hit > 0), ps.unchecked_share, lambda st, n, p, t: (st, jnp.bool_(True)), state, inp.num_hit,
         inp.hit_pages, inp.hit_tokens,
     )
     no_fork = lambda st, f: (st, jnp.bool_(True))  # noqa: E731
-    state, pre_ok = jax.lax.cond(jnp.any(inp.fork_pre >= 0), ps.unchecked_fork_many, no_fork, state, inp.fork_pre)
-    state, ok, cow_src, cow_dst = ps.unchecked_extend(state, inp.num_new, inp.min_pages)
-    state, fork_ok = jax.lax.cond(jnp.any(inp.fork_src >= 0), ps.unchecked_fork_many, no_fork, state, inp.fork_src)
+    fork_pre, fork_src = _group_rows(inp.fork_pre, G, S), _group_rows(inp.fork_src, G, S)
+    state, pre_ok = jax.lax.cond(jnp.any(inp.fork_pre >= 0), ps.unchecked_fork_many, no_fork, state, fork_pre)
+    state, ok, cow_src, cow_dst = ps.unchecked_extend(state, jnp.tile(inp.num_new, G), inp.min_pages)
+    state, fork_ok = jax.lax.cond(jnp.any(inp.fork_src >= 0), ps.unchecked_fork_many, no_fork, state, fork_src)
     ok &= hit_ok & pre_ok & fork_ok
     # Copy-on-write copies are rare: skip the pool-wide gather when none.
     kv = jax.lax.cond(jnp.any(cow_src != ps.NO_PAGE), copy_pages, lambda kv, s, d: kv, kv, cow_src, cow_dst)
     rows, positions = inp.token_rows, inp.positions
     P = shape.num_prompt_logits
-    slots = flat_slot_mapping(state.block_tables, rows, positions, page_size=state.page_size)
+    slots = flat_slot_mapping(state.block_tables, _group_rows(rows, G, S), jnp.tile(positions, G),
+                              page_size=state.page_size)  # [G * T]
     tokens = jnp.where(inp.from_prev, prev[jnp.clip(rows, 0, prev.shape[0] - 1)], inp.tokens)
     batch = RaggedBatch(
         tokens=tokens,
@@ -190,7 +243,7 @@ def device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array,
         block_tables=state.block_tables,
         q_starts=inp.q_starts,
         q_lens=inp.q_lens,
-        kv_lens=state.seq_lens,
+        kv_lens=state.seq_lens[:S],  # a slot's G rows hold the same tokens
         logits_rows=jnp.concatenate([inp.logits_rows, inp.prompt_rows]) if P else inp.logits_rows,
         shape=shape,
     )
@@ -224,6 +277,14 @@ def device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array,
         lp = jnp.take_along_axis(log_probs, jnp.clip(new, 0)[:, None], axis=-1)[:, 0]
         sampled_lp = sampled_lp.at[dest].set(jnp.where(finite, lp, jnp.nan), mode="drop")
     return state, kv, by_row, top, sampled_lp, prompt, ok, state.num_free_pages
+
+
+def _group_rows(slots: jax.Array, G: int, S: int) -> jax.Array:
+    """i32[n] slots (-1: none) -> i32[G * n] the page-state rows of each
+    group, group after group (row ``group * S + slot``); -1 stays -1."""
+    if G == 1:
+        return slots
+    return jnp.concatenate([jnp.where(slots >= 0, slots + g * S, -1) for g in range(G)])
 
 
 def _score_prompt(logits: jax.Array, targets: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -110,8 +110,8 @@ def scatter_pages(kv: KVPool, pages: list[int], copied: KVPool, source: list[int
         copied = jax.tree.map(lambda x: x[:, :, src], copied)  # on the host, before the copy in
     # Onto the pool's device, committed only if the pool is: a committed pool coming back from an
     # uncommitted one would be a new argument signature for every program that takes it (a recompile).
-    if kv.k.committed:
-        copied = jax.device_put(copied, kv.k.sharding)
+    if kv.k.committed:  # each leaf its own sharding: a sharded pool's scales have a spec of rank 4, K and V of 5
+        copied = jax.tree.map(lambda c, x: jax.device_put(c, x.sharding), copied, kv)
     else:  # from host memory (NumPy): uncommitted, on the default device, where the pool is
         copied = jax.tree.map(lambda x: jax.device_put(np.asarray(x)), copied)
     return _scatter(kv, jnp.asarray(target), copied)

@@ -10,6 +10,11 @@ The model is built by :class:`models.llm.LLM` (``--model smollm2``, a
 ``.gguf`` file, a Hugging Face folder or a random-weight preset); its
 engine is served by :func:`server.app.build_app` with uvicorn. Binds
 127.0.0.1 unless ``--host`` says otherwise.
+
+``--profile DIR`` writes a ``jax.profiler`` trace of ``--profile-steps``
+engine steps after the first ``--profile-skip`` steps counted from the
+first request (:mod:`paged_jax.profiling`; send a warm-up load first, or skip
+enough steps, so that compilation stays out of the trace).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import uvicorn
 from models.llm import LLM
 from paged_jax.jit_stats import enable_persistent_cache
 from server.app import build_app
+from paged_jax.profiling import ProfileSpec, add_profile_args, check_profile_args
 
 API_KEY_ENV = "PAGED_JAX_API_KEY"
 
@@ -56,7 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="JAX's persistent compilation cache folder, so a restart compiles nothing (default: off)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (default %(default)s)")
+    add_profile_args(p)
     args = p.parse_args(argv)
+    check_profile_args(p, args)
     if not 0 < args.port < 65536:
         p.error(f"--port must be in [1, 65535], got {args.port}")
     if args.api_key == "":
@@ -78,8 +86,20 @@ def main(argv=None) -> None:
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"python -m server: {e}") from None
     app = build_app(llm, model_name=args.served_model_name or args.model, api_key=args.api_key)
-    logging.getLogger("server").info("serving %r as %r; %r", llm.name, app.state.model_name, llm)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    log = logging.getLogger("server")
+    log.info("serving %r as %r; %r", llm.name, app.state.model_name, llm)
+    profile = ProfileSpec.from_args(args)
+    profiler = None if profile is None else profile.install(llm.engine)  # before the engine loop starts
+    if profile is not None:
+        log.info("profiling: engine steps %d-%d after the first request go to a trace in %s", profile.skip,
+                 profile.skip + profile.steps - 1, profile.out_dir)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        if profiler is not None:
+            profiler.close()
+            log.info("profiling: %d steps traced into %s (Perfetto: plugins/profile/*/perfetto_trace.json.gz)",
+                     profiler.traced, profile.out_dir)
 
 
 if __name__ == "__main__":

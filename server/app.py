@@ -47,13 +47,15 @@ from server.engine_loop import EngineLoop
 from server.metrics import ServerMetrics
 from server.openai_serving import OpenAIServing
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, validation_error
+from server.timing import RequestTimes, TimingRecorder, stamp_first_chunk
 
 CLIENT_CLOSED = 499
 """The status logged for a request whose client went away before the
 answer (nginx's convention; the client never sees it)."""
 
 
-def build_app(llm: LLM, *, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+def build_app(llm: LLM, *, model_name: str | None = None, api_key: str | None = None,
+              timing: TimingRecorder | None = None) -> FastAPI:
     """An OpenAI-compatible app serving ``llm``'s engine.
 
     The engine loop (:class:`server.engine_loop.EngineLoop`) starts with
@@ -66,16 +68,21 @@ def build_app(llm: LLM, *, model_name: str | None = None, api_key: str | None = 
         have no unfinished requests.
       model_name: the name clients send as ``model`` (default ``llm.name``).
       api_key: if given, ``/v1/*`` needs ``Authorization: Bearer <api_key>``.
+      timing: records where each completion request's time goes
+        (:mod:`server.timing`; benchmarks); None records nothing.
 
     Returns:
       the app; ``app.state`` holds ``engine_loop``, ``metrics``
-      (:class:`server.metrics.ServerMetrics`) and ``model_name``.
+      (:class:`server.metrics.ServerMetrics`), ``model_name`` and ``timing``.
 
     Raises:
       ValueError: ``llm`` is not an LLM, its engine is busy, or
-        ``model_name`` / ``api_key`` is not a non-empty str.
+        ``model_name`` / ``api_key`` is not a non-empty str, or ``timing``
+        is not a TimingRecorder.
     """
     check_instance("llm", llm, LLM, what="models.llm.LLM")
+    if timing is not None:
+        check_instance("timing", timing, TimingRecorder, what="server.timing.TimingRecorder")
     model_name = llm.name if model_name is None else model_name
     for name, value in (("model_name", model_name), ("api_key", api_key)):
         if value is not None and (not isinstance(value, str) or not value):
@@ -100,6 +107,7 @@ def build_app(llm: LLM, *, model_name: str | None = None, api_key: str | None = 
     app.state.engine_loop = engine_loop
     app.state.metrics = metrics
     app.state.model_name = model_name
+    app.state.timing = timing
     _install_error_handlers(app)
 
     async def authorize(request: Request) -> None:
@@ -120,13 +128,15 @@ def build_app(llm: LLM, *, model_name: str | None = None, api_key: str | None = 
 
     @v1.post("/completions")
     async def completions(request: Request):
+        times = None if timing is None else timing.begin()
         body = await _parse(request, CompletionRequest)
-        return await _respond(request, serving.completions(body))
+        return await _respond(request, serving.completions(body), times)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
+        times = None if timing is None else timing.begin()
         body = await _parse(request, ChatCompletionRequest)
-        return await _respond(request, serving.chat(body))
+        return await _respond(request, serving.chat(body), times)
 
     app.include_router(v1)
 
@@ -174,10 +184,14 @@ async def _parse(request: Request, model: type[pydantic.BaseModel]):
         raise validation_error(e) from None
 
 
-async def _respond(request: Request, handler):
+async def _respond(request: Request, handler, times: RequestTimes | None = None):
     """Runs ``handler`` (a coroutine giving a dict or an async iterator of
     SSE events) until it answers or the client disconnects; in the second
-    case cancels it (which aborts its requests)."""
+    case cancels it (which aborts its requests). ``times``: the request's
+    :mod:`server.timing` record, stamped ``parsed`` now and ``first_chunk``
+    when its stream writes the first token."""
+    if times is not None:
+        times.stamp("parsed")
     task = asyncio.ensure_future(handler)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
@@ -192,6 +206,8 @@ async def _respond(request: Request, handler):
     result = task.result()
     if isinstance(result, dict):
         return JSONResponse(result)
+    if times is not None:
+        result = stamp_first_chunk(result, times)
     return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 

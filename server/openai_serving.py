@@ -44,7 +44,7 @@ from paged_jax.engine import Request
 from paged_jax.requests import CompletionOutput, RequestOutput
 from paged_jax.sampling import SamplingParams
 from server.engine_loop import EngineDeadError, EngineLoop, RequestStream, admit
-from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
+from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, clip, shown
 
 DEFAULT_MAX_TOKENS = 16
 """``max_tokens`` of a completion request that gives none (OpenAI's default)."""
@@ -101,6 +101,7 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
         self.max_seqs = max_seqs
+        self.vocab_size = engine_loop.engine.vocab_size  # read once, before the loop owns the engine
         self._token_text: dict[int, str] = {}
 
     # --------------------------------------------------------------- endpoints
@@ -147,9 +148,14 @@ class OpenAIServing:
 
     def _check_common(self, req) -> None:
         if req.model is not None and req.model != self.model_name:
-            raise APIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found")
+            raise APIError(404, f"The model `{clip(req.model)}` does not exist.", param="model",
+                           code="model_not_found")
         for name, why in req.unsupported():
             raise bad_request(f"{name}: {why}", name)
+        if req.stream_options is not None and not req.stream:  # vLLM's check and words
+            raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
+        if req.cache_salt is not None and not req.cache_salt:  # a salt of '' would share pages with no salt's
+            raise bad_request("cache_salt must be a non-empty str when given, got cache_salt=''", "cache_salt")
 
     def _prompt_ids(self, prompt) -> list[list[int]]:
         """Each prompt's ids (one prompt, or a batch)."""
@@ -165,6 +171,10 @@ class OpenAIServing:
                 ids = self.tokenizer.encode(p)
             else:
                 ids = list(p)
+                bad = next((j for j, t in enumerate(ids) if not 0 <= t < self.vocab_size), None)
+                if bad is not None:  # named here: the engine's message cannot say which prompt of a batch
+                    raise bad_request(f"{name}[{bad}]={shown(ids[bad])} is not a token id: the vocabulary has "
+                                      f"{self.vocab_size} ids, [0, {self.vocab_size})", "prompt")
             if not ids:
                 raise bad_request(f"{name} is empty; need at least one token", "prompt")
             out.append(ids)
@@ -184,7 +194,8 @@ class OpenAIServing:
             if len(ids) + max_tokens > self.max_seq_len:
                 raise bad_request(
                     f"This model's maximum context length is {self.max_seq_len} tokens; you requested "
-                    f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion). "
+                    f"{shown(len(ids) + max_tokens)} tokens ({len(ids)} in the prompt, {shown(max_tokens)} for the "
+                    "completion). "
                     f"Reduce {tokens_name} to at most {self.max_seq_len - len(ids)}", tokens_name)
 
     def _sampling(self, req, *, logprobs: int | None, logprobs_name: str = "logprobs",
@@ -193,12 +204,16 @@ class OpenAIServing:
         _door(check_float, "temperature", temperature, 0, MAX_TEMPERATURE)
         if req.n > self.max_seqs:
             raise bad_request(f"n must be at most {self.max_seqs} (the server's most running sequences), got "
-                              f"n={req.n}", "n")
+                              f"n={shown(req.n)}", "n")
         # Unseeded sampling draws a fresh seed: seed 0 for everyone would give every client the same samples.
         seed = req.seed if req.seed is not None else (secrets.randbits(32) if temperature > 0 else 0)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
         if stop and self.tokenizer is None:
             raise bad_request(f"stop strings need a tokenizer; model {self.model_name!r} has none", "stop")
+        empty = next((i for i, t in enumerate(stop) if not t), None)
+        if empty is not None:  # worded here: SamplingParams' message quotes the whole list
+            name = "stop" if isinstance(req.stop, str) else f"stop[{empty}]"
+            raise bad_request(f"{name} is empty; a stop string needs at least one character", "stop")
         try:
             return SamplingParams(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
                                   seed=seed, n=req.n, stop=tuple(stop), logprobs=logprobs,
@@ -208,7 +223,8 @@ class OpenAIServing:
             name = re.match(r"(\w+)", str(e)).group(1)
             param = {"logprobs": logprobs_name}.get(name, name)
             message = str(e).replace(f"{name}=", f"{param}=").replace(f"{name} must", f"{param} must", 1)
-            raise bad_request(message, param) from None
+            value = getattr(req, param, None)
+            raise bad_request(message.replace(f"={value!r}", f"={shown(value)}"), param) from None
 
     # ----------------------------------------------------------------- running
 
@@ -471,5 +487,5 @@ def _door(check, name: str, *args):
     try:
         return check(name, *args)
     except ValueError as e:
-        raise bad_request(str(e), name) from None
+        raise bad_request(str(e).replace(f"={args[0]!r}", f"={shown(args[0])}"), name) from None
 

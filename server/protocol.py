@@ -10,9 +10,14 @@ field, rather than coerced (pydantic's lax mode would turn ``"10"`` into
 expected (``"temperature": 0``).
 
 Fields whose values would change the output in ways the engine cannot
-compute (penalties, ``logit_bias``, ``echo`` without ``logprobs``,
-``best_of``, tools) are known here so that a non-default value is refused
-by name instead of silently ignored (:func:`unsupported`).
+compute (penalties, ``logit_bias``, ``echo`` without ``logprobs`` or in
+chat, ``best_of`` other than ``n``, tools) are known here so that a
+non-default value is refused by name instead of silently ignored
+(:func:`unsupported`).
+
+Error messages quote a client's values through :func:`shown` (at most
+:data:`SHOWN_CHARS` characters, then how long the whole was), and no
+message is longer than :data:`MAX_MESSAGE_CHARS`.
 
 vLLM's extensions: ``ignore_eos``, ``cache_salt``, ``skip_special_tokens``
 and ``return_token_ids`` (each choice then carries its ``token_ids``, and the
@@ -29,6 +34,34 @@ from pydantic import BaseModel, ConfigDict, Field
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
 
+SHOWN_CHARS = 200
+"""The most characters of a client's value that an error message echoes
+(:func:`shown`): a 1 MB ``model`` or a list of 5,000 stop strings must not
+come back whole in every error (nor fill the server's logs)."""
+
+MAX_MESSAGE_CHARS = 1000
+"""The longest error message sent: a backstop for messages worded below the
+server (the engine's, a chat template's) that may quote a client's value."""
+
+
+def clip(text: str, limit: int = SHOWN_CHARS) -> str:
+    """``text`` if at most ``limit`` characters, else its first ``limit``
+    and ``"... (N chars)"``."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
+def shown(value) -> str:
+    """``repr(value)`` for an error message, at most :data:`SHOWN_CHARS`
+    characters and then how long the whole was: ``"... (N chars)"`` for a
+    str (or a number's digits), ``"... (N items)"`` for a list, tuple or
+    dict."""
+    text = repr(value)
+    if len(text) <= SHOWN_CHARS:
+        return text
+    size = f"{len(value)} items" if isinstance(value, (list, tuple, dict)) else (
+        f"{len(value)} chars" if isinstance(value, str) else f"{len(text)} chars")
+    return f"{text[:SHOWN_CHARS]}... ({size})"
+
 
 class APIError(Exception):
     """An error the server answers with an OpenAI error object.
@@ -44,6 +77,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None):
+        message = clip(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.status = status
         self.message = message
@@ -82,6 +116,7 @@ class _Sampling(BaseModel):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
     # vLLM's extensions
     ignore_eos: bool = False
     cache_salt: str | None = None
@@ -97,6 +132,9 @@ class _Sampling(BaseModel):
                 out.append((name, "penalties are not supported"))
         if self.logit_bias:
             out.append(("logit_bias", "logit_bias is not supported"))
+        if self.best_of is not None and self.best_of != self.n:
+            out.append(("best_of", f"best_of other than n is not supported, got best_of={shown(self.best_of)} "
+                                   f"n={shown(self.n)}"))
         return out
 
 
@@ -111,7 +149,6 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
-    best_of: int | None = None
     suffix: str | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
@@ -119,8 +156,6 @@ class CompletionRequest(_Sampling):
         if self.echo and self.logprobs is None:
             out.append(("echo", "echo is supported with logprobs only (to score a prompt: its text and its tokens' "
                                 "log-probabilities); set logprobs"))
-        if self.best_of is not None and self.best_of != self.n:
-            out.append(("best_of", "best_of other than n is not supported"))
         if self.suffix:
             out.append(("suffix", "suffix is not supported"))
         return out
@@ -160,9 +195,12 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    echo: bool = False  # vLLM's extension: the reply prefixed with the last message of its role
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
+        if self.echo:
+            out.append(("echo", "echo is not supported for chat completions"))
         if self.tools:
             out.append(("tools", "tool calling is not supported"))
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -181,8 +219,7 @@ def validation_error(e: pydantic.ValidationError) -> APIError:
     cut = next((i for i, p in enumerate(loc) if _is_union_label(p)), len(loc))
     field = loc[:cut]
     param = ".".join(str(p) for p in field) or None
-    got = first.get("input")
-    shown = repr(got) if len(repr(got)) <= 80 else repr(got)[:77] + "..."
+    got = shown(first.get("input"))
     branches = [err["loc"][cut] for err in errors
                 if len(err.get("loc", ())) > cut and list(err["loc"][:cut]) == field and _is_union_label(err["loc"][cut])]
     branches = list(dict.fromkeys(branches))
@@ -190,7 +227,7 @@ def validation_error(e: pydantic.ValidationError) -> APIError:
         what = "expected " + ", ".join(branches[:-1]) + " or " + branches[-1]
     else:
         what = first.get("msg", "invalid value")
-    return bad_request(f"{param}: {what}, got {shown}" if param else what, param)
+    return bad_request(f"{param}: {what}, got {got}" if param else what, param)
 
 
 def _is_union_label(part) -> bool:

@@ -14,6 +14,7 @@ import numpy as np
 
 from paged_jax.engine import Engine, EngineConfig, Request
 from paged_jax.kv_cache import KVPool, init_kv_pool, write_layer_pages
+from paged_jax.kv_groups import kv_groups
 from paged_jax.ragged_attention import attend
 from paged_jax.sampling import SamplingParams
 
@@ -149,6 +150,22 @@ def greedy_reference(params, prompt, max_new, window=None):
     return tokens[len(prompt):]
 
 
+def one_sequence_steps(engine, prompt_len, chunk):
+    """Steps ``engine``, which runs one request of ``prompt_len`` prompt
+    tokens prefilled in chunks of ``chunk``, until it finishes; after each
+    step yields ``(slot, n, computed)``: its page-state slot, the tokens it
+    holds once the call just planned is done, and those it held before
+    (a decode token, or a chunk, earlier)."""
+    pool = engine.kv_manager.pool
+    while engine.has_unfinished():
+        engine.step()
+        slot = next((s.slot for s in engine.running), None)
+        if slot is None:
+            return
+        n = int(pool.seq_lens[slot])
+        yield slot, n, n - 1 if n > prompt_len else (n - chunk if n > chunk else 0)
+
+
 def check_accounting(engine):
     """Every page is free, cached or used, none counted twice; returns the
     engine's accounting dict."""
@@ -156,3 +173,96 @@ def check_accounting(engine):
     assert acc["free"] + acc["cached"] + acc["used"] == acc["total"], acc
     assert min(acc.values()) >= 0, acc
     return acc
+
+
+# ---------------------------------------------------------------- layered
+
+
+def layered_params(num_layers, seed=0):
+    """Weights of :class:`LayeredToyModel`: the toy's embeddings and, per
+    layer, its own q/k/v/o projections (scaled so the residual stream stays
+    near unit size over the layers)."""
+    r = np.random.default_rng(seed)
+    base = toy_params(seed)
+    layers = [{
+        "wq": jnp.asarray(r.normal(size=(DIM, HEADS * HEAD_DIM)) * DIM**-0.5 * 2, jnp.float32),  # [D, N*H]
+        "wk": jnp.asarray(r.normal(size=(DIM, KV_HEADS * HEAD_DIM)) * DIM**-0.5 * 2, jnp.float32),  # [D, K*H]
+        "wv": jnp.asarray(r.normal(size=(DIM, KV_HEADS * HEAD_DIM)), jnp.float32),  # [D, K*H]
+        "wo": jnp.asarray(r.normal(size=(HEADS * HEAD_DIM, DIM)) * (HEADS * HEAD_DIM) ** -0.5, jnp.float32),
+    } for _ in range(num_layers)]
+    return {"emb": base["emb"], "pos": base["pos"], "layers": layers}
+
+
+class LayeredToyModel:
+    """The toy LM with several attention layers, layer ``l`` attending the
+    last ``windows[l]`` tokens (None: all of them): a hybrid model such as
+    Gemma 3 when the windows mix. Its ``kv_groups`` are the layer groups
+    (:mod:`paged_jax.kv_groups`): given a pool of ``kv_groups.group_size``
+    layers the engine keeps a block table per group, given a pool of every
+    layer one table and every page; ``apply`` reads whichever the batch
+    carries (one table, or one per group)."""
+
+    vocab_size = VOCAB
+
+    def __init__(self, params, windows):
+        self.params = params
+        self.windows = tuple(windows)
+        self.kv_groups = kv_groups(self.windows)
+        self.kv_window = self.windows[0] if len(set(self.windows)) == 1 else None
+
+    def pool(self, num_pages, *, grouped=True, page_size=PAGE):
+        """An empty pool: ``kv_groups.group_size`` layers (``grouped``) or every layer."""
+        layers = self.kv_groups.group_size if grouped else len(self.windows)
+        return init_kv_pool(num_layers=layers, num_kv_heads=KV_HEADS, num_pages=num_pages, page_size=page_size,
+                            head_dim=HEAD_DIM)
+
+    def check_kv_pool(self, kv):
+        if kv.num_layers not in (len(self.windows), self.kv_groups.group_size):
+            raise ValueError(f"kv pool must have {len(self.windows)} or {self.kv_groups.group_size} layers, "
+                             f"got {kv.num_layers}")
+
+    def apply(self, params, batch, kv: KVPool):
+        t = batch.tokens.shape[0]
+        x = params["emb"][batch.tokens] + params["pos"][jnp.clip(batch.positions, 0, MAX_POS - 1)]  # [T, D]
+        grouped = batch.num_groups > 1
+        for layer, (w, p) in enumerate(zip(self.windows, params["layers"])):
+            row = self.kv_groups.layer_index[layer] if grouped else layer
+            view = batch.group(self.kv_groups.layer_group[layer]) if grouped else batch
+            q = (x @ p["wq"]).reshape(t, HEADS, HEAD_DIM)  # [T, N, H]
+            k = (x @ p["wk"]).reshape(t, KV_HEADS, HEAD_DIM)  # [T, K, H]
+            v = (x @ p["wv"]).reshape(t, KV_HEADS, HEAD_DIM)  # [T, K, H]
+            kv = KVPool(k=write_layer_pages(kv.k, row, k, view.slots), v=write_layer_pages(kv.v, row, v, view.slots))
+            o = attend(q, kv.k, kv.v, row, view, sliding_window=w)  # [T, N, H]
+            x = x + o.reshape(t, -1) @ p["wo"]  # [T, D]
+        return x[batch.logits_rows] @ params["emb"].T, kv  # logits [rows, V]
+
+
+def layered_dense_logits(params, tokens, windows):
+    """:class:`LayeredToyModel` without a cache, in float64 NumPy: logits
+    f64[V] at the last token."""
+    emb, pos = np.asarray(params["emb"], np.float64), np.asarray(params["pos"], np.float64)
+    n = len(tokens)
+    x = emb[tokens] + pos[np.arange(n)]  # [S, D]
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    for w, layer in zip(windows, params["layers"]):
+        p = {k: np.asarray(v, np.float64) for k, v in layer.items()}
+        q = (x @ p["wq"]).reshape(n, HEADS, HEAD_DIM)
+        k = (x @ p["wk"]).reshape(n, KV_HEADS, HEAD_DIM)
+        v = (x @ p["wv"]).reshape(n, KV_HEADS, HEAD_DIM)
+        seen = (j <= i) & ((i - j < w) if w else True)  # [S, S]
+        o = np.zeros((n, HEADS, HEAD_DIM))
+        for h in range(HEADS):
+            kh = h * KV_HEADS // HEADS
+            logits = np.where(seen, q[:, h] @ k[:, kh].T / np.sqrt(HEAD_DIM), -np.inf)  # [S, S]
+            e = np.exp(logits - logits.max(axis=1, keepdims=True))
+            o[:, h] = (e / e.sum(axis=1, keepdims=True)) @ v[:, kh]
+        x = x + o.reshape(n, -1) @ p["wo"]
+    return x[-1] @ emb.T  # [V]
+
+
+def layered_greedy_reference(params, prompt, max_new, windows):
+    """``max_new`` greedy tokens of the f64 layered oracle after ``prompt``."""
+    tokens = list(prompt)
+    for _ in range(max_new):
+        tokens.append(int(np.argmax(layered_dense_logits(params, tokens, windows))))
+    return tokens[len(prompt):]

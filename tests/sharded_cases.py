@@ -30,34 +30,57 @@ def block_tables(rows: int, shards: int, pages_per_seq: int) -> np.ndarray:
     return np.tile(local, (shards, 1)).astype(np.int32)
 
 
-def _decode(step, prompts, steps, gather):
-    """Greedy: prefill every prompt in one call, then ``steps`` decode calls.
-    ``step(tokens, block_tables... )`` closes over the pool. Returns tokens
-    i32[B, steps + 1] and their logits f32[B, steps + 1, V] (host)."""
+def padded_rows(rows: list[list[int]]) -> np.ndarray:
+    """i32[B, longest row]: the rows, zero-padded on the right."""
+    tokens = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    for b, row in enumerate(rows):
+        tokens[b, : len(row)] = row
+    return tokens
+
+
+def _decode(step, prompts, steps, gather, split=None):
+    """Greedy: prefill, then ``steps`` decode calls. ``step(tokens, kv_lens,
+    q_lens)`` closes over the pool.
+
+    ``split`` (i32[B], default the prompt lengths): prompt tokens each row
+    prefills in the first call. A row with some left finishes its prompt in
+    the second call, beside the other rows' first decode token: a mixed
+    batch of prefill chunks and decode rows, one call more in all.
+
+    Returns tokens i32[B, calls] (each call's argmax; a row's argmax before
+    its prompt is done is recorded, not fed) and logits f32[B, calls, V]
+    (host)."""
     lens = np.array([len(p) for p in prompts], np.int32)
-    width = int(lens.max())
-    tokens = np.zeros((len(prompts), width), np.int32)
-    for b, p in enumerate(prompts):
-        tokens[b, : len(p)] = p
+    kv_lens = lens.copy() if split is None else np.asarray(split, np.int32)
+    calls = steps + 1 + int((kv_lens < lens).any())
+    logits = gather(step(padded_rows([p[:n] for p, n in zip(prompts, kv_lens)]), kv_lens, kv_lens))
     out_tokens, out_logits = [], []
-    logits = gather(step(tokens, lens, lens))
-    kv_lens = lens.copy()
-    for i in range(steps + 1):
+    for i in range(calls):
         next_ids = logits.argmax(-1).astype(np.int32)
         out_tokens.append(next_ids)
         out_logits.append(logits)
-        if i == steps:
+        if i == calls - 1:
             break
-        kv_lens = kv_lens + 1
-        logits = gather(step(next_ids[:, None], kv_lens, np.ones_like(kv_lens)))
+        feed = [p[n:] or [int(t)] for p, n, t in zip(prompts, kv_lens, next_ids)]  # the prompt's rest, or decode
+        q_lens = np.array([len(f) for f in feed], np.int32)
+        kv_lens = kv_lens + q_lens
+        logits = gather(step(padded_rows(feed), kv_lens, q_lens))
     return np.stack(out_tokens, 1), np.stack(out_logits, 1)
 
 
-def decode_unsharded(model, prompts, steps, *, device=None, page_size=PAGE_SIZE):
-    """The truth: one device, one pool, global page ids."""
-    pages = -(-(max(map(len, prompts)) + steps) // page_size)
+def mixed_split(prompts) -> np.ndarray:
+    """i32[B]: a ``split`` for :func:`decode_unsharded` / :func:`decode_sharded`
+    that makes their second call mixed: odd rows (of two tokens or more)
+    prefill half their prompt first, even rows all of it."""
+    return np.array([len(p) // 2 if b % 2 and len(p) > 1 else len(p) for b, p in enumerate(prompts)], np.int32)
+
+
+def decode_unsharded(model, prompts, steps, *, device=None, page_size=PAGE_SIZE, kv_dtype=jnp.float32, split=None):
+    """The truth: one device, one pool of ``kv_dtype`` pages, global page
+    ids. ``split``: as :func:`_decode`."""
+    pages = -(-(max(map(len, prompts)) + steps + (split is not None)) // page_size)
     device = device or jax.local_devices()[0]
-    kv = [jax.device_put(model.config.make_kv_pool(len(prompts) * pages + 1, page_size), device)]
+    kv = [jax.device_put(model.config.make_kv_pool(len(prompts) * pages + 1, page_size, kv_dtype), device)]
     tables = jax.device_put(block_tables(len(prompts), 1, pages), device)
     fn = jax.jit(lambda t, kv, k, q: forward(model, t, kv, tables, k, q))
 
@@ -65,17 +88,19 @@ def decode_unsharded(model, prompts, steps, *, device=None, page_size=PAGE_SIZE)
         logits, kv[0] = fn(jnp.asarray(t), kv[0], jnp.asarray(k), jnp.asarray(q))
         return logits
 
-    return _decode(step, prompts, steps, np.asarray)
+    return _decode(step, prompts, steps, np.asarray, split)
 
 
-def decode_sharded(model, mesh, prompts, steps, *, gather=np.asarray, page_size=PAGE_SIZE, poison=None):
+def decode_sharded(model, mesh, prompts, steps, *, gather=np.asarray, page_size=PAGE_SIZE, poison=None,
+                   kv_dtype=jnp.float32, split=None):
     """The same through :class:`ShardedLlama` on ``mesh``: rows split over the
-    data axis, each shard's block tables in its own local page ids.
-    ``poison(kv, sharded) -> kv`` may rewrite the pool after the prefill."""
+    data axis, each shard's block tables in its own local page ids, pages of
+    ``kv_dtype``. ``poison(kv, sharded) -> kv`` may rewrite the pool after
+    the prefill; ``split``: as :func:`_decode`."""
     data = mesh.shape[DATA]
-    pages = -(-(max(map(len, prompts)) + steps) // page_size)
+    pages = -(-(max(map(len, prompts)) + steps + (split is not None)) // page_size)
     sharded = ShardedLlama(model, mesh)
-    kv = [sharded.make_kv_pool(len(prompts) // data * pages + 1, page_size)]
+    kv = [sharded.make_kv_pool(len(prompts) // data * pages + 1, page_size, kv_dtype)]
     tables = block_tables(len(prompts), data, pages)
     calls = [0]
 
@@ -86,4 +111,4 @@ def decode_sharded(model, mesh, prompts, steps, *, gather=np.asarray, page_size=
         logits, kv[0] = sharded.forward(t, kv[0], tables, k, q)
         return logits
 
-    return _decode(step, prompts, steps, gather)
+    return _decode(step, prompts, steps, gather, split)

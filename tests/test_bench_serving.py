@@ -7,14 +7,19 @@ budget of 16, so every call has one static shape bucket and the file
 compiles three step programs at most.
 """
 
+import argparse
+import http.server
+import json
 import math
+import socket
+import threading
 import time
 
 import numpy as np
 import pytest
 from flax import nnx
 
-from experiments import bench_serving, latency, online, provenance, serving_figures
+from experiments import bench_serving, latency, online, preflight, provenance, serving_figures
 from models.config import LlamaConfig
 from models.llama import Llama, RaggedModel
 from tests.engine_helpers import make_engine, serve, toy_requests
@@ -282,3 +287,130 @@ def test_bench_serving_on_the_toy_model(tmp_path):
     assert len(rows) == 4 and list(rows[0]) == list(online.METRIC_COLUMNS)
     _, requests = provenance.read_csv(tmp_path / "bench_serving_requests.csv")
     assert len(requests) == 16
+
+
+# ------------------------------------------- checks before the model loads or the warm-up (preflight)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--workload", "parallel-100000"], "--workload parallel-100000: each request runs 100,000 sequences"),
+    (["--workload", "beam-65"], "more than --max-seqs 64"),
+    (["--workload", "parallel-9", "--max-seqs", "8", "--backend", "http"], "--workload parallel-9"),
+    (["--model", "toy", "--kv-budget-tokens", str(10**12)], "--kv-budget-tokens 1,000,000,000,000: the KV pool "
+                                                           "would take 512,000.0 GB (512 bytes per token"),
+    (["--api-key", ""], "--api-key must not be empty"),
+    (["--backend", "http", "--profile", "trace"], "profile the server process"),
+    (["--backend", "http", "--base-url", "ftp://127.0.0.1:1"], "--base-url 'ftp://127.0.0.1:1': expected http://"),
+    (["--backend", "http", "--base-url", "http://127.0.0.1:1/api"], "not another path"),
+    (["--profile-steps", "0"], "--profile-steps must be >= 1"),
+])
+def test_bench_serving_refuses_before_loading(argv, words, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        bench_serving.parse_args([*argv, "--out", str(tmp_path)])
+    assert words in capsys.readouterr().err
+
+
+def test_kv_budget_counts_pages_and_weights_against_the_memory_available(capsys):
+    p = argparse.ArgumentParser()
+    config = online.TOY_CONFIG  # 2 layers x 2 KV heads x 16 dims x 4 bytes x (K, V): 512 bytes per token
+    weights = config.num_params * 4
+    pool = (8192 // 16 + 1) * 16 * 512  # whole pages and the null page
+    assert preflight.check_kv_budget(p, "--kv", 8192, 16, config, kv_dtype="float32", weight_dtype="float32",
+                                     available=pool + weights) == pool
+    with pytest.raises(SystemExit):
+        preflight.check_kv_budget(p, "--kv", 8192, 16, config, kv_dtype="float32", weight_dtype="float32",
+                                  available=pool + weights - 1)
+    assert "--kv 8,192: the KV pool would take" in capsys.readouterr().err
+
+
+def test_a_refused_request_stops_the_run_before_the_warm_up(tmp_path, capsys):
+    # 2 pages of 16 tokens per sequence at most: ShareGPT prompts of the packaged set need more than 8 pages
+    # for 4 samples; the message names the request and the pool, and no warm-up line was printed.
+    with pytest.raises(SystemExit, match="--policy paged: request .* sequences holding"):
+        bench_serving.main(["--model", "toy", "--num-requests", "2", "--workload", "parallel-16", "--max-seqs", "16",
+                            "--kv-budget-tokens", "2048", "--out", str(tmp_path)])
+    assert "warm-up" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("url, root", [
+    ("http://127.0.0.1:8000", "http://127.0.0.1:8000"), ("http://127.0.0.1:8000/", "http://127.0.0.1:8000"),
+    ("http://127.0.0.1:8000/v1", "http://127.0.0.1:8000"), ("http://localhost:8000/v1/", "http://localhost:8000"),
+    ("https://example.org", "https://example.org"),
+])
+def test_server_root_drops_v1(url, root):
+    assert preflight.server_root(url) == root
+
+
+class _StubServer:
+    """A loopback HTTP server answering /health and /v1/models as told (no model behind it)."""
+
+    def __init__(self, *, health=200, models=("m",), key=None):
+        stub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                if self.path == "/health":
+                    self._send(stub.health, {"status": "ok"} if stub.health == 200 else {"error": "down"})
+                elif self.path == "/v1/models":
+                    if stub.key and self.headers.get("Authorization") != f"Bearer {stub.key}":
+                        self._send(401, {"error": {"message": "bad key"}})
+                    else:
+                        self._send(200, {"data": [{"id": m, "max_model_len": 99} for m in stub.models]})
+                else:
+                    self._send(404, {})
+
+            def _send(self, status, body):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.health, self.models, self.key = health, models, key
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_bench_serving_probes_the_server_before_the_warm_up(tmp_path, capsys):
+    def refused(*flags):
+        with pytest.raises(SystemExit):
+            bench_serving.parse_args(["--backend", "http", "--out", str(tmp_path), *flags])
+        return capsys.readouterr().err
+
+    assert "no server answers there" in refused("--base-url", f"http://127.0.0.1:{_free_port()}")
+    with _StubServer(models=("a", "b"), key="k") as srv:
+        args = bench_serving.parse_args(["--backend", "http", "--base-url", srv.url + "/v1", "--api-key", "k",
+                                         "--served-model", "b", "--out", str(tmp_path)])
+        assert args.base_url == srv.url and (args.served.name, args.served.max_model_len) == ("b", 99)
+        err = refused("--base-url", srv.url, "--api-key", "k", "--served-model", "nope")
+        assert "--served-model 'nope': the server at" in err and "serves ['a', 'b']" in err
+        assert "--api-key: the server at" in refused("--base-url", srv.url, "--api-key", "wrong")
+        assert "--api-key: the server at" in refused("--base-url", srv.url)  # no key at all
+        with pytest.raises(SystemExit, match=r"1 of 2 requests need more tokens than the server's max_model_len "
+                                             r"99 \(the first, 1: 245 in the prompt \+ 48 output\); start the "
+                                             r"server with --max-seq-len 293 or more"):
+            bench_serving.main(["--backend", "http", "--base-url", srv.url, "--api-key", "k", "--model", "toy",
+                                "--num-requests", "2", "--out", str(tmp_path)])
+        assert "warm-up" not in capsys.readouterr().out
+    with _StubServer(health=503) as srv:
+        assert "GET /health answered 503" in refused("--base-url", srv.url)

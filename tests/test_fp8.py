@@ -212,32 +212,22 @@ def test_engine_on_an_fp8_pool_mostly_agrees_with_f32_greedy():
 # ---------------------------------------------------------------- the doors above the pool
 
 
-def test_serve_sharegpt_takes_fp8_and_refuses_it_on_a_mesh(tmp_path, capsys):
+def test_serve_sharegpt_takes_fp8(tmp_path):
+    """(On a mesh too: tests/test_sharding_quantized.py.)"""
     from experiments import serve_sharegpt
 
     for flag, want in (("fp8", "float8_e4m3fn"), ("float8_e4m3fn", "float8_e4m3fn"), ("float8_e5m2", "float8_e5m2")):
         assert serve_sharegpt.parse_args(["--kv-dtype", flag, "--out", str(tmp_path)]).kv_dtype == want
-    for flag in ("fp8", "int8"):
-        with pytest.raises(SystemExit):
-            serve_sharegpt.parse_args(["--kv-dtype", flag, "--mesh", "data=1,model=1", "--out", str(tmp_path)])
-        err = capsys.readouterr().err
-        assert "is not supported with --mesh yet" in err and "quantized" in err
     with pytest.raises(SystemExit):
         serve_sharegpt.parse_args(["--kv-dtype", "float8_e4m3fnuz", "--out", str(tmp_path)])
 
 
-def test_serving_engine_allocates_the_asked_fp8_and_a_mesh_refuses_it():
+def test_serving_engine_allocates_the_asked_fp8():
     """experiments.serving's engine (what the serving table describes) holds
-    an fp8 pool when asked; the sharded decoder refuses quantized pools
-    (their scales have no sharding yet)."""
+    an fp8 pool when asked (on a mesh, every shard's dtype:
+    tests/test_sharding_quantized.py)."""
     from experiments.serving import make_engine
-    from models.sharded import ShardedLlama
-    from paged_jax.sharding import make_mesh
 
     model = tiny_model()
     engine = make_engine(model, kv_tokens=64, page_size=4, max_seqs=2, max_seq_len=64, kv_dtype=jnp.float8_e4m3fn)
     assert engine.kv.k.dtype == jnp.float8_e4m3fn and engine.kv.quantized
-    sharded = ShardedLlama(model, make_mesh(1, 1, devices=jax.devices()[:1]))
-    for dtype in ("fp8", jnp.float8_e5m2, jnp.int8):
-        with pytest.raises(ValueError, match=r"quantized K/V \(.*\) is not supported on a mesh yet"):
-            sharded.make_kv_pool(4, 4, dtype)

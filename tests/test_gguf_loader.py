@@ -90,8 +90,12 @@ def test_wrong_architecture_and_missing_key_are_named(ckpt, monkeypatch):
         def contents(self):
             return self.value
 
-    monkeypatch.setattr(reader, "fields", {**real, "general.architecture": Field("gemma2")})
-    with pytest.raises(ValueError, match="architecture must be llama-family, got 'gemma2'"):
+    monkeypatch.setattr(reader, "fields", {**real, "general.architecture": Field("phi3")})
+    with pytest.raises(ValueError, match=r"architecture must be one of \['gemma2', 'gemma3', 'llama', 'mistral', "
+                                         r"'olmo2', 'qwen3'\], got 'phi3'"):
+        gguf_loader.read_config(reader)
+    monkeypatch.setattr(reader, "fields", {**real, "general.architecture": Field("qwen3moe")})
+    with pytest.raises(ValueError, match="architecture 'qwen3moe' is a mixture of experts"):
         gguf_loader.read_config(reader)
     fields = {k: v for k, v in real.items() if k != "llama.block_count"}
     monkeypatch.setattr(reader, "fields", fields)
@@ -112,11 +116,14 @@ def test_missing_tensor_and_shape_mismatch_are_named(ckpt):
 
 def test_tensors_the_decoder_would_not_read_are_refused(ckpt):
     """Llama 3.1+ GGUFs carry llama.cpp's RoPE frequency factors as
-    ``rope_freqs.weight``: loaded with plain RoPE they would compute wrong
-    outputs, so the loader names the tensor instead."""
-    weights = {**ckpt.weights, "rope_freqs.weight": np.ones(32, np.float32)}
+    ``rope_freqs.weight``: with a config whose RoPE does not reproduce them
+    (here plain RoPE against Llama 3.1's factors) the outputs would be
+    wrong, so the tensor is named; factors all 1 are plain RoPE."""
+    factors = np.where(np.arange(32) < 16, 1.0, 8.0).astype(np.float32)
+    weights = {**ckpt.weights, "rope_freqs.weight": factors}
     with pytest.raises(ValueError, match=r"tensors the decoder does not read: \['rope_freqs.weight'\].*Llama 3.1"):
         gguf_to_params(weights, SMOLLM2_135M, ckpt.path)
+    gguf_to_params({**ckpt.weights, "rope_freqs.weight": np.ones(32, np.float32)}, SMOLLM2_135M, ckpt.path)
     weights = {**ckpt.weights, "blk.0.attn_q.bias": np.zeros(576, np.float32)}
     with pytest.raises(ValueError, match=r"\['blk.0.attn_q.bias'\]"):
         gguf_to_params(weights, SMOLLM2_135M, ckpt.path)

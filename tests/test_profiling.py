@@ -1,21 +1,13 @@
 """``--profile``: a jax.profiler trace of a few engine steps after warm-up."""
 
 import argparse
-import gzip
-import json
 
 import pytest
 
 from engine_helpers import make_engine, toy_requests
-from experiments.profiling import ProfileSpec, StepProfiler, add_profile_args, check_profile_args
+from experiments import bench_serving
 from paged_jax.outputs import drain
-
-
-def _slices(folder):
-    [trace] = list(folder.glob("plugins/profile/*/perfetto_trace.json.gz"))
-    data = json.loads(gzip.decompress(trace.read_bytes()))
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    return [e for e in events if e.get("ph") == "X"]
+from paged_jax.profiling import ProfileSpec, StepProfiler, add_profile_args, check_profile_args, trace_slices
 
 
 def test_traces_only_the_asked_steps_with_the_engine_phases(tmp_path):
@@ -26,7 +18,7 @@ def test_traces_only_the_asked_steps_with_the_engine_phases(tmp_path):
     with StepProfiler(engine, tmp_path / "trace", skip=3, steps=2) as stepper:
         outputs = drain(stepper, len(requests), progress=False)
     assert stepper.traced == 2 and len(outputs) == 4
-    slices = _slices(tmp_path / "trace")
+    slices = trace_slices(tmp_path / "trace")
     steps = sorted(int(e["args"]["step_num"]) for e in slices if e["name"] == "engine_step")
     assert steps == [3, 4]
     names = {e["name"] for e in slices}
@@ -67,3 +59,19 @@ def test_spec_from_flags_and_bad_arguments(tmp_path):
         StepProfiler(None, tmp_path, skip=-2)
     with pytest.raises(ValueError, match="steps must be an int >= 1, got steps=0"):
         StepProfiler(None, tmp_path, steps=0)
+
+
+def test_bench_serving_traces_a_few_steps_after_warm_up(tmp_path, capsys):
+    results = bench_serving.main(["--model", "toy", "--num-requests", "3", "--max-output-len", "4", "--max-seqs", "16",
+                                  "--max-batched-tokens", "32", "--request-rate", "inf", "--out", str(tmp_path),
+                                  "--profile", str(tmp_path / "trace"), "--profile-skip", "2", "--profile-steps",
+                                  "3"])
+    assert len(results) == 1 and results[0].compiles.requests == 0  # the timed run: no row reads the traced one
+    steps = sorted(int(e["args"]["step_num"]) for e in trace_slices(tmp_path / "trace") if e["name"] == "engine_step")
+    assert steps == [2, 3, 4]
+    assert "wrote a trace of 3 steps" in capsys.readouterr().out
+
+
+def test_trace_slices_names_a_folder_without_exactly_one_trace(tmp_path):
+    with pytest.raises(ValueError, match="exactly one .* found 0"):
+        trace_slices(tmp_path)

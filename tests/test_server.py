@@ -34,6 +34,9 @@ from models.gguf_loader import smollm2_gguf_path
 from models.llm import LLM
 from paged_jax.engine import Engine, Request, SamplingParams
 from server import ThreadedServer, build_app
+from server import __main__ as server_main
+from paged_jax.profiling import ProfileSpec, trace_slices
+from server.protocol import MAX_MESSAGE_CHARS, SHOWN_CHARS, APIError, shown
 
 MODEL = "smollm2-test"
 KEY = "test-key"
@@ -279,6 +282,12 @@ def _raw(http, path, body, **kw):
     ("/v1/chat/completions", {"messages": [{"role": "user"}], "max_tokens": 1.5}, "max_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 500}, "max_completion_tokens"),
+    ("/v1/completions", {"prompt": [[1, 2], [3, 10**6]]}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/chat/completions", {"messages": CHAT, "stream": False, "stream_options": {}}, "stream_options"),
+    ("/v1/completions", {"prompt": "hi", "cache_salt": ""}, "cache_salt"),
+    ("/v1/chat/completions", {"messages": CHAT, "echo": True}, "echo"),  # vLLM's chat echo: was ignored
+    ("/v1/chat/completions", {"messages": CHAT, "n": 2, "best_of": 3}, "best_of"),  # was ignored
 ])
 def test_bad_requests_get_an_openai_400(http, path, body, param):
     r = _raw(http, path, body)
@@ -523,3 +532,79 @@ def test_echo_text_offsets_index_the_returned_text_with_split_characters(echo_cl
     assert len(whole) >= 5
     for t, at in whole:
         assert c.text[at: at + len(t)] == t, (t, at, c.text)
+
+
+# ------------------------------- error messages (on the fresh server: a good request must follow them)
+
+
+def test_shown_clips_long_values_and_says_how_long():
+    assert shown("ab") == "'ab'" and shown([1, 2]) == "[1, 2]"
+    assert shown("x" * 5000) == repr("x" * 5000)[:SHOWN_CHARS] + "... (5000 chars)"
+    assert shown(list(range(3000))).endswith("... (3000 items)") and shown({str(i): i for i in range(99)}).endswith(
+        "... (99 items)")
+    assert shown(10**300).endswith("... (301 chars)")
+    assert APIError(400, "m" * 5000).message == "m" * MAX_MESSAGE_CHARS + "... (5000 chars)"
+
+
+@pytest.mark.parametrize("path, body, status, param, words", [
+    ("/v1/completions", {"model": "y" * 5000, "prompt": "hi"}, 404, "model", "... (5000 chars)` does not exist"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x" * 5000, ""]}, 400, "stop", "stop[1] is empty"),
+    ("/v1/completions", {"prompt": "hi", "stop": ""}, 400, "stop", "stop is empty"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "t" * 5000}, 400, "max_tokens", "... (5000 chars)"),
+    ("/v1/completions", {"prompt": "hi", "n": 10**300}, 400, "n", "... (301 chars)"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**300}, 400, "max_tokens", "... (301 chars) for the"),
+    ("/v1/completions", {"prompt": "hi", "seed": 10**300}, 400, "seed", "got seed=1000"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -(10**300)}, 400, "max_tokens", "... (302 chars)"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x" * 5000: 1}}, 400, "logit_bias",
+     "logit_bias is not supported"),
+    ("/v1/completions", {"prompt": [[1, 2], [3, 999999]]}, 400, "prompt",
+     "prompt[1][1]=999999 is not a token id: the vocabulary has 49152 ids"),
+    ("/v1/completions", {"prompt": [5, -1]}, 400, "prompt", "prompt[1]=-1 is not a token id"),
+    ("/v1/completions", {"prompt": [[7], [7] * 3 + [10**200]]}, 400, "prompt", "prompt[1][3]=1000"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options",
+     "Stream options can only be defined when `stream=True`."),
+    ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": False}}, 400, "stream_options",
+     "Stream options can only be defined when `stream=True`."),
+    ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 10**300}, 400, "best_of", "... (301 chars) n=2"),
+])
+def test_error_messages_are_bounded_and_name_the_value(echo_client, path, body, status, param, words):
+    with httpx.Client(base_url=str(echo_client.base_url).removesuffix("/v1/"), timeout=120,
+                      headers={"Authorization": f"Bearer {KEY}"}) as http:
+        r = _raw(http, path, body)
+        error = r.json()["error"]
+        assert r.status_code == status and error["param"] == param, r.text[:500]
+        assert words in error["message"] and len(error["message"]) < 2 * SHOWN_CHARS + 200, error["message"][:500]
+        good = _raw(http, "/v1/completions", {"prompt": [1, 2], "max_tokens": 1, "temperature": 0})
+        assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 1
+
+
+# ------------------------------------------------------- python -m server --profile DIR
+
+
+def test_server_profile_traces_steps_after_the_first_request(llm, tmp_path):
+    """``--profile``'s spec installed on a fresh engine over the module's model object (as ``python -m server``
+    installs it before the loop starts): steps count from the first request, and the trace has them."""
+    fresh = copy.copy(llm)
+    fresh.engine = Engine(llm.engine.model, llm.config.make_kv_pool(llm.engine.kv.num_pages, llm.engine.page_size,
+                                                                    llm.engine.kv.k.dtype),
+                          llm.engine.config, stop_ids=llm.tokenizer.stop_ids, tokenizer=llm.tokenizer)
+    profiler = ProfileSpec(out_dir=tmp_path / "trace", skip=1, steps=2).install(fresh.engine)
+    with ThreadedServer(build_app(fresh, model_name=MODEL)) as srv:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0,
+                                                         "ignore_eos": True}, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    profiler.close()
+    assert profiler.traced == 2
+    steps = sorted(int(e["args"]["step_num"]) for e in trace_slices(tmp_path / "trace") if e["name"] == "engine_step")
+    assert steps == [1, 2]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--profile-skip", "-1"], "--profile-skip must be >= 0, got -1"),
+    (["--profile-steps", "0"], "--profile-steps must be >= 1, got 0"),
+    (["--profile", "/proc/no-such-folder"], "--profile '/proc/no-such-folder' is not a folder that can be created"),
+])
+def test_server_refuses_bad_profile_flags(argv, words, capsys):
+    with pytest.raises(SystemExit):
+        server_main.parse_args(argv)
+    assert words in capsys.readouterr().err

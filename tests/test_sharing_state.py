@@ -18,6 +18,10 @@ from the same rules. After every step:
 * a refused call leaves the device state bit-identical;
 * null entries (dropped pages) sit only at columns a window of ``WINDOW``
   tokens can no longer see.
+
+A second machine (``GroupedRowsMachine``) runs a hybrid model's page state:
+a row per slot and layer group (``paged_jax.kv_groups``), slot operations
+acting on all of a slot's rows, only the sliding group's rows dropping.
 """
 
 import jax
@@ -30,6 +34,7 @@ from paged_jax import page_state as ps
 from paged_jax import sliding_window as sw
 from paged_jax.block_pool import BlockPool
 from paged_jax.prefix_cache import PrefixCache, chain_keys
+from paged_jax.step import _group_rows
 
 NUM_PAGES, MAX_SEQS, MAX_PAGES, PAGE = 14, 4, 5, 2
 VOCAB = 2  # few distinct tokens: many equal pages, many hits
@@ -272,3 +277,170 @@ SharingMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestSharingMachine = SharingMachine.TestCase
+
+
+# ------------------------------------------------------------ layer groups
+
+G_WINDOWS = (WINDOW, None)  # a sliding group and a full group (paged_jax.kv_groups), one row each per slot
+G, SLOTS = len(G_WINDOWS), 3
+
+
+class GroupedRowsMachine(RuleBasedStateMachine):
+    """The page state of a hybrid model: ``G * SLOTS`` rows, row ``group *
+    SLOTS + slot``; every slot operation (grow, fork, free, swap out and
+    in) acts on the slot's ``G`` rows as the engine's step does
+    (``paged_jax.step._group_rows``), and only the sliding group's rows
+    drop pages. After every step: the twin equals the device (free-queue
+    order included), a slot's rows hold the same tokens and table positions,
+    the full group's rows hold every page, the sliding group's only null
+    entries its window no longer sees, reference counts count the entries,
+    and each row's pages hold its tokens."""
+
+    def __init__(self):
+        super().__init__()
+        rows = G * SLOTS
+        self.state = ps.init_page_state(num_pages=NUM_PAGES, max_seqs=rows, max_pages_per_seq=MAX_PAGES, page_size=PAGE)
+        self.pool = BlockPool(num_pages=NUM_PAGES, max_seqs=rows, max_pages_per_seq=MAX_PAGES, page_size=PAGE)
+        self.tokens = [[] for _ in range(SLOTS)]
+        self.content = np.full((NUM_PAGES, PAGE), -1)
+        self.swapped = []  # (tokens, per group: live mask and contents)
+
+    def _rows(self, slot):
+        return [g * SLOTS + slot for g in range(G)]
+
+    def _empty(self):
+        return [s for s in range(SLOTS) if not self.tokens[s] and not self.pool.num_seq_pages[s]]
+
+    @rule(data=st.data())
+    def extend(self, data):
+        num_new = np.array(data.draw(st.lists(st.integers(0, 4), min_size=SLOTS, max_size=SLOTS)))
+        num_new = np.minimum(num_new, MAX_PAGES * PAGE - np.array([len(t) for t in self.tokens]))
+        new = [data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=int(n), max_size=int(n))) for n in num_new]
+        rows_new = np.tile(num_new, G)
+        before = self.state
+        state, ok, cow_src, cow_dst = ps.unchecked_extend(self.state, jax.numpy.asarray(rows_new, jax.numpy.int32))
+        copies = self.pool.extend(rows_new.astype(np.int64))
+        assert bool(ok) == (copies is not None)
+        if not ok:
+            assert same(state, before)
+            return
+        self.state = state
+        for src, dst in copies:
+            self.content[dst] = self.content[src]
+        for s in range(SLOTS):
+            start = len(self.tokens[s])
+            for row in self._rows(s):
+                for i, t in enumerate(new[s]):
+                    pos = start + i
+                    self.content[self.pool.block_tables[row, pos // PAGE], pos % PAGE] = t
+            self.tokens[s] += new[s]
+
+    @rule(data=st.data())
+    def fork(self, data):
+        busy, empty = [s for s in range(SLOTS) if self.tokens[s]], self._empty()
+        if not busy or not empty:
+            return
+        src, dst = data.draw(st.sampled_from(busy)), data.draw(st.sampled_from(empty))
+        src_of = np.full(SLOTS, -1, np.int32)
+        src_of[dst] = src
+        rows_src = _group_rows(jax.numpy.asarray(src_of), G, SLOTS)  # the step's own expansion
+        self.state, ok = ps.unchecked_fork_many(self.state, rows_src)
+        assert ok
+        for a, b in zip(self._rows(src), self._rows(dst)):
+            self.pool.fork(a, b)
+        self.tokens[dst] = list(self.tokens[src])
+
+    def _free(self, slots):
+        mask = np.zeros(G * SLOTS, bool)
+        for s in slots:
+            mask[self._rows(s)] = True
+            for row in self._rows(s):
+                self.pool.release(row)
+            self.tokens[s] = []
+        self.state = ps.free(self.state, jax.numpy.asarray(mask))
+        self.pool.flush()
+
+    @rule(data=st.data())
+    def free(self, data):
+        self._free([s for s in range(SLOTS) if data.draw(st.booleans())])
+
+    @rule(data=st.data())
+    def slide(self, data):
+        """Some slots' sliding-group rows drop what the window no longer
+        sees; the full group's rows never drop."""
+        for s in range(SLOTS):
+            if data.draw(st.booleans()):
+                for g, window in enumerate(G_WINDOWS):
+                    if window is not None:
+                        first = int(sw.window_first_kept(len(self.tokens[s]), sliding_window=window, page_size=PAGE))
+                        self.pool.drop_before(g * SLOTS + s, first)
+        self.state = sw.drop_pages_before(self.state, self.pool.first_kept().astype(np.int32))
+        self.pool.flush()
+
+    @rule(data=st.data())
+    def swap_out(self, data):
+        busy = [s for s in range(SLOTS) if self.tokens[s]]
+        if not busy:
+            return
+        s = data.draw(st.sampled_from(busy))
+        groups = []
+        for row in self._rows(s):
+            table = np.array(self.pool.pages(row))
+            groups.append((table != ps.NULL_PAGE, self.content[table[table != ps.NULL_PAGE]]))
+        self.swapped.append((list(self.tokens[s]), groups))
+        self._free([s])
+
+    @rule(data=st.data())
+    def swap_in(self, data):
+        empty = self._empty()
+        if not self.swapped or not empty:
+            return
+        tokens, groups = self.swapped[-1]
+        need = sum(len(c) for _, c in groups)
+        if need > self.pool.num_free:
+            return
+        self.swapped.pop()
+        s = data.draw(st.sampled_from(empty))
+        fresh = self.pool.take_free(need)
+        num_hit = np.zeros(G * SLOTS, np.int32)
+        table = np.zeros((G * SLOTS, MAX_PAGES), np.int32)
+        lens = np.zeros(G * SLOTS, np.int32)
+        for row, (live, content) in zip(self._rows(s), groups):
+            mine, fresh = fresh[: len(content)], fresh[len(content):]
+            self.content[mine] = content
+            pages = np.zeros(len(live), np.int64)
+            pages[live] = mine
+            num_hit[row], table[row, : len(pages)], lens[row] = len(pages), pages, len(tokens)
+            self.pool.share(row, pages.tolist(), len(tokens))
+        self.state, ok = ps.unchecked_share(self.state, jax.numpy.asarray(num_hit), jax.numpy.asarray(table),
+                                            jax.numpy.asarray(lens))
+        assert ok
+        self.tokens[s] = tokens
+
+    @invariant()
+    def twin_equals_device(self):
+        self.pool.check(self.state)
+
+    @invariant()
+    def a_slots_rows_agree_and_hold_their_tokens(self):
+        held = np.arange(MAX_PAGES)[None, :] < self.pool.num_seq_pages[:, None]
+        entries = self.pool.block_tables[held & (self.pool.block_tables != ps.NULL_PAGE)]
+        assert np.array_equal(np.bincount(entries, minlength=NUM_PAGES), self.pool.ref_counts)
+        for s in range(SLOTS):
+            n = len(self.tokens[s])
+            rows = self._rows(s)
+            assert set(self.pool.seq_lens[rows].tolist()) == {n}
+            assert len(set(self.pool.num_seq_pages[rows].tolist())) == 1
+            for row, window in zip(rows, G_WINDOWS):
+                for pos, t in enumerate(self.tokens[s]):
+                    page = self.pool.block_tables[row, pos // PAGE]
+                    if page == ps.NULL_PAGE:  # only a sliding group's, only out of its window
+                        assert window is not None and pos <= n - window, (row, pos)
+                    else:
+                        assert self.content[page, pos % PAGE] == t, (row, pos)
+
+
+GroupedRowsMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestGroupedRowsMachine = GroupedRowsMachine.TestCase

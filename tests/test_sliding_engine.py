@@ -10,8 +10,8 @@ import functools
 import numpy as np
 import pytest
 
-from engine_helpers import PAGE, VOCAB, ToyModel, check_accounting, greedy_reference, make_engine, toy_params, \
-    toy_pool, toy_requests
+from engine_helpers import PAGE, VOCAB, ToyModel, check_accounting, greedy_reference, make_engine, \
+    one_sequence_steps, toy_params, toy_pool, toy_requests
 from paged_jax.engine import Engine, EngineConfig, Request
 from paged_jax.memory import layer_pages
 from paged_jax.page_state import NULL_PAGE, pages_for_tokens
@@ -56,13 +56,7 @@ def test_a_decoding_sequence_holds_exactly_the_pages_its_window_sees():
     engine.add_request(Request(request_id=0, prompt_ids=list(range(1, 14)), max_new_tokens=50))
     pool = engine.kv_manager.pool
     checked = 0
-    while engine.has_unfinished():
-        engine.step()
-        slot = next((s.slot for s in engine.running), None)
-        if slot is None:
-            break
-        n = int(pool.seq_lens[slot])  # tokens after the call just planned
-        computed = n - 1 if n > 13 else (n - 8 if n > 8 else 0)  # before it: a decode token, or a chunk of 8
+    for slot, n, computed in one_sequence_steps(engine, prompt_len=13, chunk=8):
         live = [p for p in pool.block_tables[slot, : pool.num_seq_pages[slot]].tolist() if p != NULL_PAGE]
         expected = pages_for_tokens(n, PAGE) - int(window_first_kept(computed, sliding_window=WINDOW,
                                                                       page_size=PAGE))

@@ -55,6 +55,9 @@ def test_workload_names_and_their_policies():
     c = workloads.workload("chatbot", max_prompt_len=64)
     assert (c.prompts, c.max_prompt_len, c.policies) == ("chatbot", 64, policies.POLICIES)
     assert workloads.workload("beam-2").prompts == "sharegpt"
+    for name in ("beam-2", "parallel-6"):
+        assert workloads.workload(name).policies == ("paged", "max", "oracle")
+    assert workloads.workload("basic").policies == policies.POLICIES
     assert workloads.workload("parallel-10").name == "parallel-10"
     for bad in ("prefix-0", "prefix", "prefix-x", "chatbot-2", "fig16", "parallel-02", "beam-+2", "prefix- 5",
                 "parallel-4 ", "beam--1", "parallel-2.0", "parallel-\u00b2", "parallel-\u0663"):

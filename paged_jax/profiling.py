@@ -1,5 +1,6 @@
 """``--profile DIR``: a ``jax.profiler`` trace of a few engine steps after
-warm-up, for the serving and benchmark scripts.
+warm-up, for the server (``python -m server --profile DIR``) and the
+serving and benchmark scripts (``serve_sharegpt``, ``bench_serving``).
 
 Why only a few steps, and not the first ones: the first steps of a run
 compile their programs (seconds each, against milliseconds for a step), and
@@ -12,6 +13,11 @@ marks its phases (``schedule``, ``dispatch``, ``complete``:
 :meth:`paged_jax.engine.Engine._step`), so the trace says how much of a step
 is the host's scheduling, the launch, and the wait for the device's tokens.
 
+Why it lives beside the engine: the server and the scripts both need it,
+and it wraps nothing but :meth:`paged_jax.engine.Engine.step` (the layering
+runs experiments -> server -> models -> paged_jax, and ``server`` imports
+FastAPI, which a script that only profiles should not pay for).
+
 The trace lands in ``DIR/plugins/profile/<timestamp>/``: open
 ``perfetto_trace.json.gz`` at https://ui.perfetto.dev, or point TensorBoard
 (with ``tensorboard-plugin-profile``) at ``DIR``.
@@ -21,11 +27,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
+import json
+import os
 import pathlib
+import types
 
 import jax
 
-from experiments.cli import check_out_dir
+from paged_jax.checks import check_bool, check_int
 
 DEFAULT_SKIP = 8
 """Steps run untraced first (``--profile-skip``): compilation happens there."""
@@ -35,7 +45,8 @@ DEFAULT_STEPS = 8
 
 
 def add_profile_args(p: argparse.ArgumentParser) -> None:
-    """Adds ``--profile DIR``, ``--profile-skip`` and ``--profile-steps``."""
+    """Adds ``--profile DIR``, ``--profile-skip``, ``--profile-steps`` and
+    ``--profile-python``."""
     p.add_argument("--profile", type=pathlib.Path, default=None, metavar="DIR",
                    help="write a jax.profiler trace (Perfetto / TensorBoard) of a few engine steps after warm-up "
                         "to DIR")
@@ -50,13 +61,20 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
 def check_profile_args(p: argparse.ArgumentParser, args) -> None:
     """Exits with an argparse error naming the flag: a negative
     ``--profile-skip``, ``--profile-steps`` below 1, or a ``--profile``
-    folder that cannot be written."""
+    folder that cannot be created or written (checked now: in a server the
+    trace starts inside an engine step, where a failure would fail the
+    engine)."""
     if args.profile_skip < 0:
         p.error(f"--profile-skip must be >= 0, got {args.profile_skip}")
     if args.profile_steps < 1:
         p.error(f"--profile-steps must be >= 1, got {args.profile_steps}")
     if args.profile is not None:
-        check_out_dir(p, args.profile, "--profile")
+        try:
+            args.profile.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            p.error(f"--profile {str(args.profile)!r} is not a folder that can be created: {e}")
+        if not os.access(args.profile, os.W_OK | os.X_OK):
+            p.error(f"--profile {str(args.profile)!r} is not a writable folder")
 
 
 class StepProfiler:
@@ -141,12 +159,21 @@ class StepProfiler:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ProfileSpec:
-    """What ``--profile`` asked for: the trace's folder and which steps."""
+    """What ``--profile`` asked for: the trace's folder and which steps.
+
+    Raises:
+      ValueError: ``skip`` < 0, ``steps`` < 1, ``python`` not a bool.
+    """
 
     out_dir: pathlib.Path
     skip: int = DEFAULT_SKIP
     steps: int = DEFAULT_STEPS
     python: bool = False
+
+    def __post_init__(self):
+        check_int("skip", self.skip, 0)
+        check_int("steps", self.steps, 1)
+        check_bool("python", self.python)
 
     @classmethod
     def from_args(cls, args) -> "ProfileSpec | None":
@@ -158,3 +185,39 @@ class ProfileSpec:
     def wrap(self, engine) -> StepProfiler:
         """A :class:`StepProfiler` of ``engine`` with this spec."""
         return StepProfiler(engine, self.out_dir, skip=self.skip, steps=self.steps, python=self.python)
+
+    def install(self, engine) -> StepProfiler:
+        """Makes ``engine.step`` itself trace as this spec says, for an
+        engine that something else steps: the server's engine loop calls
+        ``engine.step()`` and takes only an
+        :class:`paged_jax.engine.Engine`, so a wrapper cannot stand in for
+        it. Call it before anything steps ``engine``; the steps count from
+        its first step after (in a server, from the first request). Close
+        the returned profiler when done (the trace stops by itself after
+        its last step); ``del engine.step`` undoes it."""
+        inner = types.SimpleNamespace(step=engine.step, has_unfinished=engine.has_unfinished)  # the class's own
+        profiler = self.wrap(inner)
+        engine.step = profiler.step
+        return profiler
+
+
+def trace_slices(out_dir: str | pathlib.Path) -> list[dict]:
+    """The complete events (Perfetto ``"ph": "X"`` slices: ``engine_step``
+    with its ``args.step_num``, the engine's phases, XLA's ops) of the one
+    trace a :class:`StepProfiler` wrote under ``out_dir``.
+
+    Returns:
+      the events as dicts (``name``, ``ts`` and ``dur`` in microseconds,
+      ``args``, ...), in the file's order.
+
+    Raises:
+      ValueError: ``out_dir`` holds no ``plugins/profile/*/perfetto_trace.json.gz``,
+        or more than one (say which run to read).
+    """
+    found = sorted(pathlib.Path(out_dir).glob("plugins/profile/*/perfetto_trace.json.gz"))
+    if len(found) != 1:
+        raise ValueError(f"out_dir={str(out_dir)!r} must hold exactly one plugins/profile/*/perfetto_trace.json.gz, "
+                         f"found {len(found)}")
+    data = json.loads(gzip.decompress(found[0].read_bytes()))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    return [e for e in events if e.get("ph") == "X"]

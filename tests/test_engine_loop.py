@@ -1,0 +1,42 @@
+"""server.engine_loop: a burst of submissions to an idle engine starts in
+one step (EngineLoop._settle), and a lone one starts its own first call."""
+
+import asyncio
+
+from engine_helpers import make_engine, toy_requests
+from server.engine_loop import EngineLoop, admit
+
+
+async def _serve(engine_loop: EngineLoop, requests, delays) -> None:
+    async def one(request, hops):
+        for _ in range(hops):  # a handler's own hand-offs before it submits (body, tokenizer, checks)
+            await asyncio.sleep(0)
+        stream = await admit(engine_loop, [request])
+        async for out in stream:
+            if out.finished:
+                return
+
+    await asyncio.gather(*(one(r, h) for r, h in zip(requests, delays)))
+
+
+def _first_call_tokens(requests, delays) -> tuple[int, int]:
+    engine = make_engine(budget=256, max_seqs=8)
+    engine_loop = EngineLoop(engine)
+    engine_loop.start()
+    try:
+        asyncio.run(_serve(engine_loop, requests, delays))
+    finally:
+        engine_loop.stop()
+    return engine.stats.calls[0].tokens, sum(len(r.prompt_ids) for r in requests)
+
+
+def test_a_burst_to_an_idle_engine_is_prefilled_in_one_call():
+    requests = toy_requests(6, max_new=(2, 4), prompt_len=(5, 20))
+    first, prompts = _first_call_tokens(requests, delays=[0, 1, 2, 3, 2, 1])
+    assert first == prompts  # every prompt of the burst in the first call, none a step late
+
+
+def test_a_lone_request_starts_its_own_first_call():
+    [request] = toy_requests(1, max_new=(3, 4), prompt_len=(5, 6))
+    first, prompts = _first_call_tokens([request], delays=[0])
+    assert first == prompts
