@@ -32,6 +32,7 @@ import json
 import os
 import pathlib
 import types
+import warnings
 
 import jax
 
@@ -98,6 +99,8 @@ class StepProfiler:
 
     Attributes:
       traced: steps traced so far.
+      failed: why the trace could not start ("" if it did or has not
+        tried yet); the steps then run untraced, with a warning.
 
     Raises:
       ValueError: ``skip`` or ``steps`` out of range.
@@ -112,6 +115,7 @@ class StepProfiler:
         self.engine, self.out_dir, self.skip, self.steps = engine, pathlib.Path(out_dir), skip, steps
         self.python = bool(python)
         self.traced = 0
+        self.failed = ""
         self._count = 0
         self._tracing = False
 
@@ -123,11 +127,7 @@ class StepProfiler:
         i = self._count
         self._count += 1
         if i == self.skip and self.traced == 0:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            options = jax.profiler.ProfileOptions()
-            options.python_tracer_level = int(self.python)  # every Python call: 1M events in a few steps
-            jax.profiler.start_trace(str(self.out_dir), create_perfetto_trace=True, profiler_options=options)
-            self._tracing = True
+            self._start()
         if not self._tracing:
             return self.engine.step()
         try:
@@ -138,6 +138,23 @@ class StepProfiler:
             if self.traced == self.steps:
                 self.close()
         return out
+
+    def _start(self) -> None:
+        """Starts the trace; a failure (the folder gone or unwritable since
+        the flags were checked, another trace already running) is a warning
+        and ``failed`` says why: the engine's step must not fail for its
+        profiler (in the server it would end serving)."""
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            options = jax.profiler.ProfileOptions()
+            options.python_tracer_level = int(self.python)  # every Python call: 1M events in a few steps
+            jax.profiler.start_trace(str(self.out_dir), create_perfetto_trace=True, profiler_options=options)
+        except (OSError, RuntimeError) as e:
+            self.failed = f"{type(e).__name__}: {e}"
+            warnings.warn(f"profiling: no trace written to {str(self.out_dir)!r}: {self.failed}", RuntimeWarning,
+                          stacklevel=3)
+            return
+        self._tracing = True
 
     def close(self) -> None:
         """Stops the trace if it is running (idempotent)."""

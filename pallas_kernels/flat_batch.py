@@ -167,8 +167,9 @@ def check_flat_batch(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, k
       read, and no row may read past its block table).
 
     Raises:
-      ValueError: shapes or dtypes that do not fit each other; (eager) a
-        layer outside the pool, lengths outside their ranges
+      ValueError: shapes or dtypes that do not fit each other, a ``q``
+        that is not float, ``layer`` None; (eager) a layer outside the
+        pool, lengths that do not fit int32 or fall outside their ranges
         (``common.checked_lengths``), sequences whose rows overlap or pass
         ``T``.
     """
@@ -179,6 +180,8 @@ def check_flat_batch(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, k
             "k_pool and v_pool must both be [layers, K, P, L, H], got shapes "
             f"{getattr(k_pool, 'shape', k_pool)} and {getattr(v_pool, 'shape', v_pool)}"
         )
+    if not jnp.issubdtype(q.dtype, jnp.floating):  # an integer q would come back truncated, silently
+        raise ValueError(f"q must be a float array, got dtype {q.dtype}")
     if q.shape[2] != k_pool.shape[4] or q.shape[1] % k_pool.shape[1]:
         raise ValueError(f"q {q.shape} does not fit the pool {k_pool.shape}: head dims differ, or query heads "
                          "are not a multiple of KV heads")
@@ -186,12 +189,19 @@ def check_flat_batch(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, k
     for name, x in (("q_starts", q_starts), ("q_lens", q_lens), ("kv_lens", kv_lens)):
         if getattr(x, "shape", None) != (num_seqs,) or not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"{name} must be an integer [E={num_seqs}] array, got {getattr(x, 'shape', x)}")
+        if not isinstance(x, jax.core.Tracer) and x.size:  # int64 / uint32 values must survive the cast to int32
+            lo, hi = int(np.min(np.asarray(x))), int(np.max(np.asarray(x)))
+            if lo < -2**31 or hi >= 2**31:
+                raise ValueError(f"{name} must fit int32, got values in [{lo}, {hi}]")
     if getattr(block_tables, "ndim", None) != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables must be [E={num_seqs}, pages_per_seq], got "
                          f"{getattr(block_tables, 'shape', None)}")
     if v_pool.dtype != k_pool.dtype:
         raise ValueError(f"k_pool and v_pool must share one dtype, got {k_pool.dtype} and {v_pool.dtype}")
     common.check_scales("k_pool", k_pool.dtype, k_pool.shape, k_scales, v_scales)
+    if layer is None:  # checked_layer's None means a one-layer stack; this door reads a stacked pool
+        raise ValueError(f"layer must be an integer scalar, the layer of the [{k_pool.shape[0]}, ...] pool to read, "
+                         "got None")
     layer = common.checked_layer(layer, k_pool.shape[0])[0]  # i32[], in range (clamped under jit)
     i32 = jnp.int32
     kv_lens, q_lens = common.checked_lengths(block_tables, k_pool.shape[2], k_pool.shape[3], kv_lens.astype(i32),

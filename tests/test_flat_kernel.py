@@ -404,11 +404,16 @@ def test_bad_inputs_are_refused_eagerly_and_clamped_under_jit():
         (dict(k_new=None), "must be given together"),
         (dict(k_new=a["k_new"][:, :, :8]), r"k_new must be a float \[T, K, H\]"),
         (dict(q_starts=a["q_starts"].at[2].set(a["q_starts"][1])), "overlap or pass T"),
+        (dict(q=a["q"].astype(jnp.int32)), "q must be a float array, got dtype int32"),
+        (dict(kv_lens=np.asarray(a["kv_lens"], np.int64) + 2**32), r"kv_lens must fit int32"),
     ):
         with pytest.raises(ValueError, match=needle):
             call(dict(a, **change), "gpu")
     with pytest.raises(ValueError, match="impl must be one of"):
         call(a, "cuda")
+    with pytest.raises(ValueError, match="layer must be an integer scalar"):  # not layer 0 silently
+        flat_ragged_paged_attention(a["q"], None, None, a["pool"].k, a["pool"].v, None, a["block_tables"],
+                                    a["q_starts"], a["q_lens"], a["kv_lens"], None, decode_tiles=6, prefill_chunks=3)
     with pytest.raises(ValueError, match="layer must be in"):
         flat_ragged_paged_attention(a["q"], None, None, a["pool"].k, a["pool"].v, LAYERS, a["block_tables"],
                                     a["q_starts"], a["q_lens"], a["kv_lens"], None, decode_tiles=6, prefill_chunks=3)

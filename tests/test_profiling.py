@@ -75,3 +75,17 @@ def test_bench_serving_traces_a_few_steps_after_warm_up(tmp_path, capsys):
 def test_trace_slices_names_a_folder_without_exactly_one_trace(tmp_path):
     with pytest.raises(ValueError, match="exactly one .* found 0"):
         trace_slices(tmp_path)
+
+
+def test_a_trace_that_cannot_start_warns_and_the_engine_steps_on(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    want = sorted((o.request_id, o.output_ids) for o in make_engine().run(toy_requests(3)))
+    engine = make_engine()
+    for r in toy_requests(3):
+        engine.add_request(r)
+    with StepProfiler(engine, blocker / "trace", skip=0, steps=2) as stepper:
+        with pytest.warns(RuntimeWarning, match="no trace written"):
+            got = sorted((o.request_id, o.output_ids) for o in drain(stepper, 3, progress=False))
+    assert got == want and stepper.traced == 0
+    assert stepper.failed.startswith(("FileExistsError", "NotADirectoryError")), stepper.failed
