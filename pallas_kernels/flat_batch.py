@@ -168,7 +168,8 @@ def check_flat_batch(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, k
 
     Raises:
       ValueError: shapes or dtypes that do not fit each other, a ``q``
-        that is not float, ``layer`` None; (eager) a layer outside the
+        that is not float, ``layer`` None, no sequence or no query row, a
+        block table that is not integer or has no column; (eager) a layer outside the
         pool, lengths that do not fit int32 or fall outside their ranges
         (``common.checked_lengths``), sequences whose rows overlap or pass
         ``T``.
@@ -193,9 +194,13 @@ def check_flat_batch(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, k
             lo, hi = int(np.min(np.asarray(x))), int(np.max(np.asarray(x)))
             if lo < -2**31 or hi >= 2**31:
                 raise ValueError(f"{name} must fit int32, got values in [{lo}, {hi}]")
-    if getattr(block_tables, "ndim", None) != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables must be [E={num_seqs}, pages_per_seq], got "
-                         f"{getattr(block_tables, 'shape', None)}")
+    if (getattr(block_tables, "ndim", None) != 2 or block_tables.shape[0] != num_seqs or block_tables.shape[1] < 1
+            or not jnp.issubdtype(block_tables.dtype, jnp.integer)):
+        raise ValueError(f"block_tables must be an integer [E={num_seqs}, pages_per_seq >= 1] array, got "
+                         f"{getattr(block_tables, 'dtype', type(block_tables).__name__)}"
+                         f"{list(getattr(block_tables, 'shape', ()))}")
+    if num_seqs < 1 or q.shape[0] < 1:  # the kernels' grids need both; an empty call has nothing to attend
+        raise ValueError(f"a call needs at least one sequence and one query row, got E={num_seqs} and T={q.shape[0]}")
     if v_pool.dtype != k_pool.dtype:
         raise ValueError(f"k_pool and v_pool must share one dtype, got {k_pool.dtype} and {v_pool.dtype}")
     common.check_scales("k_pool", k_pool.dtype, k_pool.shape, k_scales, v_scales)
@@ -214,4 +219,5 @@ def check_flat_batch(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, k
         if live.size and (qs[order][0] < 0 or ends[-1] > q.shape[0] or (qs[order][1:] < ends[:-1]).any()):
             raise ValueError(f"sequences' query rows overlap or pass T={q.shape[0]}: q_starts={qs.tolist()} "
                              f"q_lens={ql.tolist()}")
-    return layer, (q_starts.astype(i32), q_lens, kv_lens)
+    # Under jit a start cannot be checked: clamped into the rows, so no output lands past T (or wraps to its end).
+    return layer, (jnp.clip(q_starts.astype(i32), 0, q.shape[0] - 1), q_lens, kv_lens)

@@ -236,6 +236,7 @@ def flat_ragged_paged_attention(
                                                           kv_lens, k_scales, v_scales)
     block_sizes.check(impl, k_pool.shape[3])
     _check_new_kv(q, k_new, v_new, k_pool, slots)
+    _check_slots_follow_tables(slots, block_tables, q_starts, q_lens, kv_lens, k_pool.shape[3])
     ql, kl = jnp.where(q_lens == 1, 1, 0), jnp.where(q_lens == 1, kv_lens, 0)
     check_tiles(ql, kl, num_tiles=decode_tiles, tile_q=1, what="decode_tiles")
     if not isinstance(q_lens, jax.core.Tracer):
@@ -273,6 +274,24 @@ def _check_new_kv(q, k_new, v_new, k_pool, slots) -> None:
         limit = k_pool.shape[2] * k_pool.shape[3]
         if ((real < 0) | (real >= limit)).any() or len(set(real.tolist())) != real.size:
             raise ValueError(f"slots must be distinct flat slots in [0, {limit}) or -1 (padding), got {ids.tolist()}")
+
+
+def _check_slots_follow_tables(slots, block_tables, q_starts, q_lens, kv_lens, page_size: int) -> None:
+    """(eager) Each sequence's new tokens go to the slots its block table
+    gives their positions, and every row no sequence owns to -1: a slot
+    elsewhere would overwrite another sequence's cached K/V."""
+    if slots is None or any(isinstance(x, jax.core.Tracer) for x in (slots, block_tables, q_starts, q_lens, kv_lens)):
+        return
+    tables, ids = np.asarray(block_tables), np.asarray(slots)
+    want = np.full_like(ids, -1)
+    for s, (start, n, length) in enumerate(zip(np.asarray(q_starts), np.asarray(q_lens), np.asarray(kv_lens))):
+        positions = np.arange(length - n, length)
+        want[start:start + n] = tables[s, positions // page_size] * page_size + positions % page_size
+    wrong = np.flatnonzero(ids != want)
+    if wrong.size:
+        raise ValueError(f"slots must be each sequence's block-table slots for its new tokens and -1 elsewhere: row "
+                         f"{int(wrong[0])} has slot {int(ids[wrong[0]])}, its table gives {int(want[wrong[0]])} "
+                         f"({wrong.size} rows differ)")
 
 
 def unchecked_flat_ragged_paged_attention(q, k_new, v_new, k_pool, v_pool, layer, block_tables, q_starts, q_lens,

@@ -406,9 +406,22 @@ def test_bad_inputs_are_refused_eagerly_and_clamped_under_jit():
         (dict(q_starts=a["q_starts"].at[2].set(a["q_starts"][1])), "overlap or pass T"),
         (dict(q=a["q"].astype(jnp.int32)), "q must be a float array, got dtype int32"),
         (dict(kv_lens=np.asarray(a["kv_lens"], np.int64) + 2**32), r"kv_lens must fit int32"),
+        (dict(block_tables=a["block_tables"].astype(jnp.float32)), "block_tables must be an integer"),
+        (dict(block_tables=a["block_tables"][:, :0]), r"pages_per_seq >= 1"),
     ):
         with pytest.raises(ValueError, match=needle):
             call(dict(a, **change), "gpu")
+    # A slot off its sequence's table would overwrite another sequence's cached K/V: refused eagerly.
+    owned = int(np.flatnonzero(np.asarray(a["slots"]) >= 0)[0])
+    free = int(np.setdiff1d(np.arange(a["pool"].k.shape[2] * 16), np.asarray(a["slots"]))[-1])
+    with pytest.raises(ValueError, match=f"row {owned} has slot {free}, its table gives"):
+        call(dict(a, slots=a["slots"].at[owned].set(free)), "gpu")
+    padding = int(np.flatnonzero(np.asarray(a["slots"]) < 0)[0])
+    with pytest.raises(ValueError, match=f"row {padding} has slot {free}, its table gives -1"):
+        call(dict(a, slots=a["slots"].at[padding].set(free)), "gpu")
+    with pytest.raises(ValueError, match="at least one sequence and one query row"):
+        call(dict(a, q=a["q"][:0], k_new=a["k_new"][:0], v_new=a["v_new"][:0], slots=a["slots"][:0],
+                  q_lens=jnp.zeros_like(a["q_lens"]), q_starts=jnp.zeros_like(a["q_starts"])), "gpu")
     with pytest.raises(ValueError, match="impl must be one of"):
         call(a, "cuda")
     with pytest.raises(ValueError, match="layer must be an integer scalar"):  # not layer 0 silently
@@ -427,6 +440,12 @@ def test_bad_inputs_are_refused_eagerly_and_clamped_under_jit():
     clamped = long.copy()
     clamped[5] = cap
     np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(long))), np.asarray(fn(jnp.asarray(clamped))))
+    # A negative start is clamped to row 0 too (it wrapped to row T - 1, another sequence's, before).
+    first = int(np.argmin(np.asarray(a["q_starts"])))
+    assert int(a["q_starts"][first]) == 0 and int(a["q_lens"][first]) > 0
+    starts = jax.jit(lambda qs: call(dict(a, q_starts=qs), "gpu")[0])
+    np.testing.assert_array_equal(np.asarray(starts(a["q_starts"].at[first].set(-1))),
+                                  np.asarray(starts(a["q_starts"])))
 
 
 PRESET_HEADS = sorted({(c.num_q_heads, c.num_kv_heads, c.head_dim) for c in PRESETS.values()})
