@@ -161,16 +161,14 @@ def memory_line(requests, spec: online.EngineSpec) -> str:
                    for r in requests)
             for p in online.POLICIES}
     if any(r.sampling.num_seqs > 1 for r in requests):
-        # Every policy here forks a request's samples or beams from its first sequence, once its prompt is
-        # prefilled: they share the prompt's full pages and each then holds or reserves the rest.
-        forked = {p: held[p] - sum((r.sampling.num_seqs - 1) * (len(r.prompt_ids) // spec.page_size * spec.page_size)
-                                   for r in requests) for p in online.POLICIES}
+        # Paged forks a request's samples or beams from its first sequence once its prompt is prefilled: they
+        # share the prompt's full pages. The Orca baselines count a copy per sequence (paged_jax.kv_manager).
+        forked = held["paged"] - sum((r.sampling.num_seqs - 1) * (len(r.prompt_ids) // spec.page_size * spec.page_size)
+                                     for r in requests)
         return (f"Every request at once, at its final length, would hold {held['paged']:,} tokens paged without "
-                f"sharing, {forked['paged']:,} with each prompt's full pages held once per request (beams share "
-                f"more); reserved with the prompt shared, as this engine's baselines do: {forked['oracle']:,} "
-                f"Oracle, {forked['pow2']:,} Pow2, {forked['max']:,} Max; with nothing shared, as the paper's "
-                f"Orca does: {held['oracle']:,} Oracle, {held['pow2']:,} Pow2, {held['max']:,} Max; the pool "
-                f"holds {spec.kv_tokens:,}.")
+                f"sharing, {forked:,} with each prompt's full pages held once per request (beams share more); "
+                f"reserved with a prompt copy per sequence, as the paper's Orca: {held['oracle']:,} Oracle, "
+                f"{held['pow2']:,} Pow2, {held['max']:,} Max; the pool holds {spec.kv_tokens:,}.")
     # The full pages of the prefix every prompt shares, held once by paged with the prefix cache.
     shared = workloads.shared_prefix_len(requests) // spec.page_size * spec.page_size
     once = held["paged"] - (sum(r.sampling.num_seqs for r in requests) - 1) * shared
@@ -214,14 +212,12 @@ def scale_note(args, model_name: str, requests, spec: online.EngineSpec) -> str:
         return ("Scaled down from the paper (Figure 14: OPT-13B on an A100 serving the Alpaca dataset; section 6.3: "
                 f"\"The improvement of vLLM over Orca (Oracle) on OPT-13B and the Alpaca dataset goes from 1.3x in "
                 f"basic sampling to 2.3x in beam search with a width of 6\"): {where}, ShareGPT lengths as in "
-                f"Figures 12 and 13 here, {k} sequences per request. The paper's Orca baselines hold each sample "
-                "or beam in a reservation of its own, prompt included. This engine's baselines fork a request's "
-                "sequences from its first one once the prompt is prefilled, as paged does: the forks share the "
-                "prompt's pages, and each then reserves its own output (Oracle, Pow2) or 2,048 tokens (Max). So "
-                "Oracle and Pow2 lose to paged only the output tokens reserved ahead of time, a few dozen per "
-                "sequence with capped outputs, not the prompt copies the paper's Orca holds; Max reserves "
-                f"{k} x 2,048 tokens per request and memory binds it first. Expect ratios over Oracle and Pow2 "
-                "near 1, far below the paper's.")
+                f"Figures 12 and 13 here, {k} sequences per request. As the paper's Orca baselines, each sample "
+                "or beam holds a reservation of its own, prompt included, from the request's admission on "
+                f"(the prompt plus the true output under Oracle, {k} x 2,048 tokens a request under Max); paged "
+                "shares the prompt's pages between the samples and a beam's ancestors' between beams. The "
+                "prompts are long and the outputs capped, so most of what Orca holds beyond paged is the "
+                "prompt copies.")
     return ("Scaled down from the paper (OPT-13B on an A100, hour-long traces, ShareGPT outputs of 204 tokens on "
             f"average): {where}. Two things shrink the gaps: capped outputs leave Oracle and Pow2 little to reserve "
             "beyond what paged holds, so that memory binds Max alone; and with prompts longer than outputs, "

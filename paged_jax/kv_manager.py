@@ -63,11 +63,16 @@ Reservations. Under a reservation policy other than ``"paged"``
 (:mod:`paged_jax.config`) a sequence holds pages for
 :func:`paged_jax.config.reserved_tokens` tokens from its admission on: every
 cost here counts them, and the call that first grows it takes them
-(``min_pages``, per slot, in :class:`CallPages`). A fork shares only the
-pages holding its parent's tokens, so a parallel sample or beam takes its
-own reservation when it first grows, and a sequence swapped out copies
-only the pages holding its tokens and takes its reservation again when it
-is swapped in.
+(``min_pages``, per slot, in :class:`CallPages`). A sequence swapped out
+copies only the pages holding its tokens and takes its reservation again
+when it is swapped in. The paper's Orca shares nothing (section 6.3: each
+sample or beam holds a reservation of its own, prompt included), so the
+free pages the scheduler sees count every sequence's pages as its own
+(:meth:`KVCacheManager.orca_copies`): on device a fork still shares its
+parent's pages (the same programs run under every policy), but the
+scheduler counts a copy of each page for each extra holder, and a
+request's samples and beams still to come hold their reservations from
+the request's admission on.
 """
 
 from __future__ import annotations
@@ -222,6 +227,7 @@ class KVCacheManager:
         self._min_pages = np.zeros(rows, np.int32)  # pages each row the next call grows holds at least
         self._first_kept = np.zeros(rows, np.int32)  # columns each row drops below in the next call
         self._hits: dict[int, tuple[list[int], int, int]] = {}  # row -> (pages, tokens, tokens ahead), next call
+        self._reserving: dict[SequenceGroup, int] = {}  # reservation policies: admitted group -> pages per sequence
 
     def rows(self, seq: Sequence) -> list[int]:
         """``seq``'s page-state rows, one per layer group."""
@@ -263,15 +269,52 @@ class KVCacheManager:
         G = self.groups.num_groups
         if swapped is not None:  # each member's table: its G groups' tables one after the other
             rows = [swapped.tables[s.index] for s in members]
-            cost = len(set().union(*rows) - {-1}) + sum(G * (self.pages_for(s, s.num_tokens) + 1) - len(r)
+            copied = (len(set().union(*rows) - {-1}) if self.reservation == "paged"
+                      else sum(len(set(r) - {-1}) for r in rows) + self._children_pages(group, members))
+            cost = copied + sum(G * (self.pages_for(s, s.num_tokens) + 1) - len(r)
                                                  for s, r in zip(members, rows))
             return Admission(cost=cost, hits=[[] for _ in members], swapped=swapped, members=members,
                              computed=[swapped.num_tokens[s.index] for s in members])
         hits = [self._lookup(s) for s in members]
-        new_pages = sum(self._known_pages(s) - len(h) for s, h in zip(members, hits))
-        cost = new_pages + sum(1 for p in set().union(*hits) if self.pool.ref_counts[p] == 0)
+        if self.reservation != "paged":  # Orca shares nothing: a hit saves compute, not pages
+            cost = sum(self._known_pages(s) for s in members) + self._children_pages(group, members)
+        else:
+            new_pages = sum(self._known_pages(s) - len(h) for s, h in zip(members, hits))
+            cost = new_pages + sum(1 for p in set().union(*hits) if self.pool.ref_counts[p] == 0)
         return Admission(cost=cost, hits=hits, swapped=None, members=members,
                          computed=[len(h) * self.page_size for h in hits])
+
+    def _children_pages(self, group: SequenceGroup, members: list[Sequence]) -> int:
+        """Under a reservation policy, the pages a group's samples and beams
+        still to come reserve at its admission (Orca holds each sequence's
+        reservation from the start); 0 when paging."""
+        if self.reservation == "paged":
+            return 0
+        return group.spare_slots * self.reserved_pages(members[0])
+
+    def orca_copies(self) -> int:
+        """Pages the scheduler counts as taken beyond those the pool holds,
+        under a reservation policy (0 when paging): a copy of every page
+        for each holder past its first (the paper's Orca shares no page:
+        forks and prefix hits hold copies), and the rest of the
+        reservations of the running groups' samples and beams still to
+        come (their child rows: an empty one's whole reservation, a
+        parallel sample this call forks its reservation less the parent's
+        pages it holds).
+
+        Returns:
+          pages (>= 0).
+        """
+        if self.reservation == "paged":
+            return 0
+        copies = int(np.maximum(self.pool.ref_counts[1:] - 1, 0).sum())
+        to_come = 0
+        for group, pages in list(self._reserving.items()):
+            if not any(s.running for s in group.live):
+                del self._reserving[group]
+                continue
+            to_come += sum(max(pages - int(self.pool.num_seq_pages[r]), 0) for r in group.child_slots)
+        return copies + to_come
 
     def _known_pages(self, seq: Sequence) -> int:
         """Pages admitting ``seq`` (no prefix hit) costs, summed over its
@@ -338,6 +381,14 @@ class KVCacheManager:
         chunk fills (same-step sharing); then plans ``chunks[i]`` tokens for
         member ``i``."""
         members = adm.members
+        if self.reservation != "paged":  # the samples and beams to come hold their reservations from now on
+            self._reserving[group] = self.reserved_pages(members[0])
+            self.num_free -= self._children_pages(group, members)
+        if adm.swapped is not None:
+                self.num_free -= adm.cost - self._children_pages(group, members) - len(
+                    set().union(*(adm.swapped.tables[s.index] for s in members)) - {-1}) - sum(
+                    self.groups.num_groups * (self.pages_for(s, s.num_tokens) + 1) - len(adm.swapped.tables[s.index])
+                    for s in members)
         if adm.swapped is not None:
             self.swap.pop(group)
             self._swap_in(members, adm.swapped)
@@ -373,7 +424,8 @@ class KVCacheManager:
             return
         st.prefix_hit_pages += len(hits)
         st.pages_saved += sum(1 for p in hits if self.pool.ref_counts[p] > 0)
-        self.num_free -= self.pool.share(seq.slot, hits)
+        taken = self.pool.share(seq.slot, hits)
+        self.num_free -= taken if self.reservation == "paged" else len(hits)  # Orca holds a copy of a shared hit
         self._hits[seq.slot] = (hits, hit_tokens, 0)
 
     def _take_filled_pages(self, seq: Sequence, n: int) -> None:
@@ -400,7 +452,9 @@ class KVCacheManager:
         gives each member its pages back, shared as before."""
         needed = sorted(set().union(*(swapped.tables[s.index] for s in members)) - {-1})  # a finished member's drop out
         fresh = self.pool.take_free(len(needed))
-        self.num_free -= len(needed)
+        # Paged, members share pages as before; Orca counts each member's own copy.
+        self.num_free -= len(needed) if self.reservation == "paged" else sum(
+            len(set(swapped.tables[s.index]) - {-1}) for s in members)
         new_page = {-1: ps.NULL_PAGE, **dict(zip(needed, fresh))}
         if fresh:
             self.kv = scatter_pages(self.kv, fresh, swapped.pages, source=needed)
@@ -457,9 +511,21 @@ class KVCacheManager:
         for row in self.rows(seq):
             if row in self._hits:  # given pages this round, but no call has taken them yet
                 raise RuntimeError(f"internal: slot {seq.slot} released before the call that shares its pages")
-            self.num_free += self.pool.release(row)  # not scheduled in this round: no planned growth
+            held = sum(1 for p in self.pool.pages(row) if p != ps.NULL_PAGE)
+            freed = self.pool.release(row)  # not scheduled in this round: no planned growth
+            self.num_free += freed if self.reservation == "paged" else held  # Orca: its copies go too
             self._held[row] = 0
             self._to_free[row] = True
+
+    def keep_for_beams(self, group: SequenceGroup, row: int) -> None:
+        """Empty ``row`` went back to ``group`` for the beams to come
+        (:meth:`paged_jax.scheduler.Scheduler.prune`): under a reservation
+        policy it keeps a reservation, as :meth:`orca_copies` counts it
+        from the next call on (and the beam it takes does not count it
+        again)."""
+        if group in self._reserving:
+            self.num_free -= self._reserving[group]
+            self._held[row] = self._reserving[group]
 
     def offer(self, seq: Sequence) -> None:
         """Offers ``seq``'s newly full pages to the prefix cache: pages whose
@@ -514,9 +580,12 @@ class KVCacheManager:
         self._to_free[:] = False
         self._min_pages[:] = 0
         self._first_kept[:] = 0
-        self.num_free = self.pool.num_free  # the plan counted a copy for every shared page; now exact
+        # The plan counted a copy for every shared page; now exact (less Orca's copies, which stay counted).
+        self.num_free = self.pool.num_free - self.orca_copies()
         self._held[:] = self.pool.num_seq_pages
-        return self.num_free
+        for group, pages in self._reserving.items():  # child rows' reservations are counted: their growth is not
+            self._held[group.child_slots] = np.maximum(self._held[group.child_slots], pages)
+        return self.pool.num_free
 
     def flush_frees(self) -> None:
         """Frees now, on device, what the next call would have freed (the

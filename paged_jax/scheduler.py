@@ -188,6 +188,7 @@ class Scheduler:
         if seq.running:
             self.release(seq)
             seq.group.child_slots.append(self.free_slots.pop())
+            self.kv.keep_for_beams(seq.group, seq.group.child_slots[-1])
         else:
             self.waiting.remove(seq)
 

@@ -152,8 +152,12 @@ def check_scales(name: str, pages_dtype, pages_shape: tuple[int, ...], k_scales,
         )
     if quantized:
         for scale_name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
-            if s.shape != tuple(pages_shape[:-1]) or s.dtype != jnp.float32:
-                raise ValueError(f"{scale_name} must be f32{list(pages_shape[:-1])}, got {s.dtype}{list(s.shape)}")
+            shape, dtype = getattr(s, "shape", None), getattr(s, "dtype", None)
+            if shape is None or dtype is None:  # a list or a number: named, not an AttributeError
+                raise ValueError(f"{scale_name} must be an f32{list(pages_shape[:-1])} array, got "
+                                 f"{type(s).__name__}")
+            if tuple(shape) != tuple(pages_shape[:-1]) or dtype != jnp.float32:
+                raise ValueError(f"{scale_name} must be f32{list(pages_shape[:-1])}, got {dtype}{list(shape)}")
 
 
 def resolve_scale(scale: float | None, head_dim: int) -> float:

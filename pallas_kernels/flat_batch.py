@@ -147,6 +147,25 @@ def check_tiles(q_lens, kv_lens, *, num_tiles: int, tile_q: int, what: str = "nu
         raise ValueError(f"{what}={num_tiles} is below the {need} tiles these lengths need (work would be dropped)")
 
 
+def rows_conflict(q_starts, q_lens, num_rows: int, *, xp=jnp):
+    """Whether a flat batch's sequences claim rows they cannot: a start
+    below 0, rows past ``num_rows``, or two sequences' rows overlapping
+    (``q_lens`` 0 claims nothing). With ``xp=jnp`` it runs under ``jit``
+    (E x E comparisons; E is at most a few hundred).
+
+    Args:
+      q_starts, q_lens: integer [E].
+      num_rows: T, the batch's query rows.
+
+    Returns:
+      bool[] (``xp``'s).
+    """
+    starts, ends, live = q_starts, q_starts + q_lens, q_lens > 0
+    both = live[:, None] & live[None, :] & ~xp.eye(live.shape[0], dtype=bool)
+    overlap = both & (starts[:, None] < ends[None, :]) & (starts[None, :] < ends[:, None])
+    return overlap.any() | (live & ((starts < 0) | (ends > num_rows))).any()
+
+
 def check_flat_batch(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, k_scales, v_scales):
     """The checks every flat-batch door shares: shapes and dtypes; when the
     values are concrete, the layer and lengths in range and sequences' rows
@@ -164,7 +183,8 @@ def check_flat_batch(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, k
     Returns:
       ``(layer, (q_starts, q_lens, kv_lens))``: the layer as i32[] and the
       lengths as i32, clamped to their ranges (under ``jit`` nothing can be
-      read, and no row may read past its block table).
+      read, and no row may read past its block table; rows that overlap are
+      the caller's to poison, :func:`rows_conflict`).
 
     Raises:
       ValueError: shapes or dtypes that do not fit each other, a ``q``
@@ -213,10 +233,7 @@ def check_flat_batch(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, k
                                              q_lens.astype(i32))  # ranges, named (eager); clamped
     if not any(isinstance(x, jax.core.Tracer) for x in (q_starts, q_lens, kv_lens)):
         ql, qs = np.asarray(q_lens), np.asarray(q_starts)
-        live = np.flatnonzero(ql > 0)
-        order = live[np.argsort(qs[live])]
-        ends = qs[order] + ql[order]
-        if live.size and (qs[order][0] < 0 or ends[-1] > q.shape[0] or (qs[order][1:] < ends[:-1]).any()):
+        if rows_conflict(qs, ql, q.shape[0], xp=np):
             raise ValueError(f"sequences' query rows overlap or pass T={q.shape[0]}: q_starts={qs.tolist()} "
                              f"q_lens={ql.tolist()}")
     # Under jit a start cannot be checked: clamped into the rows, so no output lands past T (or wraps to its end).

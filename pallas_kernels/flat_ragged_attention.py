@@ -63,7 +63,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common, flat_ragged_tpu
-from pallas_kernels.flat_batch import check_flat_batch, check_tiles, prefill_tiles, tiles
+from pallas_kernels.flat_batch import check_flat_batch, check_tiles, prefill_tiles, rows_conflict, tiles
 from pallas_kernels.paged_attention_gpu import flash_paged_call
 
 IMPLS = ("gpu", "tpu", "reference")
@@ -188,7 +188,9 @@ def flat_ragged_paged_attention(
       q_starts, q_lens, kv_lens: i32[E]; query ``t`` of sequence ``s`` sits at
         position ``kv_lens[s] - q_lens[s] + t`` and sees keys at positions
         ``<=`` its own; ``q_lens[s] = 0`` leaves the sequence out. Lengths past
-        a row's table are refused eagerly and clamped under ``jit``.
+        a row's table are refused eagerly and clamped under ``jit``;
+        sequences whose rows overlap or pass ``T`` are refused eagerly and
+        make every output row NaN under ``jit``.
       slots: i32[T] flat slot of each row's new K/V (-1: none); the slots of
         a sequence's new tokens are those its block table gives their
         positions (the engine's slot mapping), else it reads stale K/V.
@@ -244,10 +246,14 @@ def flat_ragged_paged_attention(
         if chunks > prefill_chunks:
             raise ValueError(f"prefill_chunks={prefill_chunks} is below the {chunks} chunks of 2+ tokens in q_lens "
                              "(work would be dropped)")
-    return unchecked_flat_ragged_paged_attention(
+    out, *pool = unchecked_flat_ragged_paged_attention(
         q, k_new, v_new, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, slots, k_scales=k_scales,
         v_scales=v_scales, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, decode_tiles=decode_tiles,
         prefill_chunks=prefill_chunks, block_sizes=block_sizes, impl=impl, interpret=interpret)
+    if isinstance(q_starts, jax.core.Tracer) or isinstance(q_lens, jax.core.Tracer):
+        # Checked eagerly; under jit a sequence's output could be overwritten by another's, silently: all NaN.
+        out = jnp.where(rows_conflict(q_starts, q_lens, q.shape[0]), jnp.nan, out)
+    return (out, *pool)
 
 
 def _check_new_kv(q, k_new, v_new, k_pool, slots) -> None:

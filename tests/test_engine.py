@@ -39,7 +39,10 @@ def test_reference_generation_matches_a_no_cache_loop(budget):
     assert engine.stats.model_calls == len(engine.stats.calls) <= engine.stats.iterations  # one call at most each
 
 
-@pytest.mark.parametrize("sampled", [pytest.param(False, marks=pytest.mark.slow), True])  # greedy: a slow extra
+# Slow (80 s): its default twins are the gang-preemption tests (tests/test_parallel_sampling.py), the swap
+# tests (tests/test_swap.py) and the KV manager's readmission test (tests/test_kv_manager.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("sampled", [False, True])
 def test_preemption_does_not_change_outputs(sampled):
     sampling = (lambda i: SamplingParams(temperature=0.8, top_p=0.9, seed=i)) if sampled else None
     reqs = toy_requests(12, sampling=sampling)
@@ -59,6 +62,7 @@ def test_preemption_does_not_change_outputs(sampled):
         assert not engine.has_unfinished()
 
 
+@pytest.mark.slow  # default twin: tests/test_reservation.py (every policy's outputs and concurrency)
 def test_contiguous_reservation_matches_paged_outputs_with_less_concurrency():
     reqs = toy_requests(10)
     paged, pe = serve(reqs, num_pages=81, max_seqs=10)
@@ -72,6 +76,9 @@ def test_contiguous_reservation_matches_paged_outputs_with_less_concurrency():
     assert pe.stats.kv_token_fraction > 0.85
 
 
+# Slow (55 s): default twins are tests/test_llama.py's mixed batches against the dense forward and
+# tests/test_streaming.py's arrivals while others run, both through chunked prefill in mixed calls.
+@pytest.mark.slow
 def test_chunked_prefill_in_mixed_batches_keeps_outputs():
     """A token budget of 8 splits every long prompt into chunks that share
     calls with other sequences' decode tokens; the outputs equal one-shot

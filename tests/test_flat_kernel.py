@@ -446,6 +446,20 @@ def test_bad_inputs_are_refused_eagerly_and_clamped_under_jit():
     starts = jax.jit(lambda qs: call(dict(a, q_starts=qs), "gpu")[0])
     np.testing.assert_array_equal(np.asarray(starts(a["q_starts"].at[first].set(-1))),
                                   np.asarray(starts(a["q_starts"])))
+    # Rows that overlap cannot be refused under jit: one sequence's output would overwrite another's, so every
+    # output row is NaN instead (it was a silently wrong answer).
+    assert np.isfinite(np.asarray(starts(a["q_starts"]))).all()
+    assert np.isnan(np.asarray(starts(a["q_starts"].at[2].set(a["q_starts"][1])))).all()
+
+
+def test_scales_that_are_not_arrays_are_refused_by_name():
+    case = Case(batch="decode", page_size=16, num_kv_heads=1, group=2, head_dim=64, page_dtype="int8")
+    a = build(case, 3)
+    assert a["pool"].k_scale is not None
+    for bad, needle in ((a["pool"].k_scale.tolist(), "k_scales must be an f32.* array, got list"),
+                        (1.0, "k_scales must be an f32.* array, got float")):
+        with pytest.raises(ValueError, match=needle):
+            call(dict(a, pool=dataclasses.replace(a["pool"], k_scale=bad)), "reference")
 
 
 PRESET_HEADS = sorted({(c.num_q_heads, c.num_kv_heads, c.head_dim) for c in PRESETS.values()})

@@ -184,6 +184,10 @@ def test_logits_match_transformers(case):
         assert np.abs(dense_all(unwindowed, ids) - want).max() > 100 * LOGIT_ATOL
 
 
+# One family through the engine by default (Mistral's window and Qwen2's biases: a slow extra; their logits,
+# dense and paged, are checked against transformers above in every run).
+@pytest.mark.parametrize("case", ["llama", *(pytest.param(n, marks=pytest.mark.slow) for n in CASES if n != "llama")],
+                         indirect=True)
 def test_greedy_through_engine_matches_generate(case):
     """The paged engine (prefill in chunks of at most 16 tokens, three
     sequences sharing calls, page size 4) against ``generate``."""

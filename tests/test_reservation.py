@@ -188,18 +188,76 @@ def _paged_groups():
     return {i: [c.output_ids for c in o.outputs] for i, o in outs.items()}
 
 
+def _preempt_newest(engine):
+    """Steps ``engine`` to the end, preempting its newest running group
+    once, after the step in which 3 groups first run; returns the outputs."""
+    outs, done = {}, False
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id] = o
+        groups = list(dict.fromkeys(s.group for s in engine.running))
+        if not done and len(groups) >= 3:
+            engine.scheduler.preempt(groups[-1])
+            done = True
+        check_accounting(engine)
+    assert done
+    return outs
+
+
 @pytest.mark.parametrize("policy, mode", [
     ("oracle", "swap"), pytest.param("pow2", "recompute", marks=pytest.mark.slow),
     pytest.param("pow2", "swap", marks=pytest.mark.slow), pytest.param("oracle", "recompute", marks=pytest.mark.slow),
 ])
 def test_preemption_keeps_outputs_under_a_reservation(policy, mode):
-    """Groups of 4 samples in 44 usable pages: a sample's first growth takes
-    its reservation, which preempts the newest group (by recompute or
-    swap; swapped in, a sequence takes its reservation again). The samples
-    equal paging's."""
-    outs, engine = serve(_group_requests(), num_pages=45, max_seqs=16, reservation=policy, preemption_mode=mode)
+    """Groups of 4 samples, every sample's reservation held from its
+    group's admission on (so the pool never runs short: Orca never
+    preempts); the newest group preempted by hand (recompute or swap;
+    swapped in, each sequence takes its reservation again). The samples
+    equal paging's, and every page comes back."""
+    engine = make_engine(200, max_seqs=16, reservation=policy, preemption_mode=mode)
+    for r in _group_requests():
+        engine.add_request(r)
+    outs = _preempt_newest(engine)
     st = engine.stats
-    assert st.preemptions > 0
+    assert st.preemptions == 1
     assert (st.swap_outs > 0) == (mode == "swap")
     assert {i: [c.output_ids for c in o.outputs] for i, o in outs.items()} == _paged_groups()
     assert engine.accounting()["used"] == 0 and engine.kv_manager.swap.used == 0
+    assert engine.num_free_pages == 199
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0, seed=3, n=3), SamplingParams(beam_width=3)],
+                         ids=["parallel", "beams"])
+@pytest.mark.parametrize("policy", ["oracle", "paged"])
+def test_orca_holds_a_copy_of_the_prompt_per_sequence(sampling, policy):
+    """The paper's Orca shares nothing (section 6.3): a group of 3
+    sequences of 9 + 25 tokens holds 3 x 9 = 27 pages (oracle) from its
+    admission on, its prompt's 2 full pages counted once per sequence
+    although the forks share them on device; paging counts a shared page
+    once. A second such group waits under oracle (50 usable pages < 2 x
+    27) and runs beside the first when paging."""
+    reqs = [Request(request_id=i, prompt_ids=_prompt(9, seed=i), max_new_tokens=25, sampling=sampling)
+            for i in range(2)]
+    engine = make_engine(51, max_seqs=8, overlap=False, prefix_caching=False, reservation=policy)
+    for r in reqs:
+        engine.add_request(r)
+    seen, outs = [], {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id] = o
+        check_accounting(engine)
+        kvm = engine.kv_manager
+        held, distinct = kvm.usage()
+        groups = {s.group.request.request_id for s in engine.running}
+        seen.append(len(groups))
+        if policy == "oracle" and engine.running:
+            assert len(groups) == 1
+            assert engine.num_free_pages == 50 - 27  # each sequence's 9 pages, prompt included
+            assert kvm.pool.num_free == 50 - distinct  # on device the prompt's full pages are shared
+        elif engine.running:
+            assert engine.num_free_pages == kvm.pool.num_free
+    assert max(seen) == (1 if policy == "oracle" else 2)
+    paged, _ = serve(reqs, max_seqs=8)
+    assert {i: [c.output_ids for c in o.outputs] for i, o in outs.items()} == {
+        i: [c.output_ids for c in o.outputs] for i, o in paged.items()}
+    assert engine.num_free_pages == 50

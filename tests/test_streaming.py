@@ -57,9 +57,9 @@ SAMPLINGS = {
 }
 
 
-@pytest.mark.parametrize("name,overlap", [("greedy", True), ("n3", True)] + [
+@pytest.mark.parametrize("name,overlap", [("greedy", True)] + [
     pytest.param("sampled", True, marks=pytest.mark.slow), pytest.param("beams", True, marks=pytest.mark.slow),
-    pytest.param("n3", False, marks=pytest.mark.slow)])
+    pytest.param("n3", True, marks=pytest.mark.slow), pytest.param("n3", False, marks=pytest.mark.slow)])
 def test_deltas_concatenate_to_the_final_output(name, overlap):
     requests = toy_requests(6, seed=3, max_new=(3, 14), sampling=SAMPLINGS[name])
     final = {o.request_id: o for o in engine_with(overlap=overlap).run(requests)}
