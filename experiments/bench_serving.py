@@ -76,15 +76,14 @@ import math
 import os
 import re
 import sys
+import time
 
-import jax.numpy as jnp
 
 from experiments import http_backend, latency, online, preflight, provenance
 from experiments.cli import (
-    add_compile_cache_args, add_flag, check_outputs, machine, resolve_dtype, setup_compile_cache,
+    add_compile_cache_args, add_flag, check_outputs, machine, resolve_dtype, resolve_kv_dtype, setup_compile_cache,
 )
-from paged_jax.profiling import ProfileSpec, add_profile_args, check_profile_args
-from paged_jax.kv_cache import default_kv_dtype
+from paged_jax.profiling import ProfileSpec, add_profile_args, check_profile_args, report_trace
 from experiments.tables import markdown_table, write_table
 
 
@@ -135,6 +134,8 @@ def parse_args(argv=None):
     if args.api_key == "":
         p.error("--api-key must not be empty (leave it out for a server without a key)")
     if args.backend == "http":
+        if args.kv_dtype is not None:
+            p.error("--backend http: the K/V dtype is the server's setting (python -m server --kv-dtype)")
         if args.profile is not None:
             p.error("--profile traces this process's engine steps, and with --backend http the engine runs in the "
                     "server: profile the server process (python -m server --profile DIR) instead")
@@ -170,7 +171,7 @@ def _preflight(p: argparse.ArgumentParser, args) -> None:
     except (OSError, ValueError) as e:
         p.error(f"--model {args.model!r}: {e}")
     preflight.check_kv_budget(p, "--kv-budget-tokens", args.kv_budget_tokens, args.page_size, config,
-                              kv_dtype=jnp.dtype(default_kv_dtype()), weight_dtype=resolve_dtype(args.dtype))
+                              kv_dtype=resolve_kv_dtype(args.kv_dtype), weight_dtype=resolve_dtype(args.dtype))
 
 
 def main(argv=None) -> list[online.OnlineResult]:
@@ -214,13 +215,10 @@ def profile_run(profile: ProfileSpec | None, spec: online.EngineSpec, requests: 
     print(f"\nprofiling: {policy} at {rate:g} req/s once more, untimed, tracing steps {profile.skip}-"
           f"{profile.skip + profile.steps - 1}")
     arrivals = latency.arrival_times(len(requests), rate, burstiness=args.burstiness, seed=args.seed)
+    started = time.time()
     with profile.wrap(spec.build(policy)) as stepper:
         online.run_online(stepper, requests, arrivals)
-    if stepper.traced:
-        print(f"wrote a trace of {stepper.traced} steps to {profile.out_dir} (Perfetto: "
-              "plugins/profile/*/perfetto_trace.json.gz)")
-    else:
-        print(f"no trace written: the run ended within --profile-skip {profile.skip} steps")
+    print(f"{stepper.traced} steps traced; {report_trace(profile, started)}")
     return stepper.traced
 
 

@@ -16,9 +16,22 @@ import jax.numpy as jnp
 
 from experiments.provenance import REPO
 from paged_jax.jit_stats import enable_persistent_cache
+from paged_jax.kv_cache import default_kv_dtype
+from pallas_kernels.common import KV_DTYPE_ALIASES
 
 RESULTS = REPO / "results"
 """Where the scripts write their tables by default (``--out``)."""
+
+KV_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2", "fp8")
+"""--kv-dtype's choices; ``fp8`` is float8_e4m3fn (``KV_DTYPE_ALIASES``)."""
+
+
+def kv_dtype_name(value: str) -> str:
+    """--kv-dtype's value with an alias resolved (``fp8`` -> ``float8_e4m3fn``), so the rest of a script, and its
+    tables' K/V dtype, see the dtype the pool is allocated in."""
+    alias = KV_DTYPE_ALIASES.get(value)
+    return value if alias is None else alias.name
+
 
 FLAGS: dict[str, dict] = {
     "out": dict(type=pathlib.Path, default=RESULTS,
@@ -30,6 +43,11 @@ FLAGS: dict[str, dict] = {
     "max_seqs": dict(type=int, default=64, help="most sequences running at once (default %(default)s)"),
     "dtype": dict(choices=("float32", "bfloat16"), default=None,
                   help="weight dtype (default float32 on CPU, bfloat16 on GPU and TPU)"),
+    "kv_dtype": dict(type=kv_dtype_name, choices=KV_DTYPES, default=None,
+                     help="K/V page dtype (default float32 on CPU, bfloat16 on GPU and TPU). The quantized ones, "
+                          "int8, float8_e4m3fn (alias fp8) and float8_e5m2, allocate 1-byte pages of that exact "
+                          "dtype plus one f32 scale per token and KV head beside them: H + 4 bytes per token, KV "
+                          "head and K or V, about a quarter of float32 and half of bfloat16 at H = 64"),
 }
 """The flags several scripts take, by ``args`` attribute: the keyword
 arguments of ``ArgumentParser.add_argument``. A script that needs another
@@ -75,6 +93,12 @@ def resolve_dtype(name: str | None) -> jnp.dtype:
     """``--dtype``'s dtype: ``name``, else (the flag's default, None) float32
     on CPU and bfloat16 on GPU and TPU."""
     return jnp.dtype(name or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
+
+
+def resolve_kv_dtype(name: str | None) -> jnp.dtype:
+    """``--kv-dtype``'s dtype: ``name``, else float32 on CPU and bfloat16 on
+    GPU and TPU (``paged_jax.kv_cache.default_kv_dtype``)."""
+    return jnp.dtype(name or default_kv_dtype())
 
 
 def require_positive(p: argparse.ArgumentParser, args, *names: str) -> None:

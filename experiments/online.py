@@ -66,7 +66,9 @@ from experiments import serving  # noqa: E402
 from experiments.latency import (  # noqa: E402
     PERCENTILES, RequestRecord, ServingMetrics, arrival_times, check_rate, compute_metrics,
 )
-from experiments.cli import add_flag, add_flags, check_flags, machine, require_positive, resolve_dtype  # noqa: E402
+from experiments.cli import (  # noqa: E402
+    add_flag, add_flags, check_flags, machine, require_positive, resolve_dtype, resolve_kv_dtype,
+)
 from experiments.policies import ALL_POLICIES, POLICIES, POLICY_LABELS, split_policy  # noqa: E402, F401
 from experiments.sharegpt import MAX_SEQ_LEN, PACKAGED_LIMIT  # noqa: E402
 from experiments.workloads import Workload, describe, workload  # noqa: E402, F401  (re-exported: bench_serving)
@@ -76,7 +78,6 @@ from models.presets import PRESETS  # noqa: E402
 from paged_jax.checks import check_choice  # noqa: E402
 from paged_jax.engine import Engine  # noqa: E402
 from paged_jax.jit_stats import CompileCounts, CompileMonitor  # noqa: E402
-from paged_jax.kv_cache import default_kv_dtype  # noqa: E402
 from paged_jax.requests import Request, RequestOutput  # noqa: E402
 
 TOY_CONFIG = LlamaConfig(vocab_size=49152, model_dim=64, mlp_dim=128, num_layers=2, num_q_heads=4,
@@ -395,6 +396,7 @@ def add_serving_flags(p: argparse.ArgumentParser, *, num_requests: int, max_outp
                         f"({', '.join(sorted(PRESETS))}; packaged ShareGPT lengths) or 'toy' (a two-layer random "
                         "decoder with the packaged lengths, for smoke runs)")
     add_flag(p, "dtype")
+    add_flag(p, "kv_dtype")
     add_flag(p, "num_requests", default=num_requests, help=f"ShareGPT requests (default {num_requests})")
     add_flag(p, "max_output_len", default=max_output_len,
              help=f"cap on each request's true output length, tokens (default {max_output_len})")
@@ -445,7 +447,7 @@ def load_setup(args) -> tuple[str, list[Request], EngineSpec, str]:
     """``(model name, requests, engine spec, a line describing them)`` for
     :func:`add_serving_flags`' flags."""
     dtype = resolve_dtype(args.dtype)
-    kv_dtype = jnp.dtype(default_kv_dtype())
+    kv_dtype = resolve_kv_dtype(args.kv_dtype)
     t0 = time.perf_counter()
     model, tokenizer, model_name = load_model(args.model, dtype)
     requests, source = args.workload_.requests(tokenizer, vocab_size=model.config.vocab_size,

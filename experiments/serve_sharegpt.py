@@ -46,7 +46,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 
 from experiments import provenance
 from experiments.cli import (
@@ -59,9 +58,10 @@ from experiments.cli import (
     machine,
     require_positive,
     resolve_dtype,
+    resolve_kv_dtype,
     setup_compile_cache,
 )
-from paged_jax.profiling import ProfileSpec, add_profile_args, check_profile_args
+from paged_jax.profiling import ProfileSpec, add_profile_args, check_profile_args, report_trace
 from experiments.serving import CSV_COLUMNS, MODES, MatmulFloor, ServeResult, load_model, serve
 from experiments.sharegpt import MAX_SEQ_LEN, PACKAGED_LIMIT, PACKAGED_REQUESTS, build_requests, packaged_requests
 from experiments.tables import markdown_table, write_table
@@ -70,20 +70,7 @@ from models.hf_loader import read_hf_config
 from models.llama import RaggedModel
 from models.presets import PRESETS, bytes_to_build
 from paged_jax.engine import num_traces
-from paged_jax.kv_cache import default_kv_dtype
 from paged_jax.sharding import init_distributed, make_mesh, parse_mesh
-from pallas_kernels.common import KV_DTYPE_ALIASES
-
-KV_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2", "fp8")
-"""--kv-dtype's choices; ``fp8`` is float8_e4m3fn (``KV_DTYPE_ALIASES``)."""
-
-
-def kv_dtype_name(value: str) -> str:
-    """--kv-dtype's value with an alias resolved (``fp8`` -> ``float8_e4m3fn``), so the rest of the script, and the
-    table's kv_dtype column, see the dtype the pool is allocated in."""
-    alias = KV_DTYPE_ALIASES.get(value)
-    return value if alias is None else alias.name
-
 
 def ratio_line(results: list[ServeResult]) -> str:
     by = {r.mode: r for r in results}
@@ -125,11 +112,7 @@ def parse_args(argv=None):
                         f"a random-weight preset of a real architecture ({', '.join(sorted(PRESETS))}), which serves "
                         "the packaged ShareGPT request lengths and needs no tokenizer")
     add_flag(p, "dtype")
-    p.add_argument("--kv-dtype", type=kv_dtype_name, choices=KV_DTYPES, default=None,
-                   help="K/V page dtype (default float32 on CPU, bfloat16 on GPU and TPU). The quantized ones, int8, "
-                        "float8_e4m3fn (alias fp8) and float8_e5m2, allocate 1-byte pages of that exact dtype plus "
-                        "one f32 scale per token and KV head beside them: H + 4 bytes per token, KV head and K or V, "
-                        "about a quarter of float32 and half of bfloat16 at H = 64")
+    add_flag(p, "kv_dtype")
     p.add_argument("--mesh", default=None,
                    help="serve over a device mesh, e.g. 'data=2,model=4': one engine per data shard, each tensor "
                         "parallel over its model devices and with its own --kv-budget-tokens pool (default: one "
@@ -195,7 +178,7 @@ def main(argv=None) -> list[ServeResult]:
     print(f"machine: {machine()}")
     print(setup_compile_cache(args))
     dtype = resolve_dtype(args.dtype)
-    kv_dtype = jnp.dtype(args.kv_dtype or default_kv_dtype())
+    kv_dtype = resolve_kv_dtype(args.kv_dtype)
     t0 = time.perf_counter()
     model, tokenizer, model_name = load_model(args.model, dtype)
     print(f"loaded {model_name} in {time.perf_counter() - t0:.1f} s; weights {dtype.name}, K/V {kv_dtype.name}")
@@ -272,11 +255,12 @@ def main(argv=None) -> list[ServeResult]:
     print(f"\nwrote {md} and {csv}")
     if profile is not None:  # a run of its own: tracing slows the steps it traces, so no table row reads it
         print(f"\nserving: paged once more, tracing steps {profile.skip}-{profile.skip + profile.steps - 1}")
+        started = time.time()
         serve(model, requests, mode="paged", page_size=args.page_size, kv_budget_tokens=args.kv_budget_tokens,
               max_seqs=args.max_seqs, max_batched_tokens=args.max_batched_tokens, paged_model=paged_model,
               prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode, floor=False,
               mesh=mesh, kv_dtype=kv_dtype, profile=profile)
-        print(f"wrote the trace to {profile.out_dir} (Perfetto: plugins/profile/*/perfetto_trace.json.gz)")
+        print(report_trace(profile, started))
     return results
 
 

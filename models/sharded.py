@@ -208,9 +208,13 @@ class ShardedLlama:
         (``pallas_kernels.common.kv_bytes_per_token``).
 
         Raises:
-          ValueError: ``dtype`` is not a K/V page dtype.
+          ValueError: ``dtype`` is not a K/V page dtype; ``pages_per_shard``
+            below 2 or ``page_size`` below 1 (or not ints), as
+            :meth:`make_kv_pool` refuses them.
         """
         c = self.config
+        pages_per_shard = check_int("pages_per_shard", pages_per_shard, 2)
+        page_size = check_int("page_size", page_size)
         per_token = common.kv_bytes_per_token(c.head_dim, common.check_kv_dtype("dtype", dtype))
         return 2 * c.num_layers * self.layout.kv_heads_per_device * pages_per_shard * page_size * per_token
 

@@ -254,8 +254,10 @@ class KVCacheManager:
 
     def _row_growth(self, seq: Sequence, row: int, n: int, *, cow: bool) -> int:
         """Pages ``row`` (of ``seq``) takes to hold ``n`` more tokens than
-        it holds once this round's plan is done."""
-        return self.pages_for(seq, seq.num_computed + n) - int(self._held[row]) + (cow and self.pool.cow_needed(row))
+        it holds once this round's plan is done (under a reservation policy
+        a copy-on-write copy is counted already, :meth:`orca_copies`)."""
+        copy = cow and self.reservation == "paged" and self.pool.cow_needed(row)
+        return self.pages_for(seq, seq.num_computed + n) - int(self._held[row]) + copy
 
     def fills_page(self, seq: Sequence, n: int) -> bool:
         """After ``n`` more tokens, ``seq``'s pages are full (its next token

@@ -64,18 +64,34 @@ def check_profile_args(p: argparse.ArgumentParser, args) -> None:
     ``--profile-skip``, ``--profile-steps`` below 1, or a ``--profile``
     folder that cannot be created or written (checked now: in a server the
     trace starts inside an engine step, where a failure would fail the
-    engine)."""
+    engine). The folders it creates to check are removed again (a later
+    refusal leaves nothing behind); the trace creates them when it starts."""
     if args.profile_skip < 0:
         p.error(f"--profile-skip must be >= 0, got {args.profile_skip}")
     if args.profile_steps < 1:
         p.error(f"--profile-steps must be >= 1, got {args.profile_steps}")
     if args.profile is not None:
+        folder = args.profile.absolute()
+        created = [d for d in (folder, *folder.parents) if not d.exists()]
         try:
-            args.profile.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(parents=True, exist_ok=True)
+            writable = os.access(folder, os.W_OK | os.X_OK)
         except OSError as e:
             p.error(f"--profile {str(args.profile)!r} is not a folder that can be created: {e}")
-        if not os.access(args.profile, os.W_OK | os.X_OK):
+        finally:
+            for d in created:  # deepest first
+                if d.is_dir():
+                    d.rmdir()
+        if not writable:
             p.error(f"--profile {str(args.profile)!r} is not a writable folder")
+
+
+def _checked(out_dir, skip, steps, python) -> tuple[pathlib.Path, int, int, bool]:
+    """The profiler's settings, checked (one rule for :class:`StepProfiler`
+    and :class:`ProfileSpec`)."""
+    if not isinstance(out_dir, (str, os.PathLike)) or not str(out_dir):
+        raise ValueError(f"out_dir must be a folder path, got out_dir={out_dir!r}")
+    return pathlib.Path(out_dir), check_int("skip", skip, 0), check_int("steps", steps, 1), check_bool("python", python)
 
 
 class StepProfiler:
@@ -103,17 +119,14 @@ class StepProfiler:
         tried yet); the steps then run untraced, with a warning.
 
     Raises:
-      ValueError: ``skip`` or ``steps`` out of range.
+      ValueError: ``skip`` < 0, ``steps`` < 1 (Python or NumPy ints),
+        ``python`` not a bool, ``out_dir`` not a path.
     """
 
     def __init__(self, engine, out_dir: str | pathlib.Path, *, skip: int = DEFAULT_SKIP, steps: int = DEFAULT_STEPS,
                  python: bool = False):
-        if not isinstance(skip, int) or skip < 0:
-            raise ValueError(f"skip must be an int >= 0, got {skip=!r}")
-        if not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"steps must be an int >= 1, got {steps=!r}")
-        self.engine, self.out_dir, self.skip, self.steps = engine, pathlib.Path(out_dir), skip, steps
-        self.python = bool(python)
+        self.engine = engine
+        self.out_dir, self.skip, self.steps, self.python = _checked(out_dir, skip, steps, python)
         self.traced = 0
         self.failed = ""
         self._count = 0
@@ -179,7 +192,7 @@ class ProfileSpec:
     """What ``--profile`` asked for: the trace's folder and which steps.
 
     Raises:
-      ValueError: ``skip`` < 0, ``steps`` < 1, ``python`` not a bool.
+      ValueError: as :class:`StepProfiler`'s.
     """
 
     out_dir: pathlib.Path
@@ -188,9 +201,9 @@ class ProfileSpec:
     python: bool = False
 
     def __post_init__(self):
-        check_int("skip", self.skip, 0)
-        check_int("steps", self.steps, 1)
-        check_bool("python", self.python)
+        for name, value in zip(("out_dir", "skip", "steps", "python"),
+                               _checked(self.out_dir, self.skip, self.steps, self.python)):
+            object.__setattr__(self, name, value)  # NumPy ints as ints, a str folder as a Path
 
     @classmethod
     def from_args(cls, args) -> "ProfileSpec | None":
@@ -218,6 +231,28 @@ class ProfileSpec:
         return profiler
 
 
+TRACE_GLOB = "plugins/profile/*/perfetto_trace.json.gz"
+"""Where under its folder a :class:`StepProfiler` run's Perfetto trace lands."""
+
+
+def traces_since(out_dir: str | pathlib.Path, since: float) -> list[pathlib.Path]:
+    """The Perfetto traces written under ``out_dir`` at or after ``since``
+    (seconds, ``time.time()``): what a run that started then wrote (none if
+    it ended before its first traced step, or its trace could not start)."""
+    # File times come from the kernel's coarse clock (up to a tick, 10 ms, behind time.time()).
+    return sorted(p for p in pathlib.Path(out_dir).glob(TRACE_GLOB) if p.stat().st_mtime >= since - 0.02)
+
+
+def report_trace(spec: ProfileSpec, since: float) -> str:
+    """The line a script prints after a profiled run that started at
+    ``since``: where its trace is, or why there is none."""
+    found = traces_since(spec.out_dir, since)
+    if found:
+        return f"wrote the trace to {found[-1]} (Perfetto, or TensorBoard on {spec.out_dir})"
+    return (f"no trace written to {spec.out_dir}: the run ended within --profile-skip {spec.skip} steps, or the "
+            "trace could not start (see the warning above)")
+
+
 def trace_slices(out_dir: str | pathlib.Path) -> list[dict]:
     """The complete events (Perfetto ``"ph": "X"`` slices: ``engine_step``
     with its ``args.step_num``, the engine's phases, XLA's ops) of the one
@@ -231,7 +266,7 @@ def trace_slices(out_dir: str | pathlib.Path) -> list[dict]:
       ValueError: ``out_dir`` holds no ``plugins/profile/*/perfetto_trace.json.gz``,
         or more than one (say which run to read).
     """
-    found = sorted(pathlib.Path(out_dir).glob("plugins/profile/*/perfetto_trace.json.gz"))
+    found = sorted(pathlib.Path(out_dir).glob(TRACE_GLOB))
     if len(found) != 1:
         raise ValueError(f"out_dir={str(out_dir)!r} must hold exactly one plugins/profile/*/perfetto_trace.json.gz, "
                          f"found {len(found)}")

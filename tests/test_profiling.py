@@ -1,13 +1,16 @@
 """``--profile``: a jax.profiler trace of a few engine steps after warm-up."""
 
 import argparse
+import time
 
+import numpy as np
 import pytest
 
 from engine_helpers import make_engine, toy_requests
 from experiments import bench_serving
 from paged_jax.outputs import drain
-from paged_jax.profiling import ProfileSpec, StepProfiler, add_profile_args, check_profile_args, trace_slices
+from paged_jax.profiling import (ProfileSpec, StepProfiler, add_profile_args, check_profile_args, report_trace,
+                                 trace_slices)
 
 
 def test_traces_only_the_asked_steps_with_the_engine_phases(tmp_path):
@@ -31,9 +34,13 @@ def test_a_run_shorter_than_the_skip_writes_no_trace_and_outputs_are_unchanged(t
     engine = make_engine()
     for r in toy_requests(3):
         engine.add_request(r)
+    started = time.time()
     with StepProfiler(engine, tmp_path / "never", skip=10_000, steps=1) as stepper:
         got = sorted((o.request_id, o.output_ids) for o in drain(stepper, 3, progress=False))
     assert got == want and stepper.traced == 0 and not (tmp_path / "never").exists()
+    # What serve_sharegpt and bench_serving print then (they said "wrote the trace" before).
+    assert report_trace(ProfileSpec(out_dir=tmp_path / "never", skip=10_000), started).startswith(
+        f"no trace written to {tmp_path / 'never'}: the run ended within --profile-skip 10000 steps")
     assert stepper.num_free_pages == engine.num_free_pages  # everything else is the engine's
 
 
@@ -59,6 +66,30 @@ def test_spec_from_flags_and_bad_arguments(tmp_path):
         StepProfiler(None, tmp_path, skip=-2)
     with pytest.raises(ValueError, match="steps must be an int >= 1, got steps=0"):
         StepProfiler(None, tmp_path, steps=0)
+    # One rule for both: NumPy ints are ints, 1 is not a bool, a folder is a path.
+    for make in (lambda **kw: StepProfiler(None, **kw), ProfileSpec):
+        got = make(out_dir=str(tmp_path), skip=np.int64(2), steps=np.int32(3), python=np.bool_(True))
+        assert (got.out_dir, got.skip, got.steps, got.python) == (tmp_path, 2, 3, True)
+        assert type(got.skip) is int and type(got.python) is bool
+        with pytest.raises(ValueError, match="python must be a bool, got python=1"):
+            make(out_dir=tmp_path, python=1)
+        with pytest.raises(ValueError, match="skip must be an int >= 0, got skip=True"):
+            make(out_dir=tmp_path, skip=True)
+        with pytest.raises(ValueError, match="out_dir must be a folder path, got out_dir=None"):
+            make(out_dir=None)
+
+
+def test_checking_the_flags_leaves_no_folder_behind(tmp_path, capsys):
+    """The folder is created to check it can be, then removed: a refusal of
+    a later flag leaves nothing; the trace creates it when it starts."""
+    p = argparse.ArgumentParser()
+    add_profile_args(p)
+    check_profile_args(p, p.parse_args(["--profile", str(tmp_path / "a" / "b")]))
+    assert not (tmp_path / "a").exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit):
+        check_profile_args(p, p.parse_args(["--profile", str(tmp_path / "file" / "b")]))
+    assert "is not a folder that can be created" in capsys.readouterr().err
 
 
 def test_bench_serving_traces_a_few_steps_after_warm_up(tmp_path, capsys):
@@ -69,7 +100,8 @@ def test_bench_serving_traces_a_few_steps_after_warm_up(tmp_path, capsys):
     assert len(results) == 1 and results[0].compiles.requests == 0  # the timed run: no row reads the traced one
     steps = sorted(int(e["args"]["step_num"]) for e in trace_slices(tmp_path / "trace") if e["name"] == "engine_step")
     assert steps == [2, 3, 4]
-    assert "wrote a trace of 3 steps" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "3 steps traced; wrote the trace to " in out and "perfetto_trace.json.gz" in out
 
 
 def test_trace_slices_names_a_folder_without_exactly_one_trace(tmp_path):

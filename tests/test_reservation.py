@@ -261,3 +261,19 @@ def test_orca_holds_a_copy_of_the_prompt_per_sequence(sampling, policy):
     assert {i: [c.output_ids for c in o.outputs] for i, o in outs.items()} == {
         i: [c.output_ids for c in o.outputs] for i, o in paged.items()}
     assert engine.num_free_pages == 50
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0, seed=3, n=3), SamplingParams(beam_width=3)],
+                         ids=["parallel", "beams"])
+def test_orca_never_preempts_in_a_pool_its_reservations_fill(sampling):
+    """54 usable pages hold exactly two groups of 3 x 9 pages (oracle, 9 +
+    25 tokens): both run at once and nothing is preempted. A sample's first
+    token lands in the prompt's shared last page, whose copy-on-write copy
+    the reservation already counts (counting it again preempted a group)."""
+    reqs = [Request(request_id=i, prompt_ids=_prompt(9, seed=i), max_new_tokens=25, sampling=sampling)
+            for i in range(2)]
+    outs, engine = serve(reqs, num_pages=55, max_seqs=8, prefix_caching=False, reservation="oracle")
+    assert engine.stats.preemptions == 0 and engine.stats.peak_concurrency == 6
+    paged, _ = serve(reqs, max_seqs=8)
+    assert {i: [c.output_ids for c in o.outputs] for i, o in outs.items()} == {
+        i: [c.output_ids for c in o.outputs] for i, o in paged.items()}

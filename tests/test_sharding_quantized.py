@@ -107,8 +107,11 @@ def test_pool_specs_are_shaped_as_the_pool():
 
 def test_bad_pool_arguments_are_refused(model):
     sharded = ShardedLlama(model, mesh_of(1, 2))
-    with pytest.raises(ValueError, match="pages_per_shard must be an int >= 2"):
-        sharded.make_kv_pool(1, 4, jnp.int8)
+    for count in (lambda *a: sharded.make_kv_pool(*a), lambda *a: sharded.kv_bytes_per_device(*a)):
+        with pytest.raises(ValueError, match="pages_per_shard must be an int >= 2, got pages_per_shard=-3"):
+            count(-3, 4, jnp.int8)  # kv_bytes_per_device gave a negative byte count
+        with pytest.raises(ValueError, match="page_size must be an int >= 1, got page_size=2.5"):
+            count(4, 2.5, jnp.int8)
     for call in (lambda: sharded.make_kv_pool(4, 4, "float8_e4m3fnuz"),
                  lambda: sharded.kv_bytes_per_device(4, 4, jnp.float64)):
         with pytest.raises(ValueError, match="dtype"):
