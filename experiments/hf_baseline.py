@@ -31,7 +31,7 @@ from experiments.serving import serve
 from experiments.sharegpt import build_requests
 from experiments.tables import markdown_table, write_table
 from models.gguf_loader import smollm2_gguf_path
-from models.llama import RaggedModel
+from models.ragged import RaggedModel
 from models.smollm2 import load_smollm2
 
 CSV_COLUMNS = ("system", "requests", "generated_tokens", "wall_s", "tokens_per_s", "batch", "compile_s")

@@ -35,7 +35,8 @@ from flax import nnx
 from experiments import provenance
 from experiments.cli import machine
 from models.config import LlamaConfig
-from models.llama import Llama, RaggedModel
+from models.llama import Llama
+from models.ragged import RaggedModel
 from paged_jax.engine import Engine, EngineConfig, Request
 from paged_jax.memory import layer_pages
 from paged_jax.page_state import pages_for_tokens

@@ -71,6 +71,10 @@ from models.presets import PRESETS as MODEL_PRESETS
 from paged_jax import attention
 from paged_jax.checks import check_int
 from pallas_kernels import flat_ragged_attention
+from pallas_kernels.common import dequantize_kv, is_quantized, kv_bytes_per_token, quantize_kv
+
+QUANTIZED_KV_CHOICES = ("int8", "float8_e4m3fn", "float8_e5m2", "fp8")
+"""--kv-dtype's choices (``fp8`` is float8_e4m3fn)."""
 
 # Axis alphabet: B batch, S key tokens, N query heads, K KV heads, G queries
 # per KV head, H head dim, P pages, L page size.
@@ -228,14 +232,17 @@ FLAT_IMPLS = {"flat_gpu": "gpu", "flat_tpu": "tpu"}
 """Benchmark names of the flat ragged kernel's implementations."""
 
 
-def _flat_decode(impl: str, q, k_pages, v_pages, block_tables, kv_lens, q_lens, layer):
+def _flat_decode(impl: str, q, k_pages, v_pages, block_tables, kv_lens, q_lens, layer, k_scales=None,
+                 v_scales=None):
     """A decode batch through the flat kernel: sequence ``b`` owns flat row
     ``b``; nothing written (the other rows attend over written pages too)."""
     if layer is None:  # one layer's pages: a one-layer stack (a free reshape)
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+        k_scales, v_scales = (None, None) if k_scales is None else (k_scales[None], v_scales[None])
     out, *_ = flat_ragged_attention.unchecked_flat_ragged_paged_attention(
         q, None, None, k_pages, v_pages, layer, block_tables, jnp.arange(q.shape[0], dtype=jnp.int32), q_lens,
-        kv_lens, None, decode_tiles=q.shape[0], prefill_chunks=0, impl=FLAT_IMPLS[impl])
+        kv_lens, None, k_scales=k_scales, v_scales=v_scales, decode_tiles=q.shape[0], prefill_chunks=0,
+        impl=FLAT_IMPLS[impl])
     return out
 
 
@@ -244,14 +251,15 @@ def paged_decode(impl: str) -> Callable:
     (a :data:`FLAT_IMPLS` name: of the flat kernel, :func:`_flat_decode`):
     ``(q [B, N, H], k_pages, v_pages [K, P, L, H] or [layers, K, P, L, H],
     block_tables i32[B, pages_per_seq], kv_lens i32[B], q_lens i32[B],
-    layer i32[] or None) -> [B, N, H]``. The layer is traced, as in the
-    decoder's layer scan."""
+    layer i32[] or None, k_scales, v_scales f32[(layers,) K, P, L] or None)
+    -> [B, N, H]``. The layer is traced, as in the decoder's layer scan;
+    scales come with quantized (int8, fp8) pages."""
     if impl in FLAT_IMPLS:
         return jax.jit(functools.partial(_flat_decode, impl))
 
-    def call(q, k_pages, v_pages, block_tables, kv_lens, q_lens, layer):
+    def call(q, k_pages, v_pages, block_tables, kv_lens, q_lens, layer, k_scales=None, v_scales=None):
         return attention.paged_attention(q[:, None], k_pages, v_pages, block_tables, kv_lens, q_lens, impl=impl,
-                                         layer=layer)[:, 0]
+                                         layer=layer, k_scales=k_scales, v_scales=v_scales)[:, 0]
     return jax.jit(call)
 
 
@@ -268,9 +276,20 @@ def _random_kv_q(key: jax.Array, *, pages_shape: tuple[int, ...], q_shape: tuple
 
 @functools.partial(jax.jit, static_argnames=("layers", "layer"))
 def _stack_in_nan_pool(pages: jax.Array, *, layers: int, layer: int) -> jax.Array:
-    """[K, P, L, H] pages -> [layers, K, P, L, H]: the pages at ``layer``, NaN
-    in every other layer (a kernel that reads the wrong layer returns NaN)."""
-    return jnp.full((layers, *pages.shape), jnp.nan, pages.dtype).at[layer].set(pages)
+    """[K, P, L, H] pages (or [K, P, L] scales) -> [layers, ...]: the pages
+    at ``layer``, NaN in every other layer (a kernel that reads the wrong
+    layer returns NaN; int8 pages hold 0 there, and their NaN scales make
+    them NaN)."""
+    fill = jnp.nan if jnp.issubdtype(pages.dtype, jnp.floating) else 0
+    return jnp.full((layers, *pages.shape), fill, pages.dtype).at[layer].set(pages)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "out_dtype"))
+def _quantized(pages: jax.Array, *, dtype: jnp.dtype, out_dtype: jnp.dtype) -> tuple[jax.Array, ...]:
+    """``(pages in dtype, f32 scales, the values they stand for in out_dtype)``:
+    what a quantized pool holds, and dense attention's K/V for it."""
+    q, scales = quantize_kv(pages, dtype)
+    return q, scales, dequantize_kv(q, scales).astype(out_dtype)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -284,20 +303,25 @@ class Case:
     kv_lens: jax.Array  # i32[B]
     q_lens: jax.Array  # i32[B], all 1 (decode)
     layer: jax.Array | None  # i32[]: the layer the calls read; None without a stacked pool
-    k_dense: jax.Array  # [B, K, S, H]: the same tokens, contiguous, padded to the longest
+    k_dense: jax.Array  # [B, K, S, H]: the same tokens, contiguous, padded to the longest (dequantized)
     v_dense: jax.Array  # [B, K, S, H]
+    k_scales: jax.Array | None = None  # f32[(layers,) K, P, L] with quantized pages
+    v_scales: jax.Array | None = None
 
     @property
     def paged_args(self) -> tuple:
         """The arguments of a :func:`paged_decode` call, in order."""
-        return self.q, self.k_pages, self.v_pages, self.block_tables, self.kv_lens, self.q_lens, self.layer
+        return (self.q, self.k_pages, self.v_pages, self.block_tables, self.kv_lens, self.q_lens, self.layer,
+                self.k_scales, self.v_scales)
 
 
-def make_case(cfg: BenchConfig, lengths: np.ndarray, dtype, rng: np.random.Generator) -> Case:
+def make_case(cfg: BenchConfig, lengths: np.ndarray, dtype, rng: np.random.Generator, kv_dtype=None) -> Case:
     """A batch of ``lengths`` (i32[B], each >= 1) context tokens at ``cfg``'s
     heads: standard normal K/V and queries in ``dtype``, pages dealt from a
     random permutation of the pool (a fragmented pool, as after churn), page
-    0 the null page (no sequence's)."""
+    0 the null page (no sequence's). With a quantized ``kv_dtype`` (int8,
+    fp8) the pages hold the K/V quantized, with f32 scales, and the dense
+    K/V the values they stand for (in ``dtype``)."""
     batch = len(lengths)
     num_kv, head_dim, page_size = cfg.num_kv_heads, cfg.head_dim, cfg.page_size
     pages_per_seq = math.ceil(int(lengths.max()) / page_size)
@@ -313,20 +337,27 @@ def make_case(cfg: BenchConfig, lengths: np.ndarray, dtype, rng: np.random.Gener
     k_pages, v_pages, q = _random_kv_q(jax.random.key(int(rng.integers(2**31)), impl="rbg"), pages_shape=(
         num_kv, num_pages, page_size, head_dim), q_shape=(batch, cfg.num_q_heads, head_dim), dtype=jnp.dtype(dtype))
     block_tables = jnp.asarray(tables)
-    k_dense = attention.gather_pages(k_pages, block_tables).transpose(1, 0, 2, 3)
-    v_dense = attention.gather_pages(v_pages, block_tables).transpose(1, 0, 2, 3)
+    k_scales = v_scales = None
+    k_values, v_values = k_pages, v_pages
+    if kv_dtype is not None and is_quantized(kv_dtype):
+        k_pages, k_scales, k_values = _quantized(k_pages, dtype=jnp.dtype(kv_dtype), out_dtype=jnp.dtype(dtype))
+        v_pages, v_scales, v_values = _quantized(v_pages, dtype=jnp.dtype(kv_dtype), out_dtype=jnp.dtype(dtype))
+    k_dense = attention.gather_pages(k_values, block_tables).transpose(1, 0, 2, 3)
+    v_dense = attention.gather_pages(v_values, block_tables).transpose(1, 0, 2, 3)
     layer = None
     if cfg.layer is not None:
-        k_pages = _stack_in_nan_pool(k_pages, layers=cfg.layers, layer=cfg.layer)  # [layers, K, P, L, H]
-        v_pages = _stack_in_nan_pool(v_pages, layers=cfg.layers, layer=cfg.layer)
+        stack = functools.partial(_stack_in_nan_pool, layers=cfg.layers, layer=cfg.layer)
+        k_pages, v_pages = stack(k_pages), stack(v_pages)  # [layers, K, P, L, H]
+        if k_scales is not None:
+            k_scales, v_scales = stack(k_scales), stack(v_scales)
         layer = jnp.int32(cfg.layer)
     return Case(q=q, k_pages=k_pages, v_pages=v_pages, block_tables=block_tables,
                 kv_lens=jnp.asarray(lengths, jnp.int32), q_lens=jnp.ones((batch,), jnp.int32), layer=layer,
-                k_dense=k_dense, v_dense=v_dense)
+                k_dense=k_dense, v_dense=v_dense, k_scales=k_scales, v_scales=v_scales)
 
 
 def run_case(cfg: BenchConfig, lengths: np.ndarray, dtype, impls: list[str], rng: np.random.Generator,
-             label: str, peak_read_gbs: float, min_seconds: float = 0.2) -> list[dict]:
+             label: str, peak_read_gbs: float, min_seconds: float = 0.2, kv_dtype=None) -> list[dict]:
     """Times dense and each paged implementation on one batch
     (:func:`make_case`); one row each.
 
@@ -334,6 +365,10 @@ def run_case(cfg: BenchConfig, lengths: np.ndarray, dtype, impls: list[str], rng
       cfg: heads, page size and pool layers.
       lengths: i32[B] context lengths, each >= 1.
       dtype: K/V and query dtype.
+      kv_dtype: a quantized page dtype (int8, fp8: pages of 1 byte per value
+        plus f32 scales, the bytes ``KV GB`` counts), or None for pages in
+        ``dtype``. Dense attention reads the values they stand for in
+        ``dtype``.
       impls: paged implementations (``attention.IMPLS``).
       rng: source of the page order and the K/V and query values.
       label: the workload's name, written in every row.
@@ -346,18 +381,20 @@ def run_case(cfg: BenchConfig, lengths: np.ndarray, dtype, impls: list[str], rng
         kernel gives no row.
     """
     batch, num_kv, head_dim = len(lengths), cfg.num_kv_heads, cfg.head_dim
-    case = make_case(cfg, lengths, dtype, rng)
+    case = make_case(cfg, lengths, dtype, rng, kv_dtype)
     q, k_dense, v_dense, kv_lens = case.q, case.k_dense, case.v_dense, case.kv_lens
+    page_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
 
     itemsize = jnp.dtype(dtype).itemsize
-    kv_bytes = int(lengths.sum()) * num_kv * head_dim * itemsize * 2
+    kv_bytes = int(lengths.sum()) * num_kv * kv_bytes_per_token(head_dim, page_dtype) * 2
     same_size_gbs = copy_read_gbs(kv_bytes, min_seconds)
 
     dense_fn = jax.jit(dense_attention)
     dense_s = time_call(dense_fn, q, k_dense, v_dense, kv_lens, min_seconds=min_seconds)
     expected = dense_fn(q, k_dense, v_dense, kv_lens)
     common = dict(heads=cfg.name, workload=label, batch=batch, mean_len=float(lengths.mean()),
-                  max_len=int(lengths.max()), dtype=jnp.dtype(dtype).name, kv_gb=kv_bytes / 1e9,
+                  max_len=int(lengths.max()), dtype=jnp.dtype(dtype).name, kv_dtype=page_dtype.name,
+                  kv_gb=kv_bytes / 1e9,
                   copy_read_gbs=same_size_gbs, peak_read_gbs=peak_read_gbs)
 
     def row(impl: str, seconds: float) -> dict:
@@ -377,9 +414,9 @@ def run_case(cfg: BenchConfig, lengths: np.ndarray, dtype, impls: list[str], rng
     return rows
 
 
-COLUMNS = ["heads", "workload", "batch", "mean_len", "max_len", "dtype", "impl", "kv_gb", "ms", "ratio", "gbs",
-           "pct_peak", "pct_copy", "copy_read_gbs"]
-HEADERS = ["heads", "workload", "B", "mean len", "max len", "dtype", "impl", "KV GB", "ms", "x dense", "GB/s",
+COLUMNS = ["heads", "workload", "batch", "mean_len", "max_len", "dtype", "kv_dtype", "impl", "kv_gb", "ms", "ratio",
+           "gbs", "pct_peak", "pct_copy", "copy_read_gbs"]
+HEADERS = ["heads", "workload", "B", "mean len", "max len", "dtype", "pages", "impl", "KV GB", "ms", "x dense", "GB/s",
            "% peak", "% copy", "copy GB/s (read)"]
 CSV_COLUMNS = COLUMNS + ["peak_read_gbs"]
 """The CSV adds the run's peak copy read rate (the Markdown states it once, above the table)."""
@@ -402,7 +439,7 @@ def describe_case(r: dict) -> str:
 
 
 def _case_key(r: dict) -> tuple:
-    return r["heads"], r["workload"], r["batch"], r["mean_len"], r["max_len"], r["dtype"]
+    return r["heads"], r["workload"], r["batch"], r["mean_len"], r["max_len"], r["dtype"], r["kv_dtype"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -428,7 +465,7 @@ TARGETS = (
     Target(name="GPU decode kernel (pallas_gpu / pallas_ragged / flat_gpu), llama-3-8b heads, bfloat16, uniform "
                 "B >= 64, context >= 2048: >= 80 % of peak and <= 1.1x dense",
            backends=("gpu",), impls=("pallas_gpu", "pallas_ragged", "flat_gpu"), max_ratio=1.1, min_pct_peak=80.0,
-           applies=lambda r: (r["heads"] == "llama-3-8b" and r["dtype"] == "bfloat16" and r["workload"] == "uniform"
+           applies=lambda r: (r["heads"] == "llama-3-8b" and r["kv_dtype"] == "bfloat16" and r["workload"] == "uniform"
                               and r["batch"] >= 64 and r["max_len"] >= 2048)),
     Target(name="ShareGPT-like ragged batches of 128: best paged <= 0.7x dense",
            backends=("cpu", "gpu", "tpu"), impls=None, max_ratio=0.7,
@@ -539,6 +576,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "smaller is quicker and noisier)")
     add_flag(parser, "dtype", choices=("float32", "bfloat16", "float16"),
              help="K/V and query dtype (default float32 on CPU, bfloat16 on GPU and TPU)")
+    add_flag(parser, "kv_dtype", choices=QUANTIZED_KV_CHOICES,
+             help="quantized pages: int8, float8_e4m3fn (alias fp8) or float8_e5m2, 1 byte per value plus an f32 "
+                  "scale per token and KV head, dequantized by each implementation (dense attention reads the "
+                  "values in --dtype); default: pages in --dtype")
     parser.add_argument("--out", default=str(RESULTS / "kernel_bench"),
                         help="path stem: writes STEM.md and STEM.csv (default results/kernel_bench)")
     args = parser.parse_args(argv)
@@ -572,7 +613,8 @@ def main(argv=None) -> None:
     pool = (f"a stacked pool of {args.layers} layers, each call reading layer {configs[0].layer} in place"
             if args.layers > 1 else "one layer's pages")
     header = (f"# Paged vs dense decode attention\n\nMachine: {machine()}\n\n"
-              f"Heads: {heads}. Page size {configs[0].page_size}, {pool}; {dtype.name}; "
+              f"Heads: {heads}. Page size {configs[0].page_size}, {pool}; {dtype.name}"
+              f"{'' if args.kv_dtype is None else f' queries, {args.kv_dtype} pages with f32 scales'}; "
               f"implementations: dense, {', '.join(impls)}.\n\n"
               f"Peak: one {peak_gb:g} GB device-to-device copy reads {peak_read_gbs:.3g} GB/s "
               "(and writes as much).\n\n"
@@ -587,7 +629,7 @@ def main(argv=None) -> None:
     for cfg in configs:
         cases = [("uniform", np.full(b, n, np.int32)) for b, n in uniform] + [("sharegpt", x) for x in ragged]
         for label, lengths in cases:
-            new = run_case(cfg, lengths, dtype, impls, rng, label, peak_read_gbs, args.min_seconds)
+            new = run_case(cfg, lengths, dtype, impls, rng, label, peak_read_gbs, args.min_seconds, args.kv_dtype)
             rows += new
             for r in new:
                 print(f"  {r['heads']:10s} {r['workload']:8s} {describe_case(r):26s} {r['impl']:13s} "

@@ -73,7 +73,8 @@ from experiments.policies import ALL_POLICIES, POLICIES, POLICY_LABELS, split_po
 from experiments.sharegpt import MAX_SEQ_LEN, PACKAGED_LIMIT  # noqa: E402
 from experiments.workloads import Workload, describe, workload  # noqa: E402, F401  (re-exported: bench_serving)
 from models.config import LlamaConfig  # noqa: E402
-from models.llama import Llama, RaggedModel  # noqa: E402
+from models.llama import Llama  # noqa: E402
+from models.ragged import RaggedModel  # noqa: E402
 from models.presets import PRESETS  # noqa: E402
 from paged_jax.checks import check_choice  # noqa: E402
 from paged_jax.engine import Engine  # noqa: E402

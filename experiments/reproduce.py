@@ -29,7 +29,7 @@ from experiments.serving import serve
 from experiments.sharegpt import build_requests, load_conversations, sample_requests
 from experiments.tables import markdown_table, write_table
 from experiments.waste_sim import PAPER_TOKEN_SHARE, SCHEMES, SimConfig, simulate
-from models.llama import RaggedModel
+from models.ragged import RaggedModel
 from models.smollm2 import load_smollm2
 from models.tokenizer import load_tokenizer
 from paged_jax.memory import GB, KiB, PRESETS, get_preset, hybrid_capacity, paged_slots, plan_capacity

@@ -67,7 +67,7 @@ from experiments.sharegpt import MAX_SEQ_LEN, PACKAGED_LIMIT, PACKAGED_REQUESTS,
 from experiments.tables import markdown_table, write_table
 from models.gguf_loader import open_gguf, read_config
 from models.hf_loader import read_hf_config
-from models.llama import RaggedModel
+from models.ragged import RaggedModel
 from models.presets import PRESETS, bytes_to_build
 from paged_jax.engine import num_traces
 from paged_jax.sharding import init_distributed, make_mesh, parse_mesh

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from paged_jax.profiling import ProfileSpec
 from experiments.sharegpt import MAX_SEQ_LEN
 from models import llm
-from models.llama import RaggedModel, weight_matmuls
+from models.ragged import RaggedModel, weight_matmuls
 from models.sharded import make_data_parallel_engine
 from paged_jax.checks import check_choice, check_int
 from paged_jax.data_parallel import DataParallelEngine, merged_stats
@@ -105,7 +105,7 @@ def make_engine(model, *, kv_tokens: int, page_size: int, max_seqs: int, max_seq
       max_batched_tokens: tokens per model call, decode tokens and prefill
         chunks together; raised to ``max_seqs`` so every running sequence
         can decode in one call.
-      paged_model: ``models.llama.RaggedModel(model)`` (default a new one);
+      paged_model: ``models.ragged.RaggedModel(model)`` (default a new one);
         pass the same one to several engines to share compiled programs.
         Not used with ``mesh``.
       mesh: a ``(data, model)`` device mesh (``paged_jax.sharding.make_mesh``):
@@ -207,7 +207,7 @@ class ServeResult:
     tokens over ``wall_s`` (compilation excluded). ``model_s``: the model
     calls (page-state update, forward, sampling); ``floor_s``: the model's
     weight matmuls alone at the same calls' padded token counts, measured in
-    the same run (``models.llama.weight_matmuls``); ``padding``: the share of
+    the same run (``models.ragged.weight_matmuls``); ``padding``: the share of
     token rows that were padding; ``host_s``: the engine's time outside model
     calls; ``programs``: distinct step shapes; ``compiled``: XLA
     compilations during this mode, of any jitted function (the step, the
@@ -350,7 +350,7 @@ def serve(
 
 class MatmulFloor:
     """Seconds the model's weight matmuls alone take at a call's padded
-    token count (``models.llama.weight_matmuls``): the floor a model call
+    token count (``models.ragged.weight_matmuls``): the floor a model call
     can approach. Each (tokens, logits rows) shape is compiled once and timed
     as the fastest of ``repeats`` runs (a floor: noise only adds time);
     results are cached per shape."""

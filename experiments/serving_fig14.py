@@ -152,17 +152,15 @@ def main(argv=None) -> list[dict]:
                          for p in policies if p != "paged"},
                       "paper_oracle": f"{PAPER_OVER_ORACLE[name]:g}x" if name in PAPER_OVER_ORACLE else "-",
                       "saved": paged["kv_saved_by_sharing"],
-                      "saved_oracle": mine["oracle"]["kv_saved_by_sharing"] if "oracle" in mine else "-",
                       "paper_saved": PAPER_SAVING[name.partition("-")[0]]})
     others = [p for p in policies if p != "paged"]
     columns = ["workload", "paged_rate", *(f"over_{p}" for p in others), *(f"served_{p}" for p in others),
-               *(f"running_{p}" for p in others), "paper_oracle", "saved", "saved_oracle", "paper_saved"]
+               *(f"running_{p}" for p in others), "paper_oracle", "saved", "paper_saved"]
     headers = ["workload", "paged: highest rate sustained (req/s)",
                *(f"paged / {POLICY_LABELS[p]}, sustained" for p in others),
                *(f"paged / {POLICY_LABELS[p]}, served at the top rate" for p in others),
                *(f"paged / {POLICY_LABELS[p]}, mean running sequences" for p in others),
-               "paper: vLLM / Orca (Oracle)", "KV saved by sharing, paged", "KV saved, Orca (Oracle) here",
-               "paper: KV saved (Fig. 15)"]
+               "paper: vLLM / Orca (Oracle)", "KV saved by sharing, paged", "paper: KV saved (Fig. 15)"]
     table = markdown_table(pivot, columns, headers=headers)
     detail = markdown_table(rows, COLUMNS, cell=online.cell,
                             headers=["workload", "sequences / request", "policy", "highest rate sustained (req/s)",

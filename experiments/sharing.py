@@ -52,7 +52,7 @@ from experiments.cli import (
 from experiments.serving import make_engine, run_timed
 from experiments.sharegpt import MAX_SEQ_LEN, build_requests, load_conversations
 from experiments.tables import markdown_table, write_table
-from models.llama import RaggedModel
+from models.ragged import RaggedModel
 from models.smollm2 import load_smollm2
 from paged_jax.requests import Request
 from paged_jax.sampling import SamplingParams

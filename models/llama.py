@@ -23,16 +23,14 @@ The KV cache is never module state. :func:`forward` takes a
 :class:`paged_jax.kv_cache.KVPool` and returns the updated one; the pool
 rides in the scan carry and each layer scatters its new K/V into its own
 slice in place, then attends over its pages with
-:func:`paged_jax.attention.paged_attention` (:func:`forward`) or
-:func:`paged_jax.ragged_attention.attend` (:func:`forward_ragged`). On GPU
-and TPU :func:`forward_ragged`'s flat kernel writes the K/V in its own call
-instead (``ragged_attention.unchecked_write_attend``).
+:func:`paged_jax.attention.paged_attention` (:func:`forward`). The engine's
+flat ragged forward and the model it holds are in :mod:`models.ragged`,
+built from this module's blocks, embedding, layer scan and logits.
 
-Validated at the door: :func:`forward` and :func:`forward_ragged` check their
-arguments once per call (the attention's checks included:
-``check_paged_attention``, ``check_attend``, ``kv_cache.check_slots``), and
-the layers under them call the ``unchecked_*`` attention and KV writes, which
-trust their inputs.
+Validated at the door: :func:`forward` checks its arguments once per call
+(the attention's checks included: ``check_paged_attention``,
+``kv_cache.check_slots``), and the layers under it call the ``unchecked_*``
+attention and KV writes, which trust their inputs.
 
 Batch convention ("padded ragged", see :mod:`paged_jax.attention`): tokens
 ``[B, T]``; sequence ``b`` has ``q_lens[b] <= T`` real tokens at positions
@@ -50,11 +48,8 @@ from flax import nnx
 from models.config import LlamaConfig
 from models.rope import apply_rope, rope_angles
 from paged_jax import attention as paged_attn
-from paged_jax import ragged_attention
-from paged_jax.batch import RaggedBatch
 from paged_jax.checks import check_choice
-from paged_jax.kv_cache import KVPool, check_pool, check_slots, default_kv_dtype, init_kv_pool, unchecked_write_layer_kv
-from paged_jax.kv_groups import KVGroups, kv_groups
+from paged_jax.kv_cache import KVPool, check_pool, unchecked_write_layer_kv
 from paged_jax.slots import slot_mapping
 
 
@@ -226,10 +221,10 @@ def _validate(config: LlamaConfig, tokens, kv: KVPool, block_tables, kv_lens, q_
                     ("q_lens", q_lens)):
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"{name} must be an integer array, got dtype {x.dtype}")
-    _check_pool(config, kv)
+    check_model_pool(config, kv)
 
 
-def _query_struct(model: Llama, *tokens: int) -> jax.ShapeDtypeStruct:
+def query_struct(model: Llama, *tokens: int) -> jax.ShapeDtypeStruct:
     """The shape ``[*tokens, N, H]`` and dtype of a layer's queries (from
     the weights, so a tensor-parallel shard's own heads), for checking the
     attention once at the door rather than once per layer."""
@@ -247,7 +242,7 @@ def _rope_tables(config: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, 
     return jnp.stack([c for c, _ in tables]), jnp.stack([s for _, s in tables])
 
 
-def _embed(model: Llama, tokens: jax.Array) -> jax.Array:
+def embed_tokens(model: Llama, tokens: jax.Array) -> jax.Array:
     """Token embeddings [..., D]; times ``embed_scale`` rounded to the
     embedding's dtype first, as transformers rounds Gemma's ``sqrt(D)``."""
     x = model.embed[...][tokens]
@@ -255,7 +250,7 @@ def _embed(model: Llama, tokens: jax.Array) -> jax.Array:
     return x if scale is None else x * jnp.asarray(scale, x.dtype)
 
 
-def _windowed(config: LlamaConfig, layer: jax.Array, attention):
+def windowed(config: LlamaConfig, layer: jax.Array, attention):
     """``attention(sliding_window)`` for this layer: the window is static
     when every layer is of one kind, else a ``lax.cond`` on the layer's
     kind picks between the two static calls (module docstring)."""
@@ -266,7 +261,7 @@ def _windowed(config: LlamaConfig, layer: jax.Array, attention):
                         lambda: attention(None))
 
 
-def _run_layers(model: Llama, x, positions, cache, attend, reduce=None):
+def run_layers(model: Llama, x, positions, cache, attend, reduce=None):
     """The decoder blocks under ``lax.scan`` (one compiled layer body):
     x [B, T, D] at i32[B, T] ``positions`` -> [B, T, D]. ``cache`` (a
     :class:`KVPool`, or None for the dense path) rides in the carry;
@@ -290,7 +285,7 @@ def _run_layers(model: Llama, x, positions, cache, attend, reduce=None):
 
 
 def _paged(slots: jax.Array, attend_pages):
-    """An ``attend`` for :func:`_run_layers` over a paged pool: writes the
+    """An ``attend`` for :func:`run_layers` over a paged pool: writes the
     layer's new K/V (``[B, T, K, H]``, flattened to one row per token slot)
     at ``slots`` (i32[B * T], checked at the door; quantized to the pool's
     dtype for an int8 or fp8 pool), then ``attend_pages(q, kv, layer)``."""
@@ -304,7 +299,7 @@ def _paged(slots: jax.Array, attend_pages):
     return attend
 
 
-def _logits(model: Llama, x: jax.Array) -> jax.Array:
+def final_logits(model: Llama, x: jax.Array) -> jax.Array:
     """[..., D] final hidden states -> f32[..., V] logits."""
     x = model.final_norm(x)
     logits = jnp.einsum("...D,VD->...V", x, model.output_weight()).astype(jnp.float32)
@@ -312,7 +307,7 @@ def _logits(model: Llama, x: jax.Array) -> jax.Array:
     return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
-def _check_pool(config: LlamaConfig, kv: KVPool, num_layers: int | None = None) -> None:
+def check_model_pool(config: LlamaConfig, kv: KVPool, num_layers: int | None = None) -> None:
     """A pool of ``num_layers`` layer rows (default every layer) with the
     model's KV heads and head dim."""
     want = (config.num_layers if num_layers is None else num_layers, config.num_kv_heads, config.head_dim)
@@ -320,14 +315,6 @@ def _check_pool(config: LlamaConfig, kv: KVPool, num_layers: int | None = None) 
     if got != want:
         raise ValueError(f"kv pool must have (num_layers, num_kv_heads, head_dim)={want} for this model, got {got}")
     check_pool(kv)
-
-
-def layer_kv_groups(config: LlamaConfig) -> KVGroups:
-    """The layer groups of ``config`` (:mod:`paged_jax.kv_groups`): by
-    attention kind, a sliding layer's window ``sliding_window``, a global
-    layer's None. One group of every layer when the layers are of one kind."""
-    return kv_groups([config.sliding_window if s else None for s in config.sliding_layers])
-
 
 
 def forward(
@@ -381,109 +368,30 @@ def forward(
     batch, num_q_tokens = tokens.shape
     block_tables = block_tables.astype(jnp.int32)
     impl, kv_lens, q_lens, _ = paged_attn.check_paged_attention(
-        _query_struct(model, batch, num_q_tokens), kv.k, kv.v, block_tables, kv_lens.astype(jnp.int32),
+        query_struct(model, batch, num_q_tokens), kv.k, kv.v, block_tables, kv_lens.astype(jnp.int32),
         q_lens.astype(jnp.int32), impl=impl, k_scales=kv.k_scale, v_scales=kv.v_scale,
         sliding_window=config.sliding_window, scale=config.query_scale, soft_cap=config.attn_soft_cap,
-        layer=0)  # the scan's layers are the pool's (_check_pool): the layer's type and rank are what is checked
+        layer=0)  # the scan's layers are the pool's (check_model_pool): the layer's type and rank are what is checked
 
     positions = paged_attn.query_positions(kv_lens, q_lens, num_q_tokens)  # [B, T]
     real = jnp.arange(num_q_tokens, dtype=jnp.int32)[None, :] < q_lens[:, None]  # [B, T]
     slots = slot_mapping(block_tables, positions, real, page_size=kv.page_size).reshape(-1)  # [B * T]
-    x = _embed(model, tokens)  # [B, T, D]
+    x = embed_tokens(model, tokens)  # [B, T, D]
 
     def attend_pages(q, kv, layer):
-        return _windowed(config, layer, lambda window: paged_attn.unchecked_paged_attention(
+        return windowed(config, layer, lambda window: paged_attn.unchecked_paged_attention(
             q, kv.k, kv.v, block_tables, kv_lens, q_lens, impl=impl, layer=layer, k_scales=kv.k_scale,
             v_scales=kv.v_scale, sliding_window=window, scale=config.query_scale, soft_cap=config.attn_soft_cap))
 
-    x, kv = _run_layers(model, x, positions, kv, _paged(slots, attend_pages), reduce)
+    x, kv = run_layers(model, x, positions, kv, _paged(slots, attend_pages), reduce)
 
     if not all_logits:
         last = jnp.clip(q_lens - 1, 0, num_q_tokens - 1)  # [B]
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
-    logits = _logits(model, x)
+    logits = final_logits(model, x)
     if all_logits:
         return logits, kv  # [B, T, V]
     return jnp.where(q_lens[:, None] > 0, logits[:, 0], 0.0), kv  # [B, V]
-
-
-def forward_ragged(model: Llama, batch: RaggedBatch, kv: KVPool, *, impl: str = "auto",
-                   reduce=None) -> tuple[jax.Array, KVPool]:
-    """Runs the decoder over a flat ragged batch (mixed prefill chunks and
-    decode tokens, :mod:`paged_jax.batch`), writing its K/V into the pool.
-
-    The weight matmuls see exactly the batch's ``T`` rows, whatever mix of
-    phases they come from; attention is
-    :func:`paged_jax.ragged_attention.attend`, whose cost follows the sum of
-    the sequences' lengths. A Pallas ``impl``'s flat kernel writes each
-    layer's K/V in its call (mixed sliding/global layers scatter first).
-
-    Args:
-      model: the decoder.
-      batch: tokens i32[T], positions, slots, block tables, per-sequence
-        starts and lengths, and the rows to return logits for.
-      kv: the KV pool (``[layers, K, P, L, H]``).
-      impl: attention implementation (:func:`paged_jax.ragged_attention.attend`):
-        ``"auto"`` is the XLA work-list attention on CPU and the backend's
-        Pallas kernels on GPU and TPU.
-      reduce: as in :func:`forward` (tensor parallelism).
-
-    Returns:
-      ``(logits f32[R, V] at batch.logits_rows, kv)``.
-
-    Raises:
-      ValueError: a pool that does not fit the model; an unknown ``impl``;
-        a batch the attention refuses
-        (:func:`paged_jax.ragged_attention.check_attend`, which also clamps
-        its lengths under ``jit``); (eager calls) slots that are not
-        distinct slots of the pool (``kv_cache.check_slots``).
-    """
-    config = model.config
-    G, T = batch.num_groups, batch.tokens.shape[0]
-    groups = layer_kv_groups(config)
-    if G not in (1, groups.num_groups) or G * batch.q_starts.shape[0] != batch.block_tables.shape[0]:
-        raise ValueError(f"batch.block_tables has {batch.block_tables.shape[0]} rows for {batch.q_starts.shape[0]} "
-                         f"sequences; this model reads one table per sequence (a pool of every layer) or one per "
-                         f"layer group ({groups.num_groups})")
-    _check_pool(config, kv, groups.group_size if G > 1 else None)
-    for g in range(G):
-        check_slots(kv, batch.group(g).slots, T)
-    impl, _, checked = ragged_attention.check_attend(
-        _query_struct(model, T), kv.k, kv.v, 0, batch.group(0), impl=impl, k_scales=kv.k_scale,
-        v_scales=kv.v_scale, sliding_window=config.sliding_window, scale=config.query_scale,
-        soft_cap=config.attn_soft_cap)  # layer 0: the scan's layers are the pool's
-    checked = batch.replace(q_starts=checked.q_starts, q_lens=checked.q_lens, kv_lens=checked.kv_lens)
-    x = _embed(model, batch.tokens)[None]  # [1, T, D]
-    options = dict(scale=config.query_scale, soft_cap=config.attn_soft_cap)
-    group_of, index_of = jnp.asarray(groups.layer_group, jnp.int32), jnp.asarray(groups.layer_index, jnp.int32)
-
-    def locate(layer):
-        """(the layer's row in a page, its group's view of the batch): with
-        layer groups, a traced index into the [G, ...] tables and slots."""
-        if G == 1:
-            return layer, checked
-        return index_of[layer], checked.group(group_of[layer])
-
-    def attend_pages(q, kv, layer):
-        row, view = locate(layer)
-        return _windowed(config, layer, lambda window: ragged_attention.unchecked_attend(
-            q[0], kv.k, kv.v, row, view, impl=impl, k_scales=kv.k_scale, v_scales=kv.v_scale,
-            sliding_window=window, **options))[None]
-
-    def write_then_attend(q, k, v, kv, layer):
-        row, view = locate(layer)
-        kv = unchecked_write_layer_kv(kv, row, k[0], v[0], view.slots)
-        return attend_pages(q, kv, layer), kv
-
-    def write_attend(q, k, v, kv, layer):
-        out, kv = _windowed(config, layer, lambda window: ragged_attention.unchecked_write_attend(
-            q[0], k[0], v[0], kv, layer, checked, impl=impl, sliding_window=window, **options))
-        return out[None], kv
-
-    # A flat kernel writes the K/V in its call, but not under mixed layers' cond (the pool would pass through both).
-    writes = ragged_attention.kernel_writes_kv(impl) and not config.mixed_layers
-    x, kv = _run_layers(model, x, batch.positions[None, :], kv, write_attend if writes else write_then_attend, reduce)
-    return _logits(model, x[0, batch.logits_rows]), kv  # [R, V]
 
 
 def forward_dense(
@@ -523,102 +431,15 @@ def forward_dense(
                          f"got {segment_ids.dtype}{list(segment_ids.shape)}")
     segment_ids = segment_ids.astype(jnp.int32)
     positions = paged_attn.segment_positions(segment_ids)  # [B, T]
-    x = _embed(model, tokens)  # [B, T, D]
+    x = embed_tokens(model, tokens)  # [B, T, D]
 
     def attend(q, k, v, cache, layer):
-        return _windowed(config, layer, lambda window: paged_attn.causal_attention(
+        return windowed(config, layer, lambda window: paged_attn.causal_attention(
             q, k, v, segment_ids, sliding_window=window, scale=config.query_scale,
             soft_cap=config.attn_soft_cap)), cache
 
-    x, _ = _run_layers(model, x, positions, None, attend)
-    return _logits(model, x)  # [B, T, V]
-
-
-class RaggedModel:
-    """The engine's view of a decoder: weights and a pure ``apply``.
-
-    ``apply(params, batch, kv) -> (logits f32[R, V], kv)`` is
-    :func:`forward_ragged` with the module structure bound; ``params`` are
-    the weights as a pytree, passed as an argument (not closed over) so XLA
-    does not fold them into each program as constants. The engine composes
-    ``apply`` with its page-state update and the sampler into one jitted
-    step (:mod:`paged_jax.engine`).
-    """
-
-    def __init__(self, model: Llama, *, impl: str = "auto"):
-        if not isinstance(model, Llama):
-            raise ValueError(f"model must be a models.llama.Llama, got a {type(model).__name__}")
-        check_choice("impl", impl, paged_attn.IMPLS)
-        self.config: LlamaConfig = model.config
-        self.vocab_size = model.config.vocab_size
-        self.impl = impl
-        self._graphdef, self.params = nnx.split(model)
-
-    @property
-    def kv_window(self) -> int | None:
-        """Tokens every layer attends (the engine drops pages out of that
-        window while sequences run, :mod:`paged_jax.sliding_window`), or
-        None when some layer attends all of them."""
-        config = self.config
-        return config.sliding_window if all(config.sliding_layers) else None
-
-    @property
-    def kv_groups(self) -> KVGroups:
-        """The layer groups (:func:`layer_kv_groups`): an engine given a
-        pool of ``kv_groups.group_size`` layers (:meth:`make_kv_pool`) keeps
-        a block table per group and returns each sliding group's pages
-        once they leave its window; given a pool of every layer
-        (``LlamaConfig.make_kv_pool``), it keeps one table and every page."""
-        return layer_kv_groups(self.config)
-
-    def make_kv_pool(self, num_pages: int, page_size: int, dtype=None) -> KVPool:
-        """A zeroed pool laid out by layer group: ``[g, K, P, L, H]``, ``g``
-        = ``kv_groups.group_size`` (every layer for a model of one kind, so
-        then ``LlamaConfig.make_kv_pool``'s pool). Arguments as there."""
-        config = self.config
-        return init_kv_pool(num_layers=self.kv_groups.group_size, num_kv_heads=config.num_kv_heads,
-                            num_pages=num_pages, page_size=page_size, head_dim=config.head_dim,
-                            dtype=default_kv_dtype() if dtype is None else dtype)
-
-    def apply(self, params, batch: RaggedBatch, kv: KVPool) -> tuple[jax.Array, KVPool]:
-        return forward_ragged(nnx.merge(self._graphdef, params), batch, kv, impl=self.impl)
-
-    def check_kv_pool(self, kv: KVPool) -> None:
-        """Raises ValueError unless ``kv`` fits this model (KV heads, head
-        dim, and layers: every layer, or ``kv_groups.group_size``)."""
-        groups = self.kv_groups
-        _check_pool(self.config, kv, groups.group_size if kv.num_layers == groups.group_size else None)
-
-
-def weight_matmuls(model: Llama, x: jax.Array, num_logits: int) -> jax.Array:
-    """The decoder's weight matmuls alone, for ``x``'s ``T`` rows: the floor
-    a model call at that token count can approach (no attention, norms,
-    RoPE or KV writes). Same layer scan and einsums as :func:`forward_ragged`.
-
-    Args:
-      model: the decoder.
-      x: f32[T, D] stand-in hidden states.
-      num_logits: R, rows that go through the output projection.
-
-    Returns:
-      f32[R, V], of no meaning beyond its cost.
-    """
-    graphdef, block_state = nnx.split(model.blocks)
-
-    def layer_body(x, state):
-        block = nnx.merge(graphdef, state)
-        a = block.attn
-        q = jnp.einsum("TD,DNH->TNH", x, a.wq[...])
-        k = jnp.einsum("TD,DKH->TKH", x, a.wk[...])
-        v = jnp.einsum("TD,DKH->TKH", x, a.wv[...])
-        x = x + jnp.einsum("TNH,NHD->TD", q, a.wo[...]) + (k.sum() + v.sum())
-        m = block.mlp
-        gate = jnp.einsum("TD,DF->TF", x, m.w_gate[...])
-        up = jnp.einsum("TD,DF->TF", x, m.w_up[...])
-        return x + jnp.einsum("TF,FD->TD", gate * up, m.w_down[...]), None
-
-    x, _ = jax.lax.scan(layer_body, x, block_state)
-    return jnp.einsum("RD,VD->RV", x[:num_logits], model.output_weight())
+    x, _ = run_layers(model, x, positions, None, attend)
+    return final_logits(model, x)  # [B, T, V]
 
 
 class StepFn:

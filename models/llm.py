@@ -38,7 +38,8 @@ import numpy as np
 from flax import nnx
 
 from models.hf_loader import load_hf
-from models.llama import Llama, RaggedModel
+from models.llama import Llama
+from models.ragged import RaggedModel
 from models.presets import PRESETS, random_model
 from models.smollm2 import load_llama_gguf, load_smollm2
 from models.tokenizer import Tokenizer, load_tokenizer_if_supported

@@ -47,7 +47,8 @@ from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models.llama import Llama, LlamaConfig, forward, forward_ragged
+from models.llama import Llama, LlamaConfig, forward
+from models.ragged import forward_ragged
 from paged_jax import attention as paged_attn
 from paged_jax.batch import RaggedBatch
 from paged_jax.checks import check_choice, check_instance, check_int
@@ -279,7 +280,7 @@ class ShardedRaggedModel:
     """The engine's model (:class:`paged_jax.engine.PagedModel`) for one data
     shard: tensor parallel over a mesh whose data axis has size 1.
 
-    ``apply(params, batch, kv)`` runs :func:`models.llama.forward_ragged`
+    ``apply(params, batch, kv)`` runs :func:`models.ragged.forward_ragged`
     under ``shard_map``: the batch (and so the page state that built it) is
     replicated over the model axis, each device attends over its own KV
     heads, and logits come back replicated. Pass ``make_kv_pool``'s pool to

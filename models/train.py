@@ -4,7 +4,7 @@ loss, AdamW with warmup and cosine decay, global-norm clipping.
 One module and one set of weights serve both paths: training calls
 :func:`models.llama.forward_dense` (causal attention over the batch's own
 K/V, packed sequences separated by segment ids), serving calls
-:func:`models.llama.forward` / :func:`models.llama.forward_ragged` over the
+:func:`models.llama.forward` / :func:`models.ragged.forward_ragged` over the
 paged KV pool. Only the attention differs, so what is trained here decodes
 identically through pages (tests/test_train.py checks it on a trained model).
 

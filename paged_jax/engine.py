@@ -94,7 +94,7 @@ class Engine:
     prefix caching, parallel sampling, beam search and preemption.
 
     Args:
-      model: a :class:`PagedModel` (``models.llama.RaggedModel``). Engines
+      model: a :class:`PagedModel` (``models.ragged.RaggedModel``). Engines
         of the same model object share compiled programs. If it has
         ``check_kv_pool(pool)``, the pool is checked against it here.
       kv_pool: the KV pool the model reads and writes; its ``num_pages`` and

@@ -271,10 +271,11 @@ class KVCacheManager:
         G = self.groups.num_groups
         if swapped is not None:  # each member's table: its G groups' tables one after the other
             rows = [swapped.tables[s.index] for s in members]
-            copied = (len(set().union(*rows) - {-1}) if self.reservation == "paged"
-                      else sum(len(set(r) - {-1}) for r in rows) + self._children_pages(group, members))
-            cost = copied + sum(G * (self.pages_for(s, s.num_tokens) + 1) - len(r)
-                                                 for s, r in zip(members, rows))
+            if self.reservation != "paged":  # each member its own copy, grown to its reservation (no copy to come)
+                cost = sum(G * self.pages_for(s, s.num_tokens) for s in members) + self._children_pages(group, members)
+            else:
+                cost = len(set().union(*rows) - {-1}) + sum(G * (self.pages_for(s, s.num_tokens) + 1) - len(r)
+                                                             for s, r in zip(members, rows))
             return Admission(cost=cost, hits=[[] for _ in members], swapped=swapped, members=members,
                              computed=[swapped.num_tokens[s.index] for s in members])
         hits = [self._lookup(s) for s in members]
@@ -519,6 +520,18 @@ class KVCacheManager:
             self._held[row] = 0
             self._to_free[row] = True
 
+    def return_child_rows(self, group: SequenceGroup) -> None:
+        """``group``'s rows for samples and beams to come are given back
+        (:meth:`paged_jax.scheduler.Scheduler.return_child_slots`): under a
+        reservation policy their reservations count as free again now, not
+        only at the next call (an idle engine has none)."""
+        pages = self._reserving.get(group)
+        if pages is None:
+            return
+        for row in group.child_slots:
+            self.num_free += max(pages - int(self.pool.num_seq_pages[row]), 0)
+            self._held[row] = self.pool.num_seq_pages[row]
+
     def keep_for_beams(self, group: SequenceGroup, row: int) -> None:
         """Empty ``row`` went back to ``group`` for the beams to come
         (:meth:`paged_jax.scheduler.Scheduler.prune`): under a reservation
@@ -612,7 +625,9 @@ class KVCacheManager:
         return {"free": self.pool.num_free - cached, "cached": cached, "used": used, "total": len(refs) - 1}
 
     def usage(self) -> tuple[int, int]:
-        """(pages held summed over slots, distinct pages in use) now."""
+        """(pages held summed over slots, distinct pages in use) now. Under
+        a reservation policy every holder counts its own copy (Orca shares
+        nothing, :meth:`orca_copies`), so the two are equal."""
         cols = np.arange(self.max_pages_per_seq)[None, :] < self.pool.num_seq_pages[:, None]
         held = int(np.count_nonzero(cols & (self.pool.block_tables != ps.NULL_PAGE)))  # dropped pages not held
-        return held, int(np.count_nonzero(self.pool.ref_counts))
+        return held, held if self.reservation != "paged" else int(np.count_nonzero(self.pool.ref_counts))

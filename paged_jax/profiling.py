@@ -45,10 +45,18 @@ DEFAULT_STEPS = 8
 """Steps traced (``--profile-steps``)."""
 
 
+def _folder(text: str) -> pathlib.Path:
+    """``--profile``'s value: a path, not empty (``Path("")`` is the current
+    folder, which nobody asks for by typing nothing)."""
+    if not text:
+        raise argparse.ArgumentTypeError("must be a folder path, got ''")
+    return pathlib.Path(text)
+
+
 def add_profile_args(p: argparse.ArgumentParser) -> None:
     """Adds ``--profile DIR``, ``--profile-skip``, ``--profile-steps`` and
     ``--profile-python``."""
-    p.add_argument("--profile", type=pathlib.Path, default=None, metavar="DIR",
+    p.add_argument("--profile", type=_folder, default=None, metavar="DIR",
                    help="write a jax.profiler trace (Perfetto / TensorBoard) of a few engine steps after warm-up "
                         "to DIR")
     p.add_argument("--profile-skip", type=int, default=DEFAULT_SKIP,
@@ -89,8 +97,8 @@ def check_profile_args(p: argparse.ArgumentParser, args) -> None:
 def _checked(out_dir, skip, steps, python) -> tuple[pathlib.Path, int, int, bool]:
     """The profiler's settings, checked (one rule for :class:`StepProfiler`
     and :class:`ProfileSpec`)."""
-    if not isinstance(out_dir, (str, os.PathLike)) or not str(out_dir):
-        raise ValueError(f"out_dir must be a folder path, got out_dir={out_dir!r}")
+    if not isinstance(out_dir, (str, os.PathLike)) or not str(out_dir) or "\0" in str(out_dir):
+        raise ValueError(f"out_dir must be a folder path (not empty, no NUL byte), got out_dir={out_dir!r}")
     return pathlib.Path(out_dir), check_int("skip", skip, 0), check_int("steps", steps, 1), check_bool("python", python)
 
 
@@ -162,7 +170,7 @@ class StepProfiler:
             options = jax.profiler.ProfileOptions()
             options.python_tracer_level = int(self.python)  # every Python call: 1M events in a few steps
             jax.profiler.start_trace(str(self.out_dir), create_perfetto_trace=True, profiler_options=options)
-        except (OSError, RuntimeError) as e:
+        except (OSError, RuntimeError, ValueError) as e:
             self.failed = f"{type(e).__name__}: {e}"
             warnings.warn(f"profiling: no trace written to {str(self.out_dir)!r}: {self.failed}", RuntimeWarning,
                           stacklevel=3)

@@ -47,7 +47,7 @@ logit or value a row sees makes its output non-finite; only rows that see no
 key (padding) are zeros.
 
 The door. :func:`attend` (the engine's attention, and what
-:func:`models.llama.forward_ragged` checks once per model call with
+:func:`models.ragged.forward_ragged` checks once per model call with
 :func:`check_attend`) and :func:`ragged_paged_attention` validate their
 arguments; :func:`unchecked_attend`, :func:`unchecked_write_attend` and
 :func:`unchecked_ragged_paged_attention` under them trust theirs, and so does

@@ -179,6 +179,10 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def return_child_slots(self, group: SequenceGroup) -> None:
+        """The rows ``group`` held for samples and beams to come go back
+        (it finished, was aborted or preempted), with any pages the KV
+        manager counted for them."""
+        self.kv.return_child_rows(group)
         self.free_slots.extend(reversed(group.child_slots))
         group.child_slots = []
 

@@ -5,7 +5,7 @@ included), forward over the flat batch, sample (and score prompt tokens,
 
 The engine (:mod:`paged_jax.engine`) plans an iteration on the host and
 calls :func:`device_step` once; the model is anything with the
-:class:`PagedModel` protocol (``models.llama.RaggedModel``).
+:class:`PagedModel` protocol (``models.ragged.RaggedModel``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class PagedModel(Protocol):
         (:class:`paged_jax.batch.RaggedBatch`). Absent: one group.
       apply: ``apply(params, batch: RaggedBatch, kv: KVPool) -> (logits
         f32[R + P, V] at ``batch.logits_rows``, kv)``, pure and jittable, writing
-        the batch's K/V at ``batch.slots`` (``models.llama.RaggedModel``).
+        the batch's K/V at ``batch.slots`` (``models.ragged.RaggedModel``).
     """
 
     params: Any
@@ -70,7 +70,7 @@ def check_model(model, kv_pool: KVPool, vocab_size: int | None) -> int | None:
     """
     if not (hasattr(model, "params") and callable(getattr(model, "apply", None))):
         raise ValueError(f"model must have params and apply(params, batch, kv) (a PagedModel such as "
-                         f"models.llama.RaggedModel), got a {type(model).__name__}")
+                         f"models.ragged.RaggedModel), got a {type(model).__name__}")
     model_vocab = getattr(model, "vocab_size", None)
     if vocab_size is None:
         vocab_size = model_vocab

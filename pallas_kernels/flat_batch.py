@@ -160,10 +160,15 @@ def rows_conflict(q_starts, q_lens, num_rows: int, *, xp=jnp):
     Returns:
       bool[] (``xp``'s).
     """
-    starts, ends, live = q_starts, q_starts + q_lens, q_lens > 0
+    live = q_lens > 0
+    # Out of range first, without adding (int32 starts near 2**31 would wrap past T); then in-range rows, whose
+    # ends are at most 2 T.
+    outside = live & ((q_starts < 0) | (q_starts > num_rows) | (q_lens > num_rows) | (q_starts > num_rows - q_lens))
+    starts = xp.clip(q_starts, 0, num_rows)
+    ends = starts + xp.clip(q_lens, 0, num_rows)
     both = live[:, None] & live[None, :] & ~xp.eye(live.shape[0], dtype=bool)
     overlap = both & (starts[:, None] < ends[None, :]) & (starts[None, :] < ends[:, None])
-    return overlap.any() | (live & ((starts < 0) | (ends > num_rows))).any()
+    return overlap.any() | outside.any()
 
 
 def check_flat_batch(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, k_scales, v_scales):
@@ -236,5 +241,6 @@ def check_flat_batch(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, k
         if rows_conflict(qs, ql, q.shape[0], xp=np):
             raise ValueError(f"sequences' query rows overlap or pass T={q.shape[0]}: q_starts={qs.tolist()} "
                              f"q_lens={ql.tolist()}")
-    # Under jit a start cannot be checked: clamped into the rows, so no output lands past T (or wraps to its end).
+    # Under jit a start cannot be checked: clamped into the rows, so no output lands past T (or wraps to its end);
+    # the door poisons the output of such a call (rows_conflict on the starts as given).
     return layer, (jnp.clip(q_starts.astype(i32), 0, q.shape[0] - 1), q_lens, kv_lens)

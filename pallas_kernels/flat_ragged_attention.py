@@ -189,8 +189,8 @@ def flat_ragged_paged_attention(
         position ``kv_lens[s] - q_lens[s] + t`` and sees keys at positions
         ``<=`` its own; ``q_lens[s] = 0`` leaves the sequence out. Lengths past
         a row's table are refused eagerly and clamped under ``jit``;
-        sequences whose rows overlap or pass ``T`` are refused eagerly and
-        make every output row NaN under ``jit``.
+        sequences whose rows overlap, start below 0 or pass ``T`` are
+        refused eagerly and make every output row NaN under ``jit``.
       slots: i32[T] flat slot of each row's new K/V (-1: none); the slots of
         a sequence's new tokens are those its block table gives their
         positions (the engine's slot mapping), else it reads stale K/V.
@@ -234,8 +234,13 @@ def flat_ragged_paged_attention(
     if not isinstance(block_sizes, FlatBlockSizes):
         raise ValueError(f"block_sizes must be a FlatBlockSizes, got {type(block_sizes).__name__}")
     common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    traced = isinstance(q_starts, jax.core.Tracer) or isinstance(q_lens, jax.core.Tracer)
+    claimed = (q_starts, q_lens)  # as given: the clamped starts below could hide a start past T
     layer, (q_starts, q_lens, kv_lens) = check_flat_batch(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens,
                                                           kv_lens, k_scales, v_scales)
+    # NumPy pools or scales are checked as arrays; the write needs JAX's (``.at``).
+    k_pool, v_pool = jnp.asarray(k_pool), jnp.asarray(v_pool)
+    k_scales, v_scales = (None, None) if k_scales is None else (jnp.asarray(k_scales), jnp.asarray(v_scales))
     block_sizes.check(impl, k_pool.shape[3])
     _check_new_kv(q, k_new, v_new, k_pool, slots)
     _check_slots_follow_tables(slots, block_tables, q_starts, q_lens, kv_lens, k_pool.shape[3])
@@ -250,9 +255,9 @@ def flat_ragged_paged_attention(
         q, k_new, v_new, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, slots, k_scales=k_scales,
         v_scales=v_scales, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, decode_tiles=decode_tiles,
         prefill_chunks=prefill_chunks, block_sizes=block_sizes, impl=impl, interpret=interpret)
-    if isinstance(q_starts, jax.core.Tracer) or isinstance(q_lens, jax.core.Tracer):
-        # Checked eagerly; under jit a sequence's output could be overwritten by another's, silently: all NaN.
-        out = jnp.where(rows_conflict(q_starts, q_lens, q.shape[0]), jnp.nan, out)
+    if traced:
+        # Checked eagerly; under jit a sequence's output could land in another's rows, silently: all NaN.
+        out = jnp.where(rows_conflict(*claimed, q.shape[0]), jnp.nan, out)
     return (out, *pool)
 
 

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import LlamaConfig
-from models.llama import Llama, RaggedModel
+from models.llama import Llama
+from models.ragged import RaggedModel
 from paged_jax import page_state as ps
 from paged_jax.batch import RaggedBatch, Tiling, batch_shape
 from paged_jax.slots import flat_slot_mapping

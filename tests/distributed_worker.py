@@ -51,7 +51,7 @@ def main(out_path: str) -> None:
                                  "max_logit_diff": float(np.max(np.abs(logits - want_logits)))}
     # The engine: one per data shard, each process serving its own shard's
     # requests (placed by tokens), every output gathered to every process.
-    from models.llama import RaggedModel
+    from models.ragged import RaggedModel
     from models.sharded import make_data_parallel_engine
     from paged_jax.data_parallel import gather_outputs
     from paged_jax.engine import Engine, EngineConfig, Request

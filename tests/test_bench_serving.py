@@ -21,7 +21,8 @@ from flax import nnx
 
 from experiments import bench_serving, latency, online, preflight, provenance, serving_figures
 from models.config import LlamaConfig
-from models.llama import Llama, RaggedModel
+from models.llama import Llama
+from models.ragged import RaggedModel
 from tests.engine_helpers import make_engine, serve, toy_requests
 
 # ----------------------------------------------------------------- arrivals

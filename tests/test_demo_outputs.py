@@ -18,7 +18,7 @@ import pytest
 
 from experiments.serving import serve
 from experiments.sharegpt import build_requests
-from models.llama import RaggedModel
+from models.ragged import RaggedModel
 from models.smollm2 import load_smollm2
 
 BASELINE = json.loads((pathlib.Path(__file__).parent / "data" / "demo_greedy_outputs.json").read_text())["outputs"]

@@ -265,7 +265,8 @@ def test_a_failed_step_poisons_the_engine_instead_of_hanging(overlap):
 def test_engine_refuses_a_pool_or_vocabulary_that_does_not_fit_the_model():
     from flax import nnx
 
-    from models.llama import Llama, LlamaConfig, RaggedModel
+    from models.llama import Llama, LlamaConfig
+    from models.ragged import RaggedModel
 
     cfg = LlamaConfig(vocab_size=97, model_dim=32, mlp_dim=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=8)
     model = RaggedModel(Llama(cfg, rngs=nnx.Rngs(0)))

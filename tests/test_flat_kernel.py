@@ -440,16 +440,22 @@ def test_bad_inputs_are_refused_eagerly_and_clamped_under_jit():
     clamped = long.copy()
     clamped[5] = cap
     np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(long))), np.asarray(fn(jnp.asarray(clamped))))
-    # A negative start is clamped to row 0 too (it wrapped to row T - 1, another sequence's, before).
+    # Rows a sequence cannot own cannot be refused under jit: a negative start (it wrapped to row T - 1, another
+    # sequence's), or rows that overlap another's. Every output row is NaN instead of a silently wrong answer.
     first = int(np.argmin(np.asarray(a["q_starts"])))
     assert int(a["q_starts"][first]) == 0 and int(a["q_lens"][first]) > 0
     starts = jax.jit(lambda qs: call(dict(a, q_starts=qs), "gpu")[0])
-    np.testing.assert_array_equal(np.asarray(starts(a["q_starts"].at[first].set(-1))),
-                                  np.asarray(starts(a["q_starts"])))
-    # Rows that overlap cannot be refused under jit: one sequence's output would overwrite another's, so every
-    # output row is NaN instead (it was a silently wrong answer).
+    assert np.isnan(np.asarray(starts(a["q_starts"].at[first].set(-1)))).all()
     assert np.isfinite(np.asarray(starts(a["q_starts"]))).all()
     assert np.isnan(np.asarray(starts(a["q_starts"].at[2].set(a["q_starts"][1])))).all()
+    # So do starts past T (clamped, a one-row sequence would land in a padding row), int32-wrapping ones included;
+    # eagerly they are refused.
+    one = int(np.flatnonzero(np.asarray(a["q_lens"]) == 1)[0])
+    T = a["q"].shape[0]
+    for start in (T, T + 100, 2**31 - 1):
+        assert np.isnan(np.asarray(starts(a["q_starts"].at[one].set(start)))).all(), start
+        with pytest.raises(ValueError, match="overlap or pass T"):
+            call(dict(a, q_starts=a["q_starts"].at[one].set(start), k_new=None, v_new=None, slots=None), "gpu")
 
 
 def test_scales_that_are_not_arrays_are_refused_by_name():
@@ -460,6 +466,11 @@ def test_scales_that_are_not_arrays_are_refused_by_name():
                         (1.0, "k_scales must be an f32.* array, got float")):
         with pytest.raises(ValueError, match=needle):
             call(dict(a, pool=dataclasses.replace(a["pool"], k_scale=bad)), "reference")
+    # NumPy pools and scales are arrays: served as JAX's (the write crashed on them).
+    want, _ = call(a, "reference")
+    numpy_pool = jax.tree.map(np.asarray, a["pool"])
+    got, _ = call(dict(a, pool=numpy_pool), "reference")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 PRESET_HEADS = sorted({(c.num_q_heads, c.num_kv_heads, c.head_dim) for c in PRESETS.values()})
@@ -500,7 +511,8 @@ def engine_tokens(config, impl, *, prompt_lens, page_size, num_pages, budget, kv
     decodes."""
     from flax import nnx
 
-    from models.llama import Llama, RaggedModel
+    from models.llama import Llama
+    from models.ragged import RaggedModel
     from paged_jax.engine import Engine, EngineConfig, Request
 
     model = Llama(config, rngs=nnx.Rngs(0))
@@ -545,7 +557,7 @@ def test_forward_ragged_lets_the_flat_kernel_write(monkeypatch, impl, writes):
     kernel's call writes); the XLA path scatters once per layer body."""
     from flax import nnx
 
-    from models import llama
+    from models import llama, ragged
     from models.config import LlamaConfig
     from paged_jax import ragged_attention
 
@@ -558,14 +570,14 @@ def test_forward_ragged_lets_the_flat_kernel_write(monkeypatch, impl, writes):
 
         return wrapper
 
-    for module in (llama, ragged_attention):
+    for module in (ragged, ragged_attention):
         monkeypatch.setattr(module, "unchecked_write_layer_kv", counting(module.unchecked_write_layer_kv))
     config = LlamaConfig(vocab_size=97, model_dim=32, mlp_dim=48, num_layers=2, num_q_heads=4, num_kv_heads=2,
                          head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5)
     model = llama.Llama(config, rngs=nnx.Rngs(0))
     batch = small_mixed_batch()
     kv = config.make_kv_pool(8, 4)
-    jax.eval_shape(lambda b, kv: llama.forward_ragged(model, b, kv, impl=impl), batch, kv)
+    jax.eval_shape(lambda b, kv: ragged.forward_ragged(model, b, kv, impl=impl), batch, kv)
     assert len(calls) == writes
 
 
@@ -576,7 +588,7 @@ def _tiny_call(impl, **config):
     ``(logits, kv)``."""
     from flax import nnx
 
-    from models import llama
+    from models import llama, ragged
     from models.config import LlamaConfig
 
     config = LlamaConfig(**{**dict(vocab_size=97, model_dim=32, mlp_dim=48, num_layers=1, num_q_heads=4,
@@ -590,7 +602,7 @@ def _tiny_call(impl, **config):
     shape = (2, config.num_layers, 2, 2, 16)
     k[:, :, 3, :2], v[:, :, 3, :2] = r.normal(size=shape)  # the decode's positions 0, 1 (page 3)
     kv = kv.replace(k=jnp.asarray(k), v=jnp.asarray(v))
-    return jax.jit(lambda b, kv: llama.forward_ragged(model, b, kv, impl=impl))(batch, kv)
+    return jax.jit(lambda b, kv: ragged.forward_ragged(model, b, kv, impl=impl))(batch, kv)
 
 
 # pallas_gpu by default in tests/test_llama.py's engine test

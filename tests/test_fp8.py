@@ -19,7 +19,8 @@ import pytest
 from flax import nnx
 
 from models.config import LlamaConfig
-from models.llama import Llama, RaggedModel
+from models.llama import Llama
+from models.ragged import RaggedModel
 from paged_jax.kv_cache import KVPool, check_pool, copy_pages, init_kv_pool, write_layer_kv
 from pallas_kernels.common import dequantize_kv, quantized_max
 from tests.decoder_helpers import mixed_calls

@@ -35,7 +35,8 @@ from flax import nnx
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported
 
 from models.hf_loader import load_hf, load_hf_model, load_hf_tokenizer, read_hf_config  # noqa: E402
-from models.llama import Llama, RaggedModel, forward_dense, make_step_fn  # noqa: E402
+from models.llama import Llama, forward_dense, make_step_fn  # noqa: E402
+from models.ragged import RaggedModel  # noqa: E402
 from paged_jax.engine import Engine, EngineConfig, Request  # noqa: E402
 
 import torch  # noqa: E402  (the test extra: the oracle must be there, never skipped)

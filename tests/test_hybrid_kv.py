@@ -204,7 +204,8 @@ def test_the_decoder_reads_per_group_tables_as_it_reads_one():
     from flax import nnx
 
     from models.config import LlamaConfig
-    from models.llama import Llama, RaggedModel, forward_dense
+    from models.llama import Llama, forward_dense
+    from models.ragged import RaggedModel
 
     types = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(6))
     config = LlamaConfig(vocab_size=VOCAB, model_dim=16, mlp_dim=32, num_layers=6, num_q_heads=2, num_kv_heads=1,

@@ -168,7 +168,7 @@ def test_presets_are_the_models_heads():
 def _row(impl, ratio, pct_peak, *, heads="llama-3-8b", workload="uniform", batch=64, max_len=2048,
          dtype="bfloat16"):
     return dict(heads=heads, workload=workload, batch=batch, mean_len=float(max_len), max_len=max_len, dtype=dtype,
-                impl=impl, ratio=ratio, pct_peak=pct_peak)
+                kv_dtype=dtype, impl=impl, ratio=ratio, pct_peak=pct_peak)
 
 
 def test_summary_judges_the_targets():
@@ -235,3 +235,30 @@ def test_device_summary_reads_back_what_the_check_wrote(tmp_path, capsys):
     assert device_summary.main([str(tmp_path)]) == 1
     assert "unreadable" in capsys.readouterr().out
     assert device_summary.main([str(tmp_path / "missing")]) == 2
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+def test_quantized_pages_rows(kv_dtype):
+    """--kv-dtype: pages of 1 byte per value with f32 scales in a stacked
+    pool (NaN scales in the other layers), each implementation checked
+    against dense attention over the values the pages stand for; ``KV GB``
+    counts the bytes read, scales included."""
+    cfg = dataclasses.replace(kernel_bench.HEAD_PRESETS["smollm2"], layers=3)
+    lengths = np.array([5, 33], np.int32)
+    rows = kernel_bench.run_case(cfg, lengths, jnp.float32, ["xla", "pallas_gpu", "flat_gpu"],
+                                 np.random.default_rng(0), "sharegpt", peak_read_gbs=1.0, min_seconds=ONE_CALL,
+                                 kv_dtype=jnp.dtype(kv_dtype))
+    assert [(r["impl"], r["dtype"], r["kv_dtype"]) for r in rows] == [
+        (impl, "float32", kv_dtype) for impl in ("dense", "xla", "pallas_gpu", "flat_gpu")]
+    # 38 tokens x 3 KV heads x (64 bytes + a 4-byte scale) x 2 (K and V)
+    assert [r["kv_gb"] for r in rows] == [pytest.approx(38 * 3 * (64 + 4) * 2 / 1e9)] * 4
+    case = kernel_bench.make_case(cfg, lengths, jnp.float32, np.random.default_rng(0), jnp.dtype(kv_dtype))
+    assert case.k_pages.dtype == jnp.dtype(kv_dtype) and case.k_scales.shape == case.k_pages.shape[:-1]
+    assert np.isnan(np.asarray(case.k_scales[0])).all()  # a kernel reading the wrong layer gets NaN
+
+
+def test_kv_dtype_flag_takes_the_fp8_alias_and_refuses_float_pages(capsys):
+    assert kernel_bench.parse_args(["--kv-dtype", "fp8"]).kv_dtype == "float8_e4m3fn"
+    with pytest.raises(SystemExit):
+        kernel_bench.parse_args(["--kv-dtype", "bfloat16"])
+    assert "--kv-dtype: invalid choice: 'bfloat16'" in capsys.readouterr().err

@@ -67,7 +67,8 @@ def test_engine_at_smollm2_shapes_through_kernel_equals_xla(impl):
     import numpy as np
     from flax import nnx
 
-    from models.llama import Llama, RaggedModel
+    from models.llama import Llama
+    from models.ragged import RaggedModel
     from models.presets import PRESETS
     from paged_jax.engine import Engine, EngineConfig, Request
 

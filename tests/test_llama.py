@@ -11,14 +11,8 @@ import pytest
 from flax import nnx
 
 from models.config import SMOLLM2_135M
-from models.llama import (
-    Llama,
-    LlamaConfig,
-    RaggedModel,
-    forward,
-    forward_ragged,
-    make_step_fn,
-)
+from models.llama import Llama, LlamaConfig, forward, make_step_fn
+from models.ragged import RaggedModel, forward_ragged
 from models.smollm2 import generate_greedy
 from tests.decoder_helpers import NUM_PAGES, PAGE_SIZE, mixed_calls, nan_pool, small_mixed_batch
 from paged_jax.kv_cache import write_layer_pages, write_pages

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.llama import Llama, LlamaConfig, RaggedModel
+from models.llama import Llama, LlamaConfig
+from models.ragged import RaggedModel
 from paged_jax.batch import RaggedBatch, Tiling, batch_shape
 from paged_jax.engine import Engine, EngineConfig, Request
 from paged_jax.ragged_attention import attend

@@ -45,6 +45,7 @@ def test_a_run_shorter_than_the_skip_writes_no_trace_and_outputs_are_unchanged(t
 
 
 @pytest.mark.parametrize("argv, message", [
+    (["--profile", ""], "argument --profile: must be a folder path, got ''"),
     (["--profile-skip", "-1"], "--profile-skip must be >= 0, got -1"),
     (["--profile-steps", "0"], "--profile-steps must be >= 1, got 0"),
 ])
@@ -75,8 +76,9 @@ def test_spec_from_flags_and_bad_arguments(tmp_path):
             make(out_dir=tmp_path, python=1)
         with pytest.raises(ValueError, match="skip must be an int >= 0, got skip=True"):
             make(out_dir=tmp_path, skip=True)
-        with pytest.raises(ValueError, match="out_dir must be a folder path, got out_dir=None"):
-            make(out_dir=None)
+        for bad in (None, "", "a\0b"):
+            with pytest.raises(ValueError, match=r"out_dir must be a folder path \(not empty, no NUL byte\)"):
+                make(out_dir=bad)
 
 
 def test_checking_the_flags_leaves_no_folder_behind(tmp_path, capsys):

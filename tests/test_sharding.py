@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.llama import Llama, LlamaConfig, RaggedModel
+from models.llama import Llama, LlamaConfig
+from models.ragged import RaggedModel
 from models.sharded import KV_SPEC, ShardedLlama, ShardedRaggedModel, make_data_parallel_engine
 from paged_jax.data_parallel import DataParallelEngine, merged_stats
 from paged_jax.engine import Engine, EngineConfig, Request

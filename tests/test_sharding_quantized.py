@@ -31,7 +31,8 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from models.llama import Llama, RaggedModel, forward
+from models.llama import Llama, forward
+from models.ragged import RaggedModel
 from models.sharded import (KV_SPEC, SCALE_SPEC, ShardedLlama, ShardedRaggedModel, kv_pool_specs,
                             make_data_parallel_engine)
 from paged_jax.engine import Engine, EngineConfig, Request

@@ -18,7 +18,8 @@ from flax import nnx
 
 from experiments.sharegpt import load_conversations
 from models.checkpoint import FORMAT, load_checkpoint, save_checkpoint
-from models.llama import Llama, LlamaConfig, RaggedModel, forward, forward_dense
+from models.llama import Llama, LlamaConfig, forward, forward_dense
+from models.ragged import RaggedModel
 from models.train import (PAD_SEGMENT, TrainConfig, Trainer, decay_mask, make_batch, next_token_loss,
                           pack_documents)
 from paged_jax import page_state as ps

@@ -13,7 +13,8 @@ from flax import nnx
 from experiments import online, policies, provenance, serving_figures, workloads
 from experiments.sharegpt import conversation_rounds, sample_requests
 from models.config import LlamaConfig
-from models.llama import Llama, RaggedModel
+from models.llama import Llama
+from models.ragged import RaggedModel
 
 
 class CharTokenizer:
