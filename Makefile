@@ -63,7 +63,7 @@ check-tables: setup
 # Two worker processes (pytest-xdist), one test file each at a time: JAX compiles on one core per process,
 # so two use both cores of a 2-core machine (975 tests in 14:45 there, against 18:40 for 909 in one process).
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist worksteal
 
 test-all: setup
 	$(PY) -m pytest -q -m ''

@@ -262,6 +262,9 @@ def test_serving_figures_refuses_bad_flags(argv, flag, capsys):
 # ------------------------------------------------------------------ scripts
 
 
+# Slow (58 s): its default twins are test_bench_serving_on_the_toy_model (the same online runs) and
+# tests/test_serving_figures.py's Figure 14 quick run (the same script).
+@pytest.mark.slow
 def test_serving_figures_quick_on_the_toy_model(tmp_path):
     summary, rows13 = serving_figures.main(["--quick", "--model", "toy", "--out", str(tmp_path)])
     for stem in ("serving_fig12_quick", "serving_fig13_quick"):

@@ -25,7 +25,7 @@ from tests.engine_helpers import (
 )
 
 
-@pytest.mark.parametrize("budget", [64, 8])
+@pytest.mark.parametrize("budget", [pytest.param(64, marks=pytest.mark.slow), 8])  # 64: a slow extra
 def test_reference_generation_matches_a_no_cache_loop(budget):
     """The engine's greedy tokens equal recomputing the whole sequence each
     step without a cache, whether the prompt is prefilled in one call or in

@@ -237,7 +237,7 @@ def test_device_summary_reads_back_what_the_check_wrote(tmp_path, capsys):
     assert device_summary.main([str(tmp_path / "missing")]) == 2
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("kv_dtype", ["int8", pytest.param("float8_e4m3fn", marks=pytest.mark.slow)])
 def test_quantized_pages_rows(kv_dtype):
     """--kv-dtype: pages of 1 byte per value with f32 scales in a stacked
     pool (NaN scales in the other layers), each implementation checked

@@ -83,7 +83,9 @@ def _unpressured_samples():
 
 
 @pytest.mark.parametrize("mode,prefix_caching,swap_pages", [
-    ("recompute", True, None), pytest.param("recompute", False, None, marks=pytest.mark.slow), ("swap", True, None),
+    # Recompute (45 s) is a slow extra; ("swap", True, 6) recomputes the groups the swap space cannot take.
+    pytest.param("recompute", True, None, marks=pytest.mark.slow),
+    pytest.param("recompute", False, None, marks=pytest.mark.slow), ("swap", True, None),
     pytest.param("swap", False, None, marks=pytest.mark.slow),  # without prefix caching: slow extras
     ("swap", True, 6),  # a swap space too small for some groups: they are recomputed
 ])

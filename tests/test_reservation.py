@@ -204,8 +204,10 @@ def _preempt_newest(engine):
     return outs
 
 
+# Slow: the default twins are the swap-in and preemption tests below (a group swapped out and back in, a group
+# preempted before its forks).
 @pytest.mark.parametrize("policy, mode", [
-    ("oracle", "swap"), pytest.param("pow2", "recompute", marks=pytest.mark.slow),
+    pytest.param("oracle", "swap", marks=pytest.mark.slow), pytest.param("pow2", "recompute", marks=pytest.mark.slow),
     pytest.param("pow2", "swap", marks=pytest.mark.slow), pytest.param("oracle", "recompute", marks=pytest.mark.slow),
 ])
 def test_preemption_keeps_outputs_under_a_reservation(policy, mode):
