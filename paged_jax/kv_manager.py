@@ -514,9 +514,10 @@ class KVCacheManager:
         for row in self.rows(seq):
             if row in self._hits:  # given pages this round, but no call has taken them yet
                 raise RuntimeError(f"internal: slot {seq.slot} released before the call that shares its pages")
-            held = sum(1 for p in self.pool.pages(row) if p != ps.NULL_PAGE)
+            # Orca counted a copy of every page the row holds: all of them come back, shared or not.
+            copies = 0 if self.reservation == "paged" else sum(1 for p in self.pool.pages(row) if p != ps.NULL_PAGE)
             freed = self.pool.release(row)  # not scheduled in this round: no planned growth
-            self.num_free += freed if self.reservation == "paged" else held  # Orca: its copies go too
+            self.num_free += freed if self.reservation == "paged" else copies
             self._held[row] = 0
             self._to_free[row] = True
 
