@@ -61,11 +61,7 @@ def serve(model: RaggedModel, *, grouped: bool, full_pages: int, num_requests: i
     every-layer pages' bytes (laid out by group or by layer); returns the
     row of the table."""
     config = model.config
-    groups = model.kv_groups
-    if grouped:  # the same bytes in pages of group_size layers
-        pool = model.make_kv_pool(full_pages * config.num_layers // groups.group_size + 1, args.page_size)
-    else:
-        pool = config.make_kv_pool(full_pages + 1, args.page_size)
+    pool = model.make_budget_kv_pool(full_pages + 1, args.page_size, grouped=grouped)  # the same bytes
     engine = Engine(model, pool, EngineConfig(
         max_seqs=args.max_seqs, max_seq_len=args.context, max_num_batched_tokens=args.budget_tokens,
         enable_prefix_caching=False, async_scheduling=True), vocab_size=config.vocab_size)

@@ -30,8 +30,11 @@ gather: about 17 GB at Llama-3-8B in float32 at 128 x 4,096; ``--dtype
 bfloat16`` halves it) and minutes per case; ``--layers N`` multiplies the
 pages by ``N``.
 
-Columns: ``KV GB`` = KV bytes the call *needs* (sum of lengths * K * H *
-itemsize * 2 for K and V; the layer's, not the pool's), in 1e9 bytes; ``ms``
+Columns: ``pages`` = the dtype the row reads K/V in (dense attention: the
+values the pages stand for, in ``--dtype``); ``KV GB`` = KV bytes the call
+*needs* (sum of lengths * K * 2 for K and V * bytes per token and KV head:
+``H * itemsize``, plus a quantized page's 4-byte scale; the layer's, not
+the pool's), in 1e9 bytes; ``ms``
 per call (best of 5 timed loops of ``--min-seconds`` each, robust to other
 load on the machine); ``x dense`` = paged time / dense time; ``GB/s`` = KV GB per
 second; ``% peak`` = that over the *peak* read bandwidth: one large
@@ -387,22 +390,24 @@ def run_case(cfg: BenchConfig, lengths: np.ndarray, dtype, impls: list[str], rng
 
     itemsize = jnp.dtype(dtype).itemsize
     kv_bytes = int(lengths.sum()) * num_kv * kv_bytes_per_token(head_dim, page_dtype) * 2
+    # Dense attention reads the values the pages stand for, in `dtype`: its own bytes (as many when unquantized).
+    dense_bytes = int(lengths.sum()) * num_kv * head_dim * itemsize * 2
     same_size_gbs = copy_read_gbs(kv_bytes, min_seconds)
 
     dense_fn = jax.jit(dense_attention)
     dense_s = time_call(dense_fn, q, k_dense, v_dense, kv_lens, min_seconds=min_seconds)
     expected = dense_fn(q, k_dense, v_dense, kv_lens)
     common = dict(heads=cfg.name, workload=label, batch=batch, mean_len=float(lengths.mean()),
-                  max_len=int(lengths.max()), dtype=jnp.dtype(dtype).name, kv_dtype=page_dtype.name,
-                  kv_gb=kv_bytes / 1e9,
+                  max_len=int(lengths.max()), dtype=jnp.dtype(dtype).name,
                   copy_read_gbs=same_size_gbs, peak_read_gbs=peak_read_gbs)
 
-    def row(impl: str, seconds: float) -> dict:
-        gbs = kv_bytes / seconds / 1e9
-        return dict(common, impl=impl, ms=seconds * 1e3, ratio=seconds / dense_s, gbs=gbs,
-                    pct_peak=100 * gbs / peak_read_gbs, pct_copy=100 * gbs / same_size_gbs)
+    def row(impl: str, seconds: float, nbytes: int = kv_bytes, read_dtype: str = page_dtype.name) -> dict:
+        gbs = nbytes / seconds / 1e9
+        return dict(common, impl=impl, kv_dtype=read_dtype, kv_gb=nbytes / 1e9, ms=seconds * 1e3,
+                    ratio=seconds / dense_s, gbs=gbs, pct_peak=100 * gbs / peak_read_gbs,
+                    pct_copy=100 * gbs / same_size_gbs)
 
-    rows = [row("dense", dense_s)]
+    rows = [row("dense", dense_s, dense_bytes, jnp.dtype(dtype).name)]
     for impl in impls:
         fn = paged_decode(impl)
         out = fn(*case.paged_args)

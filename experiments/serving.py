@@ -137,8 +137,10 @@ def make_engine(model, *, kv_tokens: int, page_size: int, max_seqs: int, max_seq
             raise ValueError("tokenizer: the data-parallel engine (mesh) does not detokenize; pass tokenizer=None")
         return make_data_parallel_engine(model, mesh, engine_config, pages_per_shard=num_pages, page_size=page_size,
                                          stop_ids=stop_ids, vocab_size=vocab_size, kv_dtype=kv_dtype)
-    return Engine(paged_model or RaggedModel(model), model.config.make_kv_pool(num_pages, page_size, kv_dtype),
-                  engine_config, stop_ids=stop_ids, vocab_size=vocab_size, tokenizer=tokenizer)
+    paged_model = paged_model or RaggedModel(model)
+    pool = paged_model.make_budget_kv_pool(num_pages, page_size, kv_dtype,
+                                           grouped=engine_config.drop_out_of_window_pages)
+    return Engine(paged_model, pool, engine_config, stop_ids=stop_ids, vocab_size=vocab_size, tokenizer=tokenizer)
 
 
 def run_timed(engine: Engine | DataParallelEngine, requests: list[Request], *, progress: bool = False,

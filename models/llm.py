@@ -155,7 +155,13 @@ class LLM:
         ``2 * layers * kv_heads * head_dim * itemsize`` bytes a token, plus
         ``2 * layers * kv_heads * 4`` for a quantized pool's scales
         (``LlamaConfig.kv_bytes_per_token``; SmolLM2 in f32: 46,080, so the
-        default 8,192 tokens take 377 MB).
+        default 8,192 tokens take 377 MB). A model mixing sliding-window
+        and full layers (Gemma 2 / 3) gets those bytes laid out by layer
+        group (``RaggedModel.make_budget_kv_pool``): a block table per
+        group, each sliding group's pages returned once they leave its
+        window, so more than ``kv_tokens`` tokens fit
+        (``drop_out_of_window_pages=False`` keeps every page in one
+        table).
       page_size: tokens per page.
       max_seqs: most sequences running at once.
       max_seq_len: most tokens per sequence, prompt plus output; default
@@ -245,7 +251,9 @@ class LLM:
                              f"{max_seq_len=}")
         check_pool(max_seq_len)
         config = EngineConfig(max_seq_len=max_seq_len, **engine_options)
-        self.engine = Engine(RaggedModel(llama), llama.config.make_kv_pool(num_pages, page_size, kv_dtype), config,
+        paged = RaggedModel(llama)
+        pool = paged.make_budget_kv_pool(num_pages, page_size, kv_dtype, grouped=config.drop_out_of_window_pages)
+        self.engine = Engine(paged, pool, config,
                              stop_ids=tokenizer.stop_ids if tokenizer is not None else (), tokenizer=tokenizer)
         self.tokenizer = tokenizer
         self.name = name

@@ -28,7 +28,7 @@ from models.llama import (Llama, check_model_pool, embed_tokens, final_logits, q
 from paged_jax import attention as paged_attn
 from paged_jax import ragged_attention
 from paged_jax.batch import RaggedBatch
-from paged_jax.checks import check_choice
+from paged_jax.checks import check_choice, check_int
 from paged_jax.kv_cache import KVPool, check_slots, default_kv_dtype, init_kv_pool, unchecked_write_layer_kv
 from paged_jax.kv_groups import KVGroups, kv_groups
 
@@ -164,6 +164,25 @@ class RaggedModel:
         return init_kv_pool(num_layers=self.kv_groups.group_size, num_kv_heads=config.num_kv_heads,
                             num_pages=num_pages, page_size=page_size, head_dim=config.head_dim,
                             dtype=default_kv_dtype() if dtype is None else dtype)
+
+    def make_budget_kv_pool(self, num_pages: int, page_size: int, dtype=None, *, grouped: bool = True) -> KVPool:
+        """A zeroed pool of the bytes of ``LlamaConfig.make_kv_pool(num_pages,
+        ...)`` (pages of every layer, ``num_pages`` counting the null page),
+        laid out by layer group when ``grouped`` (:meth:`make_kv_pool`):
+        ``(num_pages - 1) * num_layers // g + 1`` pages of ``g`` layers, so
+        a hybrid model's engine returns its sliding groups' pages while the
+        same memory is given. A model of one kind gets the same pool either
+        way; ``grouped=False`` keeps every layer's pages in one table.
+
+        Raises:
+          ValueError: ``num_pages`` not an int >= 1, ``page_size`` not an
+            int >= 1, or a bad ``dtype`` (as ``make_kv_pool``).
+        """
+        num_pages = check_int("num_pages", num_pages)
+        if not grouped:
+            return self.config.make_kv_pool(num_pages, page_size, dtype)
+        groups = self.kv_groups
+        return self.make_kv_pool((num_pages - 1) * groups.num_layers // groups.group_size + 1, page_size, dtype)
 
     def apply(self, params, batch: RaggedBatch, kv: KVPool) -> tuple[jax.Array, KVPool]:
         return forward_ragged(nnx.merge(self._graphdef, params), batch, kv, impl=self.impl)

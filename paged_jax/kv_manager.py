@@ -54,9 +54,12 @@ pages its window holds once its known tokens are computed (the pages its
 chunked prefill holds for a while beyond them are checked round by round,
 like any growth, with preemption when the pool is short). Swapping copies
 each group's live pages; a fork (parallel samples, beams) forks all ``G``
-rows. What ``G > 1`` does not do yet: prefix caching (a sliding group's
-hit needs its own pages inside the window, keyed per group:
-:data:`PREFIX_CACHING_OFF`) and reservation policies other than
+rows. Prefix caching keeps each group's pages under its own keys, and a
+hit has one length in every group: a full group's pages up to it, a
+sliding group's only those its window still sees, null before them
+(:meth:`paged_jax.prefix_cache.PrefixCache.longest_hit`). What ``G > 1``
+does not do: same-step prefix sharing (a request hits only pages a call
+already dispatched computes) and reservation policies other than
 ``"paged"`` (refused by name).
 
 Reservations. Under a reservation policy other than ``"paged"``
@@ -95,11 +98,6 @@ from paged_jax.stats import EngineStats
 from paged_jax.swap import SwapSpace, SwappedGroup, gather_pages, scatter_pages
 
 
-PREFIX_CACHING_OFF = (
-    "prefix caching is off for models with several layer groups: a hit must hold each sliding group's pages "
-    "inside its window, keyed per group (vLLM v1's find_longest_cache_hit), which is not built yet")
-"""Why :class:`KVCacheManager` keeps no prefix cache when ``G > 1``."""
-
 
 @dataclasses.dataclass(frozen=True)
 class Admission:
@@ -109,8 +107,9 @@ class Admission:
       cost: pages it takes off the free queue, its sequences' growth to
         their known tokens included (and, from swap, a copy-on-write copy
         each at most).
-      hits: per member, the cached pages that hold its first tokens (empty
-        lists when swapped).
+      hits: per member, per layer group, the cached pages that hold its
+        first tokens (``NULL_PAGE`` where a sliding window needs none;
+        empty lists when swapped).
       swapped: its pages in the swap space, or None.
       members: the group's live sequences it admits.
       computed: per member, the tokens whose K/V it has once admitted.
@@ -181,10 +180,6 @@ class KVCacheManager:
         chunk's bound, for admission costs with several groups); default
         ``max_seq_len``.
 
-    Attributes:
-      prefix_caching_off: why there is no prefix cache although
-        ``enable_prefix_caching`` asked for one ("" otherwise).
-
     Raises:
       ValueError: ``groups`` whose ``group_size`` is not the pool's layer
         count; several groups with a ``reservation`` other than "paged".
@@ -215,8 +210,7 @@ class KVCacheManager:
         self.reservation = reservation
         self.state = ps.init_page_state(num_pages=kv_pool.num_pages, max_seqs=rows,
                                         max_pages_per_seq=self.max_pages_per_seq, page_size=L)
-        self.prefix_caching_off = PREFIX_CACHING_OFF if enable_prefix_caching and groups.num_groups > 1 else ""
-        self.prefix_cache = PrefixCache(L) if enable_prefix_caching and not self.prefix_caching_off else None
+        self.prefix_cache = PrefixCache(L) if enable_prefix_caching else None
         self.pool = BlockPool(num_pages=kv_pool.num_pages, max_seqs=rows, max_pages_per_seq=self.max_pages_per_seq,
                               page_size=L, on_evict=self.prefix_cache.evict if self.prefix_cache is not None else None)
         self.swap = SwapSpace(swap_space_pages)
@@ -276,16 +270,17 @@ class KVCacheManager:
             else:
                 cost = len(set().union(*rows) - {-1}) + sum(G * (self.pages_for(s, s.num_tokens) + 1) - len(r)
                                                              for s, r in zip(members, rows))
-            return Admission(cost=cost, hits=[[] for _ in members], swapped=swapped, members=members,
+            return Admission(cost=cost, hits=[[[]] * G for _ in members], swapped=swapped, members=members,
                              computed=[swapped.num_tokens[s.index] for s in members])
         hits = [self._lookup(s) for s in members]
         if self.reservation != "paged":  # Orca shares nothing: a hit saves compute, not pages
             cost = sum(self._known_pages(s) for s in members) + self._children_pages(group, members)
         else:
-            new_pages = sum(self._known_pages(s) - len(h) for s, h in zip(members, hits))
-            cost = new_pages + sum(1 for p in set().union(*hits) if self.pool.ref_counts[p] == 0)
+            new_pages = sum(self._known_pages(s, len(h[0])) for s, h in zip(members, hits))
+            taken = set().union(*(pages for h in hits for pages in h)) - {ps.NULL_PAGE}
+            cost = new_pages + sum(1 for p in taken if self.pool.ref_counts[p] == 0)
         return Admission(cost=cost, hits=hits, swapped=None, members=members,
-                         computed=[len(h) * self.page_size for h in hits])
+                         computed=[len(h[0]) * self.page_size for h in hits])
 
     def _children_pages(self, group: SequenceGroup, members: list[Sequence]) -> int:
         """Under a reservation policy, the pages a group's samples and beams
@@ -319,34 +314,40 @@ class KVCacheManager:
             to_come += sum(max(pages - int(self.pool.num_seq_pages[r]), 0) for r in group.child_slots)
         return copies + to_come
 
-    def _known_pages(self, seq: Sequence) -> int:
-        """Pages admitting ``seq`` (no prefix hit) costs, summed over its
-        groups: a full group's pages for its known tokens; with several
-        groups, a sliding group's the more of the pages its window still
-        sees once they are computed and the pages of its first chunk (at
-        most ``max_num_batched_tokens`` tokens, taken whole before the next
-        round drops any), so the first call's growth always fits."""
+    def _known_pages(self, seq: Sequence, hit: int = 0) -> int:
+        """New pages admitting ``seq`` costs after a prefix hit of ``hit``
+        pages, summed over its groups: a full group's pages for its known
+        tokens past the hit; with several groups, a sliding group's the
+        more of the new pages its window still sees once they are computed
+        and the new pages of its first chunk (at most
+        ``max_num_batched_tokens`` tokens past the hit, taken whole before
+        the next round drops any), so the first call's growth always
+        fits."""
         n = len(seq.tokens)
-        total = self.pages_for(seq, n)
+        total = self.pages_for(seq, n) - hit
         if self.groups.num_groups == 1:
             return total
-        L, first_chunk = self.page_size, ps.pages_for_tokens(min(n, self.max_num_batched_tokens), self.page_size)
-        return sum(total if w is None else max(first_chunk, total - int(window_first_kept(n, sliding_window=w,
-                                                                                          page_size=L)))
-                   for w in self.groups.windows)
+        L = self.page_size
+        first_chunk = ps.pages_for_tokens(min(n, hit * L + self.max_num_batched_tokens), L) - hit
+        kept = [0 if w is None else max(int(window_first_kept(n, sliding_window=w, page_size=L)) - hit, 0)
+                for w in self.groups.windows]
+        return sum(total if w is None else max(first_chunk, total - k) for w, k in zip(self.groups.windows, kept))
 
-    def _lookup(self, seq: Sequence) -> list[int]:
-        """Cached pages holding ``seq``'s first tokens, never all of them:
-        its last token is always computed, so there are logits to sample.
-        None for a request asking for prompt log-probs."""
+    def _lookup(self, seq: Sequence) -> list[list[int]]:
+        """Per layer group, the cached pages holding ``seq``'s first tokens
+        (:meth:`paged_jax.prefix_cache.PrefixCache.longest_hit`), never
+        all of them: its last token is always computed, so there are
+        logits to sample. Empty for a request asking for prompt
+        log-probs."""
         # Prompt log-probs need logits at every prompt position, so such a request computes its whole prompt: a
         # hit would leave the tokens it covers unscored. vLLM v1 skips the lookup for it too
         # (vllm/v1/core/kv_cache_manager.py, KVCacheManager.get_computed_blocks: "We skip finding the prefix cache
         # hit when ... the request requires prompt logprobs"). Its own pages are still offered to the cache.
         if self.prefix_cache is None or seq.request.sampling.prompt_logprobs is not None:
-            return []
+            return [[] for _ in self.groups.windows]
         chain_keys(seq.tokens, self.page_size, seq.extra_key, seq.keys)
-        return self.prefix_cache.lookup(seq.tokens, seq.keys, seq.extra_key, (len(seq.tokens) - 1) // self.page_size)
+        return self.prefix_cache.longest_hit(seq.tokens, seq.keys, seq.extra_key,
+                                             (len(seq.tokens) - 1) // self.page_size, self.groups.windows)
 
     # ------------------------------------------------------------ actions
 
@@ -400,7 +401,7 @@ class KVCacheManager:
             # taken off its head for new content, so none is handed out.
             for seq, hits in zip(members, adm.hits):
                 self._admit_hits(seq, hits)
-            if self.prefix_cache is not None:
+            if self.prefix_cache is not None and self.groups.num_groups == 1:
                 for seq, n in zip(members, chunks):
                     self._take_filled_pages(seq, n)
         for seq, n in zip(members, chunks):
@@ -412,9 +413,11 @@ class KVCacheManager:
                 self._held[row] += need
                 self._min_pages[row] = reserved
 
-    def _admit_hits(self, seq: Sequence, hits: list[int]) -> None:
+    def _admit_hits(self, seq: Sequence, hits: list[list[int]]) -> None:
+        """Gives ``seq``'s rows their prefix hits (one table per group, the
+        same length in each)."""
         st = self.stats
-        hit_tokens = len(hits) * self.page_size
+        hit_tokens = len(hits[0]) * self.page_size
         if seq.group.num_cached_tokens is None:  # first admission
             seq.group.num_cached_tokens = hit_tokens
             st.prompt_tokens += seq.num_prompt
@@ -423,13 +426,15 @@ class KVCacheManager:
             st.recompute_hit_tokens += hit_tokens
             st.recomputed_tokens += len(seq.tokens) - hit_tokens
         seq.num_computed = hit_tokens
-        if not hits:
+        if not hit_tokens:
             return
-        st.prefix_hit_pages += len(hits)
-        st.pages_saved += sum(1 for p in hits if self.pool.ref_counts[p] > 0)
-        taken = self.pool.share(seq.slot, hits)
-        self.num_free -= taken if self.reservation == "paged" else len(hits)  # Orca holds a copy of a shared hit
-        self._hits[seq.slot] = (hits, hit_tokens, 0)
+        for row, pages in zip(self.rows(seq), hits):
+            live = [p for p in pages if p != ps.NULL_PAGE]
+            st.prefix_hit_pages += len(live)
+            st.pages_saved += sum(1 for p in live if self.pool.ref_counts[p] > 0)
+            taken = self.pool.share(row, pages, hit_tokens)
+            self.num_free -= taken if self.reservation == "paged" else len(live)  # Orca holds a copy of a shared hit
+            self._hits[row] = (pages, hit_tokens, 0)
 
     def _take_filled_pages(self, seq: Sequence, n: int) -> None:
         """Same-step sharing: the pages ``seq``'s first chunk of ``n``
@@ -446,7 +451,8 @@ class KVCacheManager:
         self._hits[seq.slot] = (pages, len(pages) * L, len(fresh) * L)
         chain_keys(seq.tokens, L, seq.extra_key, seq.keys)
         for j, page in enumerate(fresh, start=len(hits)):
-            self.prefix_cache.insert(page, seq.tokens, seq.keys, seq.extra_key, j)
+            self.prefix_cache.insert(page, seq.tokens, seq.keys, seq.extra_key, j,
+                                     windowed=self.sliding_window is not None)
         seq.num_keyed = len(pages)
 
     def _swap_in(self, members: list[Sequence], swapped: SwappedGroup) -> None:
@@ -544,19 +550,22 @@ class KVCacheManager:
             self._held[row] = self._reserving[group]
 
     def offer(self, seq: Sequence) -> None:
-        """Offers ``seq``'s newly full pages to the prefix cache: pages whose
-        K/V a dispatched call computes and whose tokens the host knows (a
-        token in flight is not known yet; its page is offered later)."""
+        """Offers ``seq``'s newly full pages to the prefix cache, each layer
+        group's under its own keys: pages whose K/V a dispatched call
+        computes and whose tokens the host knows (a token in flight is not
+        known yet; its page is offered later)."""
         if self.prefix_cache is None:
             return
         full = min(seq.num_computed, len(seq.tokens)) // self.page_size
         if full <= seq.num_keyed:
             return
         chain_keys(seq.tokens, self.page_size, seq.extra_key, seq.keys)
-        table = self.pool.block_tables[seq.slot]
-        for j in range(seq.num_keyed, full):
-            if table[j] != ps.NULL_PAGE:  # dropped by the window before it could be offered
-                self.prefix_cache.insert(int(table[j]), seq.tokens, seq.keys, seq.extra_key, j)
+        for g, (row, window) in enumerate(zip(self.rows(seq), self.groups.windows)):
+            table = self.pool.block_tables[row]
+            for j in range(seq.num_keyed, full):
+                if table[j] != ps.NULL_PAGE:  # dropped by the window before it could be offered
+                    self.prefix_cache.insert(int(table[j]), seq.tokens, seq.keys, seq.extra_key, j, group=g,
+                                             windowed=window is not None)
         seq.num_keyed = full
 
     # -------------------------------------------------------------- calls

@@ -20,6 +20,35 @@ tokens under the same extra key, whatever the hash does; the hash only
 finds candidates. (A SHA-256 collision has never been exhibited; the check
 makes correctness not depend on that.)
 
+Layer groups. A hybrid model (:mod:`paged_jax.kv_groups`) has a block
+table per layer group, so one token range sits in a different page in
+each group, and each group keeps its own pages in the cache: an entry is
+keyed by ``(group, key)``. A hit has one length ``h`` (pages) for every
+group, and what each group must hold for it differs
+(:meth:`PrefixCache.longest_hit`, vLLM v1's
+``HybridKVCacheCoordinator.find_longest_cache_hit``):
+
+- a full-attention group needs pages ``0 .. h - 1``, the verified chain
+  above;
+- a sliding-window group of ``W`` tokens needs only the pages the next
+  query (position ``h * L``) still sees, columns
+  ``window_first_kept(h * L) .. h - 1``
+  (:func:`paged_jax.sliding_window.window_first_kept`); the columns before
+  are null in the shared table, as the window would have dropped them.
+  Such a group caches a page whether or not its parent page is still
+  cached, and a hit checks each page's tokens, extra key and its parent's
+  *key*: the tokens before the window are checked through the hash chain
+  alone (the pages that held them may be gone), the one place a hit rests
+  on SHA-256.
+
+``h`` is the largest length every group can serve: each group answers
+with the longest hit it can give up to the current ``h`` (a full group
+its chain cut there, a sliding group the last length whose window pages
+are all cached), ``h`` becomes the shortest answer, and the groups are
+asked again until all agree. A full group's chain stays valid when cut
+shorter; a sliding group's window run does not (a shorter hit needs
+earlier pages), hence the loop.
+
 Lifetime. A page stays in the cache while its content is valid: while a
 sequence holds it, and after its last holder frees it, until the free queue
 hands it out for new use (least recently freed first:
@@ -37,6 +66,9 @@ import hashlib
 from typing import Hashable, Sequence
 
 import numpy as np
+
+from paged_jax.page_state import NULL_PAGE
+from paged_jax.sliding_window import window_first_kept
 
 _ROOT = b"paged-jax prefix cache v1"
 
@@ -69,14 +101,16 @@ def chain_keys(tokens: Sequence[int], page_size: int, extra: Hashable, keys: lis
 
 @dataclasses.dataclass(frozen=True)
 class _Entry:
+    group: int
     key: bytes
-    parent: int  # page id of the previous page in the chain, -1 for the first
+    parent: int  # page id of the previous page in the chain (same group), -1 for the first or none cached
+    parent_key: bytes  # the previous page's key (_ROOT for the first)
     tokens: tuple[int, ...]
     extra: Hashable
 
 
 class PrefixCache:
-    """Key -> page map over full pages whose K/V are valid.
+    """(group, key) -> page map over full pages whose K/V are valid.
 
     Args:
       page_size: tokens per page.
@@ -84,7 +118,7 @@ class PrefixCache:
 
     def __init__(self, page_size: int):
         self.page_size = page_size
-        self._by_key: dict[bytes, int] = {}
+        self._by_key: dict[tuple[int, bytes], int] = {}
         self._by_page: dict[int, _Entry] = {}
 
     def __len__(self) -> int:
@@ -98,8 +132,26 @@ class PrefixCache:
         """Every cached page id."""
         return list(self._by_page)
 
-    def lookup(self, tokens: Sequence[int], keys: Sequence[bytes], extra: Hashable, max_pages: int) -> list[int]:
-        """The longest run of cached pages holding ``tokens``' first pages.
+    def _verified(self, group: int, tokens: Sequence[int], keys: Sequence[bytes], extra: Hashable, j: int,
+                  parent: int | None) -> int | None:
+        """The cached page holding page ``j`` of ``tokens`` in ``group``, its
+        tokens and extra key checked, and its parent: the page ``parent``
+        when given (a chain), else the parent's key. None if there is none."""
+        page = self._by_key.get((group, keys[j]))
+        if page is None:
+            return None
+        e = self._by_page[page]
+        L = self.page_size
+        if e.extra != extra or e.tokens != tuple(tokens[j * L : (j + 1) * L]):
+            return None
+        if parent is not None:
+            return page if e.parent == parent else None
+        return page if e.parent_key == (keys[j - 1] if j else _ROOT) else None
+
+    def lookup(self, tokens: Sequence[int], keys: Sequence[bytes], extra: Hashable, max_pages: int, *,
+               group: int = 0) -> list[int]:
+        """The longest run of cached pages holding ``tokens``' first pages
+        (a full-attention group's hit).
 
         Args:
           tokens: the request's token ids.
@@ -108,6 +160,7 @@ class PrefixCache:
           max_pages: most pages to return (the engine passes
             ``(len(tokens) - 1) // page_size`` so the last token is always
             computed and there are logits to sample from).
+          group: the layer group whose pages to look up.
 
         Returns:
           page ids for pages ``0, 1, ...`` of the request, each verified
@@ -115,38 +168,94 @@ class PrefixCache:
         """
         pages: list[int] = []
         parent = -1
-        L = self.page_size
         for j in range(min(max_pages, len(keys))):
-            page = self._by_key.get(keys[j])
+            page = self._verified(group, tokens, keys, extra, j, parent)
             if page is None:
-                break
-            e = self._by_page[page]
-            if e.parent != parent or e.extra != extra or e.tokens != tuple(tokens[j * L : (j + 1) * L]):
                 break
             pages.append(page)
             parent = page
         return pages
 
-    def insert(self, page: int, tokens: Sequence[int], keys: Sequence[bytes], extra: Hashable, j: int) -> bool:
-        """Records that ``page`` holds page ``j`` of ``tokens`` (its K/V
-        written or being written by a call already dispatched).
+    def lookup_window(self, tokens: Sequence[int], keys: Sequence[bytes], extra: Hashable, max_pages: int, *,
+                      group: int, window: int) -> list[int]:
+        """A sliding-window group's longest hit of at most ``max_pages``
+        pages: the largest ``h`` whose window pages (columns
+        ``window_first_kept(h * page_size) .. h - 1``) are all cached
+        (module docstring).
 
-        Nothing is recorded when the key is already cached (another page
-        holds the same tokens: the first stays) or when page ``j - 1``'s key
-        is not cached (the page could never be reached). Returns whether it
-        was recorded.
+        Args:
+          tokens, keys, extra, max_pages: as :meth:`lookup`.
+          group: the layer group.
+          window: its sliding window, tokens (>= 1).
+
+        Returns:
+          the group's block table for the hit: ``h`` entries, ``NULL_PAGE``
+          before the window, verified page ids from there on; possibly
+          empty.
         """
-        key = keys[j]
+        L = self.page_size
+        found = [self._verified(group, tokens, keys, extra, j, None) for j in range(min(max_pages, len(keys)))]
+        best, first, run = 0, 0, 0
+        for h in range(1, len(found) + 1):
+            run = run + 1 if found[h - 1] is not None else 0
+            kept = int(window_first_kept(h * L, sliding_window=window, page_size=L))
+            if run >= h - kept:
+                best, first = h, kept
+        return [NULL_PAGE] * first + found[first:best]
+
+    def longest_hit(self, tokens: Sequence[int], keys: Sequence[bytes], extra: Hashable, max_pages: int,
+                    windows: Sequence[int | None]) -> list[list[int]]:
+        """The longest hit every layer group can serve (module docstring,
+        "Layer groups"; vLLM v1's ``find_longest_cache_hit``).
+
+        Args:
+          tokens, keys, extra, max_pages: as :meth:`lookup`.
+          windows: per group, its sliding window in tokens, or None (full
+            attention).
+
+        Returns:
+          per group, its block table for the hit: the same length ``h`` in
+          every group (0: no hit), ``NULL_PAGE`` where a window needs no
+          page.
+        """
+        h = min(max_pages, len(keys))
+        hits: list[list[int] | None] = [None] * len(windows)
+        while True:
+            for g, window in enumerate(windows):
+                if hits[g] is not None and len(hits[g]) >= h and (window is None or len(hits[g]) == h):
+                    hits[g] = hits[g][:h]  # a chain cut shorter still holds; a window run only at its own length
+                elif window is None:
+                    hits[g] = self.lookup(tokens, keys, extra, h, group=g)
+                else:
+                    hits[g] = self.lookup_window(tokens, keys, extra, h, group=g, window=window)
+                h = min(h, len(hits[g]))
+            if all(len(hit) == h for hit in hits):
+                return hits
+
+    def insert(self, page: int, tokens: Sequence[int], keys: Sequence[bytes], extra: Hashable, j: int, *,
+               group: int = 0, windowed: bool = False) -> bool:
+        """Records that ``page`` holds page ``j`` of ``tokens`` in layer
+        group ``group`` (its K/V written or being written by a call already
+        dispatched).
+
+        Nothing is recorded when the key is already cached in the group
+        (another page holds the same tokens: the first stays) or, for a
+        full-attention group (``windowed`` False), when page ``j - 1``'s
+        key is not cached there (the page could never be reached; a
+        sliding-window group's hit needs no earlier page). Returns whether
+        it was recorded.
+        """
+        key = (group, keys[j])
         if key in self._by_key or page in self._by_page:
             return False
-        parent = -1
-        if j:
-            parent = self._by_key.get(keys[j - 1], -1)
-            if parent < 0:
-                return False
+        parent = self._by_key.get((group, keys[j - 1]), -1) if j else -1
+        if j and parent < 0 and not windowed:
+            return False
         L = self.page_size
         self._by_key[key] = page
-        self._by_page[page] = _Entry(key=key, parent=parent, tokens=tuple(tokens[j * L : (j + 1) * L]), extra=extra)
+        self._by_page[page] = _Entry(group=group, key=keys[j], parent=parent,
+                                     parent_key=keys[j - 1] if j else _ROOT,
+                                     tokens=tuple(tokens[j * L : (j + 1) * L]), extra=extra)
         return True
 
     def clear(self) -> None:
@@ -160,4 +269,4 @@ class PrefixCache:
         not cached."""
         e = self._by_page.pop(page, None)
         if e is not None:
-            del self._by_key[e.key]
+            del self._by_key[(e.group, e.key)]

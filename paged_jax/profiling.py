@@ -261,23 +261,33 @@ def report_trace(spec: ProfileSpec, since: float) -> str:
             "trace could not start (see the warning above)")
 
 
-def trace_slices(out_dir: str | pathlib.Path) -> list[dict]:
+def trace_slices(path: str | pathlib.Path) -> list[dict]:
     """The complete events (Perfetto ``"ph": "X"`` slices: ``engine_step``
-    with its ``args.step_num``, the engine's phases, XLA's ops) of the one
-    trace a :class:`StepProfiler` wrote under ``out_dir``.
+    with its ``args.step_num``, the engine's phases, XLA's ops) of one
+    trace a :class:`StepProfiler` wrote.
+
+    Args:
+      path: the trace file (``perfetto_trace.json.gz``, the path a script
+        prints), one run's folder (``DIR/plugins/profile/<run>``), or the
+        ``--profile DIR`` folder when it holds one run only.
 
     Returns:
       the events as dicts (``name``, ``ts`` and ``dur`` in microseconds,
       ``args``, ...), in the file's order.
 
     Raises:
-      ValueError: ``out_dir`` holds no ``plugins/profile/*/perfetto_trace.json.gz``,
-        or more than one (say which run to read).
+      ValueError: ``path`` is none of those (a folder with no trace, or
+        with several runs: the message lists them, pass one).
     """
-    found = sorted(pathlib.Path(out_dir).glob(TRACE_GLOB))
+    path = pathlib.Path(path)
+    if path.is_file():
+        found = [path]
+    else:
+        found = sorted(path.glob(TRACE_GLOB)) or sorted(path.glob(pathlib.Path(TRACE_GLOB).name))
     if len(found) != 1:
-        raise ValueError(f"out_dir={str(out_dir)!r} must hold exactly one plugins/profile/*/perfetto_trace.json.gz, "
-                         f"found {len(found)}")
+        runs = "".join(f"\n  {p}" for p in found)
+        raise ValueError(f"path={str(path)!r} must be a trace file, a run's folder, or a folder holding exactly one "
+                         f"{TRACE_GLOB}; found {len(found)}" + (f" (pass one of them):{runs}" if found else ""))
     data = json.loads(gzip.decompress(found[0].read_bytes()))
     events = data["traceEvents"] if isinstance(data, dict) else data
     return [e for e in events if e.get("ph") == "X"]

@@ -18,7 +18,6 @@ from engine_helpers import PAGE, VOCAB, LayeredToyModel, check_accounting, layer
     layered_params, one_sequence_steps, toy_requests
 from paged_jax.engine import Engine, EngineConfig, Request
 from paged_jax.kv_groups import KVGroups, kv_groups, single_group
-from paged_jax.kv_manager import PREFIX_CACHING_OFF
 from paged_jax.memory import layer_pages, sliding_layer_count
 from paged_jax.page_state import NULL_PAGE, pages_for_tokens
 from paged_jax.sampling import SamplingParams
@@ -115,6 +114,7 @@ REQUESTS = {
     "greedy": lambda: toy_requests(4, seed=3, prompt_len=(10, 24), max_new=(16, 24)),
     "sampled": lambda: toy_requests(6, seed=5, prompt_len=(4, 16), max_new=(20, 30),
                                     sampling=lambda i: SamplingParams(temperature=0.7, seed=i)),
+    "prefix": lambda: shared_prefix_requests(),
     "forks": lambda: [Request(request_id=i, prompt_ids=[int(t) for t in np.random.default_rng(i).integers(0, VOCAB, 14)],
                               max_new_tokens=14,
                               sampling=[SamplingParams(temperature=0.9, seed=i, n=2), SamplingParams(beam_width=2),
@@ -133,7 +133,7 @@ def test_greedy_outputs_equal_the_oracle_and_keeping_every_page_in_less_memory()
         assert got[r.request_id][0] == layered_greedy_reference(params, r.prompt_ids, r.max_new_tokens, WINDOWS)
     kvm = engine.kv_manager
     assert kvm.groups.num_groups == 6 and kvm.state.max_seqs == 6 * 8
-    assert kvm.prefix_cache is None and kvm.prefix_caching_off == PREFIX_CACHING_OFF
+    assert kvm.prefix_cache is not None
     assert engine.stats.window_dropped_pages > 0
     # page-layers at the peak: a grouped page holds 1 layer, a whole page 6
     assert engine.stats.peak_pages_used * 1 < whole_run("greedy")[1].peak_pages_used * len(WINDOWS)
@@ -161,6 +161,61 @@ def test_a_decoding_sequence_holds_exactly_its_groups_pages():
     assert checked > 30
     # the last round saw 52 tokens computed: 5 sliding groups dropped what their window no longer saw
     assert engine.stats.window_dropped_pages == 5 * int(window_first_kept(52, sliding_window=WINDOW, page_size=PAGE))
+
+
+def shared_prefix_requests(prefix_len=22, seed=11):
+    """Three requests with one prompt prefix (different tails)."""
+    r = np.random.default_rng(seed)
+    prefix = r.integers(0, VOCAB, prefix_len).tolist()
+    return [Request(request_id=i, prompt_ids=prefix + r.integers(0, VOCAB, 3 + i).tolist(), max_new_tokens=10)
+            for i in range(3)]
+
+
+def test_prefix_hits_take_each_groups_pages_and_keep_the_outputs():
+    """Request 0 runs alone; 1 and 2 then hit its 5 full prefix pages (20
+    tokens): the full group shares all five, each sliding group (window 8)
+    only the pages the query at 20 still sees, columns 3 and 4, null
+    before (vLLM v1's find_longest_cache_hit)."""
+    reqs = shared_prefix_requests()
+    engine = hybrid_engine()
+    first = outputs(engine, reqs[:1])
+    engine.add_request(reqs[1])
+    engine.add_request(reqs[2])
+    engine.step()  # admits both: the prefix from the cache, the tails computed
+    kvm, S = engine.kv_manager, 8
+    seqs = sorted(engine.running, key=lambda s: s.request.request_id)
+    assert [s.group.num_cached_tokens for s in seqs] == [20, 20]
+    first_kept = int(window_first_kept(20, sliding_window=WINDOW, page_size=PAGE))
+    assert first_kept == 3
+    for g, window in enumerate(WINDOWS):
+        a, b = (kvm.pool.block_tables[g * S + s.slot, :5].tolist() for s in seqs)
+        assert a == b  # both hold the cached pages
+        if window is None:
+            assert NULL_PAGE not in a
+        else:
+            assert a[:3] == [NULL_PAGE] * 3 and NULL_PAGE not in a[3:]
+    rest = outputs(engine, [])
+    assert {**first, **rest} == outputs(hybrid_engine(enable_prefix_caching=False), reqs) == whole_outputs("prefix")
+    assert engine.stats.prefix_hit_tokens == 40
+    assert engine.stats.prefix_hit_pages == 2 * (5 + 5 * 2)  # per request: the full group's 5, 2 per sliding group
+    check_accounting(engine)
+    assert engine.accounting()["used"] == 0
+
+
+def test_prefix_hits_under_recompute_preemption_give_the_large_pools_outputs():
+    """Six requests sharing a 22-token prefix in a pool that preempts: hits
+    at admission and at readmission (a recomputed sequence takes its own
+    cached window pages back) keep the outputs."""
+    r = np.random.default_rng(4)
+    prefix = r.integers(0, VOCAB, 22).tolist()
+    reqs = [Request(request_id=i, prompt_ids=prefix + r.integers(0, VOCAB, 2 + i).tolist(), max_new_tokens=18)
+            for i in range(6)]
+    small = hybrid_engine(num_pages=80)
+    got = outputs(small, reqs)
+    assert small.stats.preemptions > 0 and small.stats.prefix_hit_tokens > 0
+    assert small.stats.window_dropped_pages > 0
+    assert got == outputs(hybrid_engine(enable_prefix_caching=False), reqs)
+    check_accounting(small)
 
 
 @pytest.mark.slow  # 30-80 s each; the default twin: test_sliding_engine's preemption of a one-group model

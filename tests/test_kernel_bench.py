@@ -242,16 +242,19 @@ def test_quantized_pages_rows(kv_dtype):
     """--kv-dtype: pages of 1 byte per value with f32 scales in a stacked
     pool (NaN scales in the other layers), each implementation checked
     against dense attention over the values the pages stand for; ``KV GB``
-    counts the bytes read, scales included."""
+    counts the bytes each row reads, scales included (dense: its f32
+    values)."""
     cfg = dataclasses.replace(kernel_bench.HEAD_PRESETS["smollm2"], layers=3)
     lengths = np.array([5, 33], np.int32)
     rows = kernel_bench.run_case(cfg, lengths, jnp.float32, ["xla", "pallas_gpu", "flat_gpu"],
                                  np.random.default_rng(0), "sharegpt", peak_read_gbs=1.0, min_seconds=ONE_CALL,
                                  kv_dtype=jnp.dtype(kv_dtype))
-    assert [(r["impl"], r["dtype"], r["kv_dtype"]) for r in rows] == [
-        (impl, "float32", kv_dtype) for impl in ("dense", "xla", "pallas_gpu", "flat_gpu")]
-    # 38 tokens x 3 KV heads x (64 bytes + a 4-byte scale) x 2 (K and V)
-    assert [r["kv_gb"] for r in rows] == [pytest.approx(38 * 3 * (64 + 4) * 2 / 1e9)] * 4
+    assert [(r["impl"], r["dtype"], r["kv_dtype"]) for r in rows] == [("dense", "float32", "float32")] + [
+        (impl, "float32", kv_dtype) for impl in ("xla", "pallas_gpu", "flat_gpu")]
+    # 38 tokens x 3 KV heads x (64 bytes + a 4-byte scale) x 2 (K and V); dense reads the f32 values
+    assert [r["kv_gb"] for r in rows] == [pytest.approx(38 * 3 * 64 * 4 * 2 / 1e9)] + [
+        pytest.approx(38 * 3 * (64 + 4) * 2 / 1e9)] * 3
+    assert rows[0]["gbs"] == pytest.approx(rows[0]["kv_gb"] / rows[0]["ms"] * 1e3)
     case = kernel_bench.make_case(cfg, lengths, jnp.float32, np.random.default_rng(0), jnp.dtype(kv_dtype))
     assert case.k_pages.dtype == jnp.dtype(kv_dtype) and case.k_scales.shape == case.k_pages.shape[:-1]
     assert np.isnan(np.asarray(case.k_scales[0])).all()  # a kernel reading the wrong layer gets NaN

@@ -206,6 +206,27 @@ def test_engine_options_are_checked_before_the_checkpoint_is_read():
         LLM("no-such-model", max_seqs=8, max_num_batched_tokens=4)
 
 
+def test_a_hybrid_model_gets_its_bytes_laid_out_by_layer_group(monkeypatch):
+    """Gemma 3's layer pattern (5 sliding : 1 full, window 8): the same
+    bytes as a pool of every layer, in pages of one layer with a table per
+    group; the greedy tokens of keeping every page, with pages returned
+    while the sequence runs."""
+    types = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(6))
+    monkeypatch.setitem(PRESETS, "tiny-hybrid", LlamaConfig(
+        vocab_size=64, model_dim=16, mlp_dim=32, num_layers=6, num_q_heads=2, num_kv_heads=1, head_dim=8,
+        max_seq_len=64, sliding_window=8, layer_types=types, local_rope_theta=10_000.0, qk_norm="head",
+        norm_plus_one=True, norm_placement="pre_post", mlp_activation="gelu_tanh"))
+    kw = dict(dtype=jnp.float32, kv_tokens=256, page_size=4, max_seqs=2, max_seq_len=48)
+    grouped, whole = LLM("tiny-hybrid", **kw), LLM("tiny-hybrid", drop_out_of_window_pages=False, **kw)
+    assert grouped.engine.kv_manager.groups.num_groups == 6 and whole.engine.kv_manager.groups.num_groups == 1
+    g, w = grouped.engine.kv, whole.engine.kv  # the same page-layers, the null page aside
+    assert (g.num_pages - 1) * g.num_layers == (w.num_pages - 1) * w.num_layers == 64 * 6
+    prompt = list(range(1, 30))
+    [a], [b] = grouped.generate([prompt], max_tokens=3), whole.generate([prompt], max_tokens=3)
+    assert a.output_ids == b.output_ids
+    assert grouped.engine.stats.window_dropped_pages > 0 and whole.engine.stats.window_dropped_pages == 0
+
+
 def test_kv_dtype_allocates_that_dtype(monkeypatch):
     """kv_dtype names the pool's dtype exactly, fp8 included ("fp8" is
     float8_e4m3fn); a quantized pool carries its scales."""

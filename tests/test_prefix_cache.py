@@ -7,9 +7,13 @@ device's page state is read back and compared with the host's twin.
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from paged_jax.engine import Request
+from paged_jax.page_state import NULL_PAGE
 from paged_jax.prefix_cache import PrefixCache, chain_keys
+from paged_jax.sliding_window import window_first_kept
 from paged_jax.sampling import SamplingParams
 from tests.engine_helpers import PAGE, VOCAB, check_accounting, make_engine, serve, toy_requests
 
@@ -37,6 +41,72 @@ def test_keys_chain_and_lookup_verifies_tokens_parent_and_salt():
     assert cache.lookup(a, keys, ("s",), 2) == [9]  # page 3's parent was 7, not 9
     assert not cache.insert(5, a, keys, ("s",), 0)  # the key is taken: the first page stays
     assert len(cache) == 2
+
+
+def test_layer_groups_keep_their_own_pages_under_one_key():
+    cache = PrefixCache(PAGE)
+    a = list(range(3 * PAGE))
+    keys = chain_keys(a, PAGE, (), [])
+    assert cache.insert(5, a, keys, (), 0, group=0) and cache.insert(6, a, keys, (), 0, group=1)
+    assert cache.lookup(a, keys, (), 1, group=0) == [5] and cache.lookup(a, keys, (), 1, group=1) == [6]
+    assert cache.lookup(a, keys, (), 1, group=2) == []
+    assert not cache.insert(7, a, keys, (), 0, group=1)  # the group's key is taken
+    cache.evict(6)
+    assert cache.lookup(a, keys, (), 1, group=1) == [] and cache.lookup(a, keys, (), 1, group=0) == [5]
+
+
+def test_a_sliding_group_hits_its_window_pages_alone():
+    """Window 8, pages of 4: a hit of h pages needs columns
+    window_first_kept(4h) .. h - 1 only; earlier ones are null."""
+    cache = PrefixCache(PAGE)
+    a = list(range(5 * PAGE + 1))
+    keys = chain_keys(a, PAGE, (), [])
+    for j, page in ((2, 12), (3, 13)):  # pages 0 and 1 never cached (dropped and evicted)
+        assert cache.insert(page, a, keys, (), j, group=1, windowed=True)
+    assert not cache.insert(20, a, keys, (), 3, group=0)  # a full group's page needs its parent
+    # h = 4: the query at 16 sees (8, 16]: columns 2 and 3 (window_first_kept(16, 8, 4) = 2)
+    assert cache.lookup_window(a, keys, (), 5, group=1, window=8) == [NULL_PAGE, NULL_PAGE, 12, 13]
+    assert cache.lookup_window(a, keys, (), 3, group=1, window=8) == []  # h = 3 needs columns 1, 2
+    assert cache.lookup_window(a, keys, (), 5, group=1, window=16) == []  # a wider window needs more
+    # Page 3's parent key is checked: under a forged collision (page 3's key
+    # the same, page 2's not) window 4's hit, page 3 alone, does not hit.
+    forged = list(keys)
+    forged[2] = b"x" * 32
+    assert cache.lookup_window(a, forged, (), 5, group=1, window=4) == []
+    assert cache.lookup_window(a, keys, (), 5, group=1, window=4) == [NULL_PAGE] * 3 + [13]
+
+
+def brute_force_hit(cached, windows, max_pages):
+    """The longest h every group serves, by trying every h."""
+    def serves(g, h):
+        first = 0 if windows[g] is None else int(window_first_kept(h * PAGE, sliding_window=windows[g],
+                                                                  page_size=PAGE))
+        return all(j in cached[g] for j in range(first, h))
+    return max(h for h in range(max_pages + 1) if all(serves(g, h) for g in range(len(windows))))
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_longest_hit_is_the_longest_every_group_serves(data):
+    windows = data.draw(st.lists(st.sampled_from([None, 1, 4, 6, 8, 13]), min_size=1, max_size=4))
+    num_pages = data.draw(st.integers(0, 9))
+    tokens = list(range(num_pages * PAGE + 1))
+    keys = chain_keys(tokens, PAGE, (), [])
+    cache, cached, page = PrefixCache(PAGE), [set() for _ in windows], 1
+    for g, window in enumerate(windows):
+        for j in sorted(data.draw(st.sets(st.integers(0, max(num_pages - 1, 0)), max_size=num_pages))):
+            if cache.insert(page, tokens, keys, (), j, group=g, windowed=window is not None):
+                cached[g].add(j)
+            page += 1
+    max_pages = data.draw(st.integers(0, num_pages))
+    hits = cache.longest_hit(tokens, keys, (), max_pages, windows)
+    h = brute_force_hit(cached, windows, max_pages)
+    assert [len(t) for t in hits] == [h] * len(windows)
+    for g, table in enumerate(hits):  # null before the window, the group's own page for each column from there
+        first = 0 if windows[g] is None else int(window_first_kept(h * PAGE, sliding_window=windows[g],
+                                                                  page_size=PAGE))
+        assert table[:first] == [NULL_PAGE] * first
+        assert table[first:] == [cache._by_key[(g, keys[j])] for j in range(first, h)]
 
 
 def test_hits_leave_greedy_outputs_unchanged_over_two_rounds():

@@ -1,6 +1,8 @@
 """``--profile``: a jax.profiler trace of a few engine steps after warm-up."""
 
 import argparse
+import gzip
+import json
 import time
 
 import numpy as np
@@ -106,9 +108,20 @@ def test_bench_serving_traces_a_few_steps_after_warm_up(tmp_path, capsys):
     assert "3 steps traced; wrote the trace to " in out and "perfetto_trace.json.gz" in out
 
 
-def test_trace_slices_names_a_folder_without_exactly_one_trace(tmp_path):
+def test_trace_slices_reads_a_file_a_run_or_a_folder_of_one_run(tmp_path):
     with pytest.raises(ValueError, match="exactly one .* found 0"):
         trace_slices(tmp_path)
+    files = []
+    for run in ("2026_01_01_00_00_00", "2026_01_01_00_01_00"):  # two runs of one --profile DIR
+        f = tmp_path / "plugins" / "profile" / run / "perfetto_trace.json.gz"
+        f.parent.mkdir(parents=True)
+        f.write_bytes(gzip.compress(json.dumps({"traceEvents": [{"ph": "X", "name": run}, {"ph": "M"}]}).encode()))
+        files.append(f)
+        assert [e["name"] for e in trace_slices(f)] == [run] == [e["name"] for e in trace_slices(f.parent)]
+    with pytest.raises(ValueError, match=r"found 2 \(pass one of them\):\n  .*00_00_00.*\n  .*00_01_00"):
+        trace_slices(tmp_path)
+    files[0].unlink()
+    assert [e["name"] for e in trace_slices(tmp_path)] == ["2026_01_01_00_01_00"]
 
 
 def test_a_trace_that_cannot_start_warns_and_the_engine_steps_on(tmp_path):
