@@ -139,7 +139,7 @@ def make_engine(model, *, kv_tokens: int, page_size: int, max_seqs: int, max_seq
                                          stop_ids=stop_ids, vocab_size=vocab_size, kv_dtype=kv_dtype)
     paged_model = paged_model or RaggedModel(model)
     pool = paged_model.make_budget_kv_pool(num_pages, page_size, kv_dtype,
-                                           grouped=engine_config.drop_out_of_window_pages)
+                                           grouped=engine_config.pages_by_layer_group)
     return Engine(paged_model, pool, engine_config, stop_ids=stop_ids, vocab_size=vocab_size, tokenizer=tokenizer)
 
 

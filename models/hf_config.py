@@ -313,7 +313,9 @@ def _rope_kind(f: _Fields, name: str, rope: dict, theta_default, max_pos: int) -
         if kind == "llama3":
             return theta, RopeScaling(rope_type="llama3", factor=num("factor"), original_max_position_embeddings=original,
                                       low_freq_factor=num("low_freq_factor"), high_freq_factor=num("high_freq_factor"))
-        factor = num("factor") if rope.get("factor") is not None else max_pos / original
+        if "factor" not in rope:  # transformers refuses it too (a KeyError); factor None is its ratio below
+            raise f.bad(name, rope, f"rope type {kind!r} needs 'factor'")
+        factor = num("factor") if rope["factor"] is not None else max_pos / original
         attention = rope.get("attention_factor")
         if attention is None:
             attention = yarn_attention_factor(factor, rope.get("mscale"), rope.get("mscale_all_dim"))

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import warnings
 from typing import Sequence
 
 import jax
@@ -37,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.hf_loader import load_hf
+from models.hf_loader import TOKENIZER, load_hf, load_hf_model
 from models.llama import Llama
 from models.ragged import RaggedModel
 from models.presets import PRESETS, random_model
@@ -94,7 +95,8 @@ def load_model(spec: str | os.PathLike, *, dtype=jnp.float32) -> tuple[Llama, To
         - a path to a ``.gguf`` file (:mod:`models.gguf_families`; its
           tokenizer when :func:`models.tokenizer.load_tokenizer` rebuilds it,
           else None with a warning: prompts are then token ids);
-        - a Hugging Face checkpoint folder (:mod:`models.hf_loader`).
+        - a Hugging Face checkpoint folder (:mod:`models.hf_loader`; its
+          ``tokenizer.json`` when there is one, else None with a warning).
       dtype: the weights' dtype (a float dtype; checkpoints are cast).
 
     Returns:
@@ -122,6 +124,10 @@ def load_model(spec: str | os.PathLike, *, dtype=jnp.float32) -> tuple[Llama, To
             return (*load_smollm2(param_dtype=dtype), "SmolLM2-135M-Instruct")
     path = pathlib.Path(spec).expanduser()
     if path.is_dir():
+        if not (path / TOKENIZER).is_file():  # served as token ids, as a GGUF without a tokenizer is
+            warnings.warn(f"{str(path)!r} has no {TOKENIZER}; serving without a tokenizer (prompts must be token "
+                          "ids; outputs carry no text)", stacklevel=2)
+            return load_hf_model(path, param_dtype=dtype), None, path.resolve().name
         return (*load_hf(path, param_dtype=dtype), path.resolve().name)
     if path.is_file():
         if path.suffix.lower() != ".gguf":
@@ -160,8 +166,8 @@ class LLM:
         group (``RaggedModel.make_budget_kv_pool``): a block table per
         group, each sliding group's pages returned once they leave its
         window, so more than ``kv_tokens`` tokens fit
-        (``drop_out_of_window_pages=False`` keeps every page in one
-        table).
+        (``drop_out_of_window_pages=False`` or a reservation policy keeps
+        every page in one table, ``EngineConfig.pages_by_layer_group``).
       page_size: tokens per page.
       max_seqs: most sequences running at once.
       max_seq_len: most tokens per sequence, prompt plus output; default
@@ -252,7 +258,7 @@ class LLM:
         check_pool(max_seq_len)
         config = EngineConfig(max_seq_len=max_seq_len, **engine_options)
         paged = RaggedModel(llama)
-        pool = paged.make_budget_kv_pool(num_pages, page_size, kv_dtype, grouped=config.drop_out_of_window_pages)
+        pool = paged.make_budget_kv_pool(num_pages, page_size, kv_dtype, grouped=config.pages_by_layer_group)
         self.engine = Engine(paged, pool, config,
                              stop_ids=tokenizer.stop_ids if tokenizer is not None else (), tokenizer=tokenizer)
         self.tokenizer = tokenizer

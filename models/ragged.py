@@ -28,7 +28,7 @@ from models.llama import (Llama, check_model_pool, embed_tokens, final_logits, q
 from paged_jax import attention as paged_attn
 from paged_jax import ragged_attention
 from paged_jax.batch import RaggedBatch
-from paged_jax.checks import check_choice, check_int
+from paged_jax.checks import check_bool, check_choice, check_int
 from paged_jax.kv_cache import KVPool, check_slots, default_kv_dtype, init_kv_pool, unchecked_write_layer_kv
 from paged_jax.kv_groups import KVGroups, kv_groups
 
@@ -175,11 +175,12 @@ class RaggedModel:
         way; ``grouped=False`` keeps every layer's pages in one table.
 
         Raises:
-          ValueError: ``num_pages`` not an int >= 1, ``page_size`` not an
-            int >= 1, or a bad ``dtype`` (as ``make_kv_pool``).
+          ValueError: ``num_pages`` not an int >= 2 (the null page and
+            one), ``grouped`` not a bool, ``page_size`` not an int >= 1, or
+            a bad ``dtype`` (as ``make_kv_pool``).
         """
-        num_pages = check_int("num_pages", num_pages)
-        if not grouped:
+        num_pages = check_int("num_pages", num_pages, 2)
+        if not check_bool("grouped", grouped):
             return self.config.make_kv_pool(num_pages, page_size, dtype)
         groups = self.kv_groups
         return self.make_kv_pool((num_pages - 1) * groups.num_layers // groups.group_size + 1, page_size, dtype)

@@ -134,3 +134,12 @@ class EngineConfig:
             check_int("swap_space_pages", self.swap_space_pages, 0)
         for name in ("async_scheduling", "enable_prefix_caching", "drop_out_of_window_pages"):
             check_bool(name, getattr(self, name))
+
+    @property
+    def pages_by_layer_group(self) -> bool:
+        """Whether a hybrid model's pool should be laid out by layer group
+        (a block table per group, :mod:`paged_jax.kv_groups`): when pages
+        leave a window at all and the policy pages on demand. A reservation
+        policy (the paper's Orca, a contiguous cache) keeps every layer's
+        pages in one table, as such a system does."""
+        return self.drop_out_of_window_pages and self.reservation == "paged"

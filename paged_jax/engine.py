@@ -159,8 +159,8 @@ class Engine:
         self.max_pages_per_seq = self.kv_manager.max_pages_per_seq
         self.limits = RequestLimits(
             vocab_size=vocab_size, max_seq_len=config.max_seq_len, max_seqs=config.max_seqs,
-            page_size=self.page_size, usable_pages=(kv_pool.num_pages - 1) // groups.num_groups,
-            reservation=config.reservation)
+            page_size=self.page_size, usable_pages=kv_pool.num_pages - 1, reservation=config.reservation,
+            windows=groups.windows, max_num_batched_tokens=config.max_num_batched_tokens)
         self._live: dict = {}  # request_id -> group, while unfinished: ids need only be unique among these
         self._prompt_lps = PromptLogprobsBook()
         self._inflight: _InFlight | None = None  # the dispatched call not yet read

@@ -67,6 +67,7 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
+from paged_jax.checks import check_bool, check_int
 from paged_jax.page_state import NULL_PAGE
 from paged_jax.sliding_window import window_first_kept
 
@@ -114,10 +115,15 @@ class PrefixCache:
 
     Args:
       page_size: tokens per page.
+
+    Raises:
+      ValueError: ``page_size`` not an int >= 1. (Every method refuses a
+      ``group`` or ``max_pages`` below 0, a ``window`` below 1 and an
+      ``insert`` at a page without a key, by name.)
     """
 
     def __init__(self, page_size: int):
-        self.page_size = page_size
+        self.page_size = check_int("page_size", page_size)
         self._by_key: dict[tuple[int, bytes], int] = {}
         self._by_page: dict[int, _Entry] = {}
 
@@ -166,6 +172,7 @@ class PrefixCache:
           page ids for pages ``0, 1, ...`` of the request, each verified
           (tokens, extra key and parent), possibly empty.
         """
+        group, max_pages = check_int("group", group, 0), check_int("max_pages", max_pages, 0)
         pages: list[int] = []
         parent = -1
         for j in range(min(max_pages, len(keys))):
@@ -193,7 +200,8 @@ class PrefixCache:
           before the window, verified page ids from there on; possibly
           empty.
         """
-        L = self.page_size
+        group, max_pages = check_int("group", group, 0), check_int("max_pages", max_pages, 0)
+        window, L = check_int("window", window), self.page_size
         found = [self._verified(group, tokens, keys, extra, j, None) for j in range(min(max_pages, len(keys)))]
         best, first, run = 0, 0, 0
         for h in range(1, len(found) + 1):
@@ -218,7 +226,9 @@ class PrefixCache:
           every group (0: no hit), ``NULL_PAGE`` where a window needs no
           page.
         """
-        h = min(max_pages, len(keys))
+        h = min(check_int("max_pages", max_pages, 0), len(keys))
+        if not windows:
+            raise ValueError("windows must name at least one layer group, got an empty sequence")
         hits: list[list[int] | None] = [None] * len(windows)
         while True:
             for g, window in enumerate(windows):
@@ -245,6 +255,9 @@ class PrefixCache:
         sliding-window group's hit needs no earlier page). Returns whether
         it was recorded.
         """
+        check_int("page", page)  # page 0 is the null page
+        group, windowed = check_int("group", group, 0), check_bool("windowed", windowed)
+        j = check_int("j", j, 0, len(keys))
         key = (group, keys[j])
         if key in self._by_key or page in self._by_page:
             return False

@@ -33,6 +33,11 @@ class RequestLimits:
       reservation: the engine's reservation policy
         (``EngineConfig.reservation``): each sequence holds pages for
         :func:`paged_jax.config.reserved_tokens` tokens from admission on.
+      windows: per layer group (a block table each,
+        :mod:`paged_jax.kv_groups`), the sliding window whose pages it
+        returns while a sequence runs, or None (it keeps every page).
+      max_num_batched_tokens: tokens one call computes at most (a sliding
+        group holds its window's pages and one chunk's).
     """
 
     vocab_size: int | None
@@ -41,6 +46,22 @@ class RequestLimits:
     page_size: int
     usable_pages: int
     reservation: str = "paged"
+    windows: tuple[int | None, ...] = (None,)
+    max_num_batched_tokens: int | None = None
+
+    def seq_pages(self, tokens: int) -> int:
+        """Most pages one sequence of ``tokens`` tokens holds at once,
+        summed over its layer groups: a full group's pages for all of them;
+        with several groups, a sliding group of window ``W`` at most
+        ``pages_for_tokens(W - 1 + chunk) + 1`` (the pages its window
+        still sees, and one chunk of at most ``max_num_batched_tokens``
+        tokens being computed, the window's first page partly before it;
+        what :class:`paged_jax.kv_manager.KVCacheManager` charges to admit
+        it). One group counts its table positions, as its admission does."""
+        full = pages_for_tokens(tokens, self.page_size)
+        chunk = tokens if self.max_num_batched_tokens is None else self.max_num_batched_tokens
+        return sum(full if w is None or len(self.windows) == 1 else
+                   min(full, pages_for_tokens(w - 1 + chunk, self.page_size) + 1) for w in self.windows)
 
 
 def check_token_ids(name: str, ids: Iterable, vocab_size: int | None) -> None:
@@ -129,12 +150,13 @@ class Request:
             what = "beam_width" if self.sampling.beam_width else "n"
             raise ValueError(f"request {rid!r}: sampling.{what}={k} exceeds max_seqs={limits.max_seqs}")
         held = max(total, reserved_tokens(limits.reservation, len(ids), n, limits.max_seq_len))
-        group_pages = k * pages_for_tokens(held, limits.page_size)
+        group_pages = k * limits.seq_pages(held)
         if group_pages > limits.usable_pages:
+            groups = f", over {len(limits.windows)} layer groups" if len(limits.windows) > 1 else ""
             raise ValueError(
                 f"request {rid!r}: {k} sequences holding {held} tokens each (reservation={limits.reservation!r}) "
-                f"need up to {group_pages} pages, more than the pool's {limits.usable_pages}; after a preemption "
-                f"they could never be resumed together")
+                f"need up to {group_pages} pages{groups}, more than the pool's {limits.usable_pages}; after a "
+                f"preemption they could never be resumed together")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError(f"request {rid!r}: cache_salt must be a str or None, got {self.cache_salt!r}")
 

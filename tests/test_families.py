@@ -300,6 +300,8 @@ def base(name: str) -> dict:
     ("llama3", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 4.0,
                                      "high_freq_factor": 1.0}),
      r"field 'rope_parameters' is .*not a valid 'llama3' RoPE: high_freq_factor must be > low_freq_factor"),
+    ("qwen3", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),
+     r"field 'rope_parameters' is .*; rope type 'yarn' needs 'factor'"),
     ("qwen3", dict(num_experts=8, num_experts_per_tok=2), r"field 'num_experts' is 8; mixture-of-experts"),
     ("qwen3", dict(model_type="qwen3_moe"), r"field 'model_type' is 'qwen3_moe'; Qwen3-MoE is a mixture of experts"),
     ("gemma3", dict(model_type="gemma3"), r"field 'model_type' is 'gemma3'; this is the multimodal Gemma 3 config"),
@@ -330,6 +332,15 @@ def test_unsupported_weight_dtype_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"param_dtype must be one of \('float32', 'bfloat16', 'float16'\), "
                                          r"got param_dtype='int8'"):
         load_hf_model(tmp_path, param_dtype=jnp.int8)
+
+
+def test_a_folder_without_a_tokenizer_serves_token_ids(tmp_path):
+    from models.llm import load_model
+
+    write_checkpoint(tmp_path, "gemma3")
+    with pytest.warns(UserWarning, match="has no tokenizer.json; serving without a tokenizer"):
+        model, tokenizer, name = load_model(tmp_path)
+    assert tokenizer is None and model.config.num_layers == hf_config("gemma3").num_hidden_layers
 
 
 def test_decoder_config_refuses_bad_layer_patterns():

@@ -218,6 +218,25 @@ def test_prefix_hits_under_recompute_preemption_give_the_large_pools_outputs():
     check_accounting(small)
 
 
+def test_a_request_is_checked_against_its_groups_pages_not_an_even_split():
+    """79 usable pages, 6 groups, window 8, chunks of 8: two sequences of
+    39 tokens hold at most 2 x (10 + 5 x 5) = 70 pages (a sliding group:
+    its window and one chunk), so they are served; an even split of the
+    pool (13 pages a group) refused them. With chunks of 64 a sliding group
+    may hold all 10 at once: 120 pages, refused, saying so."""
+    prompt = list(range(1, 26))
+    request = Request(request_id=0, prompt_ids=prompt, max_new_tokens=14,
+                      sampling=SamplingParams(temperature=0.8, seed=1, n=2))
+    small = hybrid_engine(num_pages=80, budget=8)
+    assert small.limits.seq_pages(39) == 35
+    got = outputs(small, [request])
+    assert got == outputs(hybrid_engine(budget=8), [request]) and small.stats.window_dropped_pages > 0
+    check_accounting(small)
+    with pytest.raises(ValueError, match=r"request 0: 2 sequences holding 39 tokens each \(reservation='paged'\) need "
+                                         r"up to 120 pages, over 6 layer groups, more than the pool's 79"):
+        hybrid_engine(num_pages=80).add_request(request)
+
+
 @pytest.mark.slow  # 30-80 s each; the default twin: test_sliding_engine's preemption of a one-group model
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_under_a_small_pool_gives_the_large_pools_outputs(mode):
@@ -283,3 +302,19 @@ def test_the_decoder_reads_per_group_tables_as_it_reads_one():
     for _ in range(r.max_new_tokens):
         tokens.append(int(jnp.argmax(forward_dense(decoder, jnp.asarray([tokens]))[0, -1])))
     assert got[True][r.request_id][0] == tokens[len(r.prompt_ids):]
+
+
+def test_hybrid_capacity_script_counts_and_says_when_memory_did_not_bind(tmp_path):
+    """experiments.hybrid_capacity at toy size: the maths columns, and the
+    warning when the schedule rather than the pool capped the sequences
+    (2 generated tokens, chunks of 8: a request ends before the next is
+    prefilled)."""
+    from experiments import hybrid_capacity
+
+    args = ["--context", "64", "--window", "8", "--page-size", "4", "--full-sequences", "2", "--num-requests", "6",
+            "--baseline-requests", "3", "--budget-tokens", "8", "--max-seqs", "8", "--out", str(tmp_path)]
+    rows = hybrid_capacity.main(args + ["--new-tokens", "2"])
+    assert [r["maths_page_layers_per_seq"] for r in rows] == [6 * 16, 16 + 5 * layer_pages(64, PAGE, 8)] == [96, 26]
+    assert [r["maths_sequences"] for r in rows] == [2, 7]
+    text = (tmp_path / "hybrid_capacity.md").read_text()
+    assert "Memory did not bind the a table per layer group run" in text and "Raise --new-tokens" in text

@@ -53,6 +53,16 @@ def test_layer_groups_keep_their_own_pages_under_one_key():
     assert not cache.insert(7, a, keys, (), 0, group=1)  # the group's key is taken
     cache.evict(6)
     assert cache.lookup(a, keys, (), 1, group=1) == [] and cache.lookup(a, keys, (), 1, group=0) == [5]
+    for call, match in ((lambda: cache.longest_hit(a, keys, (), -2, [None, 8]), "max_pages must be an int >= 0"),
+                        (lambda: cache.longest_hit(a, keys, (), 2, []), "windows must name at least one"),
+                        (lambda: cache.lookup(a, keys, (), 1, group=-1), "group must be an int >= 0"),
+                        (lambda: cache.lookup_window(a, keys, (), 1, group=0, window=0), "window must be an int >= 1"),
+                        (lambda: cache.insert(9, a, keys, (), 3), r"j must be an int in \[0, 3\), got j=3"),
+                        (lambda: cache.insert(0, a, keys, (), 1), "page must be an int >= 1"),
+                        (lambda: PrefixCache(0), "page_size must be an int >= 1")):
+        with pytest.raises(ValueError, match=match):  # refused by name (a negative max_pages once looped for ever)
+            call()
+    assert len(cache) == 1
 
 
 def test_a_sliding_group_hits_its_window_pages_alone():

@@ -98,6 +98,29 @@ def test_scaled_down_gemma_3_preset_runs(monkeypatch):
     assert logits.shape == (1, 10, 16) and bool(jnp.isfinite(logits).all())
 
 
+def test_serving_lays_a_hybrid_budget_out_by_group_and_orca_keeps_one_table(monkeypatch):
+    """make_engine on Gemma 3's layer pattern: paging gets a table per layer
+    group in pages of one layer; a reservation policy (the contiguous
+    baseline) keeps every layer's pages in one table, as Orca does, where
+    a grouped pool would be refused."""
+    _small_gemma_3(monkeypatch)
+    model = random_model("gemma-3-small", param_dtype=jnp.float32)
+    kw = dict(kv_tokens=256, page_size=16, max_seqs=2, max_seq_len=64)
+    paged, orca = serving.make_engine(model, **kw), serving.make_engine(model, reservation="max", **kw)
+    assert paged.kv_manager.groups.num_groups == 6 and paged.kv.num_layers == 1 and paged.kv.num_pages == 16 * 6 + 1
+    assert orca.kv_manager.groups.num_groups == 1 and orca.kv.num_layers == 6 and orca.kv.num_pages == 17
+
+
+@pytest.mark.slow  # 20 s on 2 quiet cores; default twin: the make_engine layouts test above
+def test_serve_cli_serves_a_hybrid_preset_in_both_modes(monkeypatch, tmp_path):
+    # the packaged requests' chat template needs token ids up to 34,519
+    monkeypatch.setitem(PRESETS, "gemma-3-small-vocab", dataclasses.replace(_small_gemma_3(monkeypatch),
+                                                                            vocab_size=35000))
+    results = serve_sharegpt.main(["--model", "gemma-3-small-vocab", "--num-requests", "2", "--max-output-len", "2",
+                                   "--kv-budget-tokens", "2048", "--no-compile-cache", "--out", str(tmp_path)])
+    assert [r.mode for r in results] == ["paged", "contiguous"]
+
+
 def test_random_model_refuses_bad_input():
     with pytest.raises(ValueError, match=r"unknown preset 'llama-8b'; expected one of \["):
         random_model("llama-8b")
