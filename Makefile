@@ -53,8 +53,10 @@ bench-serving: setup
 	$(PY) -m experiments.bench_serving --request-rate 0.5 1 2 inf --policy paged max pow2 oracle
 
 # The OpenAI-compatible server on SmolLM2 at http://127.0.0.1:8000 (python -m server --help for the flags).
+PORT ?= 8000
+
 serve: setup
-	$(PY) -m server --model smollm2
+	$(PY) -m server --model smollm2 --port $(PORT)
 
 # Two small runs of the tables in fresh processes; every non-timing cell must agree.
 check-tables: setup

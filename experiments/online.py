@@ -277,7 +277,9 @@ class EngineSpec:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OnlineResult:
     """One (policy, rate) run: its metrics, what it saw, and what JAX
-    compiled during it (nothing, after :func:`warm_up`)."""
+    compiled during it (nothing, after :func:`warm_up`); ``discarded``:
+    programs an earlier attempt of the same run compiled, which
+    :func:`serve_online` then repeated warm (0: none)."""
 
     policy: str
     request_rate: float
@@ -285,6 +287,7 @@ class OnlineResult:
     metrics: ServingMetrics
     run: OnlineRun
     compiles: CompileCounts
+    discarded: int = 0
 
     def row(self) -> dict:
         """The CSV row: :data:`METRIC_COLUMNS` -> value (None: empty)."""
@@ -301,7 +304,8 @@ class OnlineResult:
                 row[f"{stat}_{name}_ms"] = None if s is None else round(getattr(s, stat) * 1000, 2)
         row.update(normalized_latency_s=round(m.normalized_latency, 4), mean_running=round(m.mean_running, 2),
                    peak_running=m.peak_running, preemptions=m.preemptions,
-                   mean_cached_tokens=round(self.mean_cached_tokens, 1), compiled=self.compiles.requests)
+                   mean_cached_tokens=round(self.mean_cached_tokens, 1), compiled=self.compiles.requests,
+                   repeated_after_compiling=self.discarded)
         return row
 
     @property
@@ -328,10 +332,13 @@ METRIC_COLUMNS = (
     *(f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el")
       for stat in ("mean", *(f"p{p}" for p in PERCENTILES))),
     "normalized_latency_s", "mean_running", "peak_running", "preemptions", "mean_cached_tokens", "compiled",
+    "repeated_after_compiling",
 )
 """The columns of :meth:`OnlineResult.row`, in order; ``mean_cached_tokens``:
 prompt tokens per request served from the prefix cache; ``compiled``: XLA
-programs requested during the run (compiled or loaded from the cache)."""
+programs requested during the run (compiled or loaded from the cache);
+``repeated_after_compiling``: programs a first attempt of the run compiled
+(it was discarded and the run repeated warm, :func:`serve_online`)."""
 REQUEST_COLUMNS = ("policy", "request_rate", "request_id", "prompt_len", "output_len", "arrival_s", "added_s",
                    "first_token_s", "finish_s", "ttft_ms", "tpot_ms", "e2el_ms", "normalized_latency_s",
                    "num_preemptions")
@@ -353,20 +360,33 @@ def cell(column: str, value) -> str:
 
 def serve_online(make_engine: Callable[[str], Engine], requests: Sequence[Request], *, policy: str,
                  request_rate: float, burstiness: float = 1.0, seed: int = 0,
-                 slos: Mapping[str, float] | None = None, progress: bool = False) -> OnlineResult:
+                 slos: Mapping[str, float] | None = None, progress: bool = False,
+                 repeat_if_compiled: bool = True) -> OnlineResult:
     """Serves ``requests`` arriving at ``request_rate`` (:func:`arrival_times`
     with ``seed``) on a fresh engine ``make_engine(policy)``.
+
+    A run during which JAX compiled a program (a batch shape the warm-up
+    did not reach: parallel samples and beams run shapes of their own) has
+    its latencies inflated by the compilation; with ``repeat_if_compiled``
+    it is discarded and run once more on a fresh engine, now warm, and the
+    result says how many programs the discarded attempt compiled
+    (:attr:`OnlineResult.discarded`).
 
     Raises:
       ValueError: from :func:`arrival_times` or :func:`run_online`.
     """
     check_choice("policy", policy, ALL_POLICIES)
     arrivals = arrival_times(len(requests), request_rate, burstiness=burstiness, seed=seed)
-    engine = make_engine(policy)
-    with CompileMonitor() as monitor:
-        run = run_online(engine, requests, arrivals, progress=progress)
+    discarded = 0
+    while True:
+        engine = make_engine(policy)
+        with CompileMonitor() as monitor:
+            run = run_online(engine, requests, arrivals, progress=progress)
+        if not (repeat_if_compiled and monitor.counts.requests and not discarded):
+            break
+        discarded = monitor.counts.requests
     return OnlineResult(policy=policy, request_rate=float(request_rate), burstiness=float(burstiness),
-                        metrics=run.metrics(slos), run=run, compiles=monitor.counts)
+                        metrics=run.metrics(slos), run=run, compiles=monitor.counts, discarded=discarded)
 
 
 def report(result: OnlineResult) -> str:
@@ -383,7 +403,9 @@ def report(result: OnlineResult) -> str:
                                           f"mean {s.mean * 1e3:.1f}  p50 {s.p50 * 1e3:.1f}  "
                                           f"p90 {s.p90 * 1e3:.1f}  p99 {s.p99 * 1e3:.1f}"))
     lines.append(f"normalized latency {m.normalized_latency:.4f} s/token; mean running {m.mean_running:.2f} "
-                 f"(peak {m.peak_running}); {result.compiles.requests} programs compiled during the run")
+                 f"(peak {m.peak_running}); {result.compiles.requests} programs compiled during the run" + (
+                     f" (a first attempt compiled {result.discarded}: discarded, run again warm)"
+                     if result.discarded else ""))
     return "\n".join(lines)
 
 

@@ -72,6 +72,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+GRACEFUL_SHUTDOWN_S = 5.0
+"""Most seconds uvicorn waits for open connections after Ctrl-C (the
+requests in flight are aborted at once, so their streams end first)."""
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server whose first Ctrl-C (SIGINT, SIGTERM) also stops the
+    engine loop: the requests in flight are aborted and their streams end
+    now, with the shutdown's error, instead of uvicorn waiting for every
+    stream to finish generating."""
+
+    def __init__(self, config: uvicorn.Config, engine_loop):
+        super().__init__(config)
+        self.engine_loop = engine_loop
+
+    def handle_exit(self, sig, frame) -> None:
+        self.engine_loop.stop_soon()
+        super().handle_exit(sig, frame)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -94,7 +114,9 @@ def main(argv=None) -> None:
         log.info("profiling: engine steps %d-%d after the first request go to a trace in %s", profile.skip,
                  profile.skip + profile.steps - 1, profile.out_dir)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        _Server(config, app.state.engine_loop).run()
     finally:
         if profiler is not None:
             profiler.close()

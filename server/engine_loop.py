@@ -192,6 +192,14 @@ class EngineLoop:
             self._compiles.close()
             self._compiles = None
 
+    def stop_soon(self) -> None:
+        """Asks the loop to stop as :meth:`stop` does (what is in flight
+        aborted, its sinks given :class:`EngineDeadError`) without waiting:
+        for a signal handler, so that open streams end now rather than when
+        their requests would have finished. :meth:`stop` still ends it."""
+        if self._thread.is_alive():
+            self._commands.put(_STOP)
+
     @property
     def alive(self) -> bool:
         """The thread runs and the engine has not failed."""
@@ -445,9 +453,19 @@ class EngineLoop:
     def _shutdown(self) -> None:
         with self._closing:
             self._stopped = True
+        in_flight = list(self._sinks)
+        self._fail_sinks(EngineDeadError("the server is shutting down"))  # first: _abort forgets the sinks
         if self._failed is None:
-            self._abort(list(self._sinks))
-        self._fail_sinks(EngineDeadError("the server is shutting down"))
+            for rid in in_flight:  # their pages go back to the pool
+                try:
+                    self._observe(self.engine.abort(rid))
+                except ValueError:
+                    continue
+            try:  # the call already dispatched is read (nothing new is scheduled), so every page is free
+                while self.engine.has_unfinished():
+                    self.engine.step()
+            except Exception as e:  # noqa: BLE001 - shutting down: log it, do not mask the stop
+                log.error("the last engine step while stopping failed", exc_info=e)
         while True:  # answer what is still queued, so no caller waits forever
             try:
                 cmd = self._commands.get_nowait()

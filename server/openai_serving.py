@@ -315,7 +315,7 @@ class _Response:
             if c.logprobs is not None:
                 choice.logprobs += c.logprobs
             if c.finish_reason is not None:
-                choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+                choice.finish_reason, choice.stop_reason = c.finish_reason, self.stop_reason(c)
             touched.append((choice, c))
         return touched
 
@@ -377,6 +377,15 @@ class _Response:
         finally:
             stream.close()
 
+    def stop_reason(self, c: CompletionOutput) -> str | int | None:
+        """vLLM's ``stop_reason``: the stop string or stop token id that
+        ended the choice, None when the model's own EOS token did (or
+        none did)."""
+        tokenizer = self.serving.tokenizer
+        if tokenizer is not None and not isinstance(c.stop_reason, str) and c.stop_reason == tokenizer.eos_id:
+            return None
+        return c.stop_reason
+
     def _chunk_choice(self, ch: _Choice, c: CompletionOutput) -> dict:
         finish = c.finish_reason
         head, lps = self._echo(ch), None  # the prompt, in the choice's first chunk
@@ -388,7 +397,7 @@ class _Response:
         else:
             out = {"index": ch.index, "text": head[0] + (c.text or ""), "logprobs": lps, "finish_reason": finish}
         if finish is not None:
-            out["stop_reason"] = c.stop_reason
+            out["stop_reason"] = self.stop_reason(c)
         if self.req.return_token_ids:
             out["token_ids"] = c.output_ids
         return out

@@ -23,6 +23,7 @@ from experiments import bench_serving, latency, online, preflight, provenance, s
 from models.config import LlamaConfig
 from models.llama import Llama
 from models.ragged import RaggedModel
+from paged_jax.engine import Request
 from tests.engine_helpers import make_engine, serve, toy_requests
 
 # ----------------------------------------------------------------- arrivals
@@ -418,3 +419,21 @@ def test_bench_serving_probes_the_server_before_the_warm_up(tmp_path, capsys):
         assert "warm-up" not in capsys.readouterr().out
     with _StubServer(health=503) as srv:
         assert "GET /health answered 503" in refused("--base-url", srv.url)
+
+
+def test_a_run_that_compiled_is_repeated_warm():
+    """A timed run during which JAX compiled (no warm-up here: a vocabulary
+    no other test uses, so every shape is new) is discarded and run again
+    on a fresh engine: the result is the warm run, and says so."""
+    model = Llama(LlamaConfig(vocab_size=61, model_dim=16, mlp_dim=32, num_layers=1, num_q_heads=2, num_kv_heads=1,
+                              head_dim=8), rngs=nnx.Rngs(0))
+    spec = online.EngineSpec(model=model, paged_model=RaggedModel(model), kv_tokens=4096, max_seqs=4,
+                             max_batched_tokens=32)
+    requests = [Request(request_id=i, prompt_ids=list(range(1, 6 + i)), max_new_tokens=3) for i in range(3)]
+    result = online.serve_online(spec.build, requests, policy="paged", request_rate=math.inf)
+    assert result.discarded > 0 and result.compiles.requests == 0
+    assert result.row()["repeated_after_compiling"] == result.discarded
+    assert f"a first attempt compiled {result.discarded}: discarded, run again warm" in online.report(result)
+    assert online.serve_online(spec.build, requests, policy="paged", request_rate=math.inf).discarded == 0
+    cold = online.serve_online(spec.build, requests, policy="paged", request_rate=2.0, repeat_if_compiled=False)
+    assert cold.discarded == 0 and cold.row()["repeated_after_compiling"] == 0

@@ -1,10 +1,14 @@
 """server.engine_loop: a burst of submissions to an idle engine starts in
-one step (EngineLoop._settle), and a lone one starts its own first call."""
+one step (EngineLoop._settle), a lone one starts its own first call, and
+stopping ends the open streams."""
 
 import asyncio
 
+import pytest
+
 from engine_helpers import make_engine, toy_requests
-from server.engine_loop import EngineLoop, admit
+from paged_jax.engine import Request, SamplingParams
+from server.engine_loop import EngineDeadError, EngineLoop, admit
 
 
 async def _serve(engine_loop: EngineLoop, requests, delays) -> None:
@@ -40,3 +44,32 @@ def test_a_lone_request_starts_its_own_first_call():
     [request] = toy_requests(1, max_new=(3, 4), prompt_len=(5, 6))
     first, prompts = _first_call_tokens([request], delays=[0])
     assert first == prompts
+
+
+def test_stopping_ends_the_open_streams_with_the_shutdown_error_and_frees_their_pages():
+    """What Ctrl-C does to `python -m server` (server.__main__._Server):
+    stop_soon ends every open stream at once with EngineDeadError (it
+    used to leave them waiting: the abort forgot their sinks before they
+    were failed), and their requests' pages go back to the pool."""
+    engine = make_engine(max_seqs=4, max_seq_len=1024, num_pages=600)  # 900 steps: far from done when stopped
+    engine_loop = EngineLoop(engine)
+    engine_loop.start()
+    requests = [Request(request_id=i, prompt_ids=[1, 2, 3, 4 + i], max_new_tokens=900,
+                        sampling=SamplingParams(output_kind="delta")) for i in range(2)]  # as the server streams
+
+    async def serve():
+        stream = await admit(engine_loop, requests)
+        seen = 0
+        with pytest.raises(EngineDeadError, match="the server is shutting down"):
+            async for out in stream:
+                seen += 1
+                if seen == 2:
+                    engine_loop.stop_soon()
+        return seen
+
+    try:
+        seen = asyncio.run(asyncio.wait_for(serve(), timeout=60))
+    finally:
+        engine_loop.stop()
+    assert 2 <= seen < 2 * 900 and not engine.has_unfinished()
+    assert engine.accounting()["used"] == 0

@@ -174,12 +174,14 @@ def test_chat_greedy_stream_and_not_equal_the_engine(llm, client, oracle):
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
     assert r.choices[0].message.content == want.text == "The capital of France is Paris."
     assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "stop"
+    assert want.outputs[0].stop_reason == llm.tokenizer.eos_id  # the engine's: the EOS id; vLLM says null
+    assert r.choices[0].model_extra["stop_reason"] is None
     assert r.usage.prompt_tokens == len(want.prompt_ids) and r.usage.completion_tokens == len(want.output_ids)
     chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=12,
                                                  temperature=0, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
-    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].choices[0].model_extra["stop_reason"] is None
 
 
 def test_n_samples_are_seeded_distinct_and_equal_the_engine(llm, client, oracle):
