@@ -14,7 +14,10 @@ sharing gains.
 
 from __future__ import annotations
 
-from paged_jax.config import RESERVATIONS
+from typing import Iterable
+
+from paged_jax.config import RESERVATIONS, reserved_tokens
+from paged_jax.page_state import pages_for_tokens
 
 POLICIES = RESERVATIONS
 """The reservation policies: ``paged``, ``max``, ``pow2``, ``oracle``."""
@@ -42,3 +45,40 @@ def split_policy(policy: str) -> tuple[str, bool]:
     if policy.endswith(NO_CACHE):
         return policy[: -len(NO_CACHE)], False
     return policy, True
+
+
+def paging_gain(lengths: Iterable[tuple[int, int]], *, page_size: int = 16, max_seq_len: int = 2048,
+                output_cap: int | None = None) -> dict[str, float]:
+    """How many more requests paging holds than each reservation policy,
+    counted rather than measured: at equal memory and a decode step whose
+    time does not grow with the batch (an accelerator's regime), the
+    requests a pool holds scale with the inverse of a request's KV
+    page-steps (pages held, summed over its decode steps). Paged holds
+    ``pages_for_tokens(prompt + t)`` at step ``t``; a reservation policy
+    holds its reservation (:func:`paged_jax.config.reserved_tokens`, the
+    paper's section 6.1) from the first step.
+
+    Args:
+      lengths: ``(prompt tokens, output tokens)`` per request (e.g. the
+        packaged ShareGPT requests' columns); a request is cut to
+        ``max_seq_len`` tokens.
+      page_size: tokens per page.
+      max_seq_len: Orca-Max's reservation, and every sequence's bound.
+      output_cap: outputs capped at this many tokens (None: their full
+        lengths).
+
+    Returns:
+      ``{policy: its page-steps / paged's}`` for every policy of
+      :data:`POLICIES` (``paged``: 1.0).
+    """
+    held = dict.fromkeys(POLICIES, 0)
+    for prompt, out in lengths:
+        out = min(out if output_cap is None else min(out, output_cap), max_seq_len - prompt)
+        if out < 1:
+            continue
+        for policy in POLICIES:
+            if policy == "paged":
+                held[policy] += sum(pages_for_tokens(prompt + t, page_size) for t in range(1, out + 1))
+            else:
+                held[policy] += out * pages_for_tokens(reserved_tokens(policy, prompt, out, max_seq_len), page_size)
+    return {policy: held[policy] / held["paged"] for policy in POLICIES}

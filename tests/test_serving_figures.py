@@ -129,3 +129,23 @@ def test_light_load_refuses_bad_loads(argv, capsys):
     with pytest.raises(SystemExit):
         serving_ttft.parse_args(argv)
     assert "--load" in capsys.readouterr().err
+
+
+def test_paging_gain_counts_page_steps_as_the_readme_says():
+    """experiments.policies.paging_gain: one request by hand (prompt 5,
+    output 25, pages of 16, max_seq_len 80: paged holds 1 page for 11
+    steps and 2 for 14, 39 page-steps; Oracle 2 pages, Pow2 3 (37
+    tokens), Max 5, for 25 steps), then the README's counts over the
+    1,000 packaged ShareGPT requests."""
+    import json
+
+    from experiments.policies import paging_gain
+    from experiments.sharegpt import PACKAGED_REQUESTS
+
+    gain = paging_gain([(5, 25)], page_size=16, max_seq_len=80)
+    assert gain == {"paged": 1.0, "max": 125 / 39, "pow2": 75 / 39, "oracle": 50 / 39}
+    lengths = json.loads(PACKAGED_REQUESTS.read_text())["requests"]
+    assert {k: round(v, 2) for k, v in paging_gain(lengths).items()} == {
+        "paged": 1.0, "max": 4.96, "pow2": 1.95, "oracle": 1.54}
+    assert {k: round(v, 2) for k, v in paging_gain(lengths, output_cap=48).items()} == {
+        "paged": 1.0, "max": 7.93, "pow2": 1.14, "oracle": 1.08}
