@@ -203,12 +203,13 @@ class PrefixCache:
         group, max_pages = check_int("group", group, 0), check_int("max_pages", max_pages, 0)
         window, L = check_int("window", window), self.page_size
         found = [self._verified(group, tokens, keys, extra, j, None) for j in range(min(max_pages, len(keys)))]
+        # the first column each hit length h = 1, 2, ... needs, all at once
+        kept = window_first_kept(np.arange(1, len(found) + 1) * L, sliding_window=window, page_size=L).tolist()
         best, first, run = 0, 0, 0
-        for h in range(1, len(found) + 1):
-            run = run + 1 if found[h - 1] is not None else 0
-            kept = int(window_first_kept(h * L, sliding_window=window, page_size=L))
-            if run >= h - kept:
-                best, first = h, kept
+        for h, k in enumerate(kept, start=1):
+            run = run + 1 if found[h - 1] is not None else 0  # cached pages ending at column h - 1
+            if run >= h - k:
+                best, first = h, k
         return [NULL_PAGE] * first + found[first:best]
 
     def longest_hit(self, tokens: Sequence[int], keys: Sequence[bytes], extra: Hashable, max_pages: int,
