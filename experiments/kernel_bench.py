@@ -399,15 +399,17 @@ def run_case(cfg: BenchConfig, lengths: np.ndarray, dtype, impls: list[str], rng
     expected = dense_fn(q, k_dense, v_dense, kv_lens)
     common = dict(heads=cfg.name, workload=label, batch=batch, mean_len=float(lengths.mean()),
                   max_len=int(lengths.max()), dtype=jnp.dtype(dtype).name,
-                  copy_read_gbs=same_size_gbs, peak_read_gbs=peak_read_gbs)
+                  peak_read_gbs=peak_read_gbs)
 
-    def row(impl: str, seconds: float, nbytes: int = kv_bytes, read_dtype: str = page_dtype.name) -> dict:
+    def row(impl: str, seconds: float, nbytes: int = kv_bytes, read_dtype: str = page_dtype.name,
+            copy_gbs: float = same_size_gbs) -> dict:
         gbs = nbytes / seconds / 1e9
         return dict(common, impl=impl, kv_dtype=read_dtype, kv_gb=nbytes / 1e9, ms=seconds * 1e3,
                     ratio=seconds / dense_s, gbs=gbs, pct_peak=100 * gbs / peak_read_gbs,
-                    pct_copy=100 * gbs / same_size_gbs)
+                    pct_copy=100 * gbs / copy_gbs, copy_read_gbs=copy_gbs)
 
-    rows = [row("dense", dense_s, dense_bytes, jnp.dtype(dtype).name)]
+    dense_copy_gbs = same_size_gbs if dense_bytes == kv_bytes else copy_read_gbs(dense_bytes, min_seconds)
+    rows = [row("dense", dense_s, dense_bytes, jnp.dtype(dtype).name, dense_copy_gbs)]
     for impl in impls:
         fn = paged_decode(impl)
         out = fn(*case.paged_args)

@@ -76,7 +76,7 @@ from models.config import LlamaConfig  # noqa: E402
 from models.llama import Llama  # noqa: E402
 from models.ragged import RaggedModel  # noqa: E402
 from models.presets import PRESETS  # noqa: E402
-from paged_jax.checks import check_choice  # noqa: E402
+from paged_jax.checks import check_bool, check_choice  # noqa: E402
 from paged_jax.engine import Engine  # noqa: E402
 from paged_jax.jit_stats import CompileCounts, CompileMonitor  # noqa: E402
 from paged_jax.requests import Request, RequestOutput  # noqa: E402
@@ -368,7 +368,8 @@ def serve_online(make_engine: Callable[[str], Engine], requests: Sequence[Reques
     A run during which JAX compiled a program (a batch shape the warm-up
     did not reach: parallel samples and beams run shapes of their own) has
     its latencies inflated by the compilation; with ``repeat_if_compiled``
-    it is discarded and run once more on a fresh engine, now warm, and the
+    it is discarded and run once more on a fresh engine (warm, unless it
+    reaches yet another new shape: its ``compiled`` then says so), and the
     result says how many programs the discarded attempt compiled
     (:attr:`OnlineResult.discarded`).
 
@@ -376,6 +377,7 @@ def serve_online(make_engine: Callable[[str], Engine], requests: Sequence[Reques
       ValueError: from :func:`arrival_times` or :func:`run_online`.
     """
     check_choice("policy", policy, ALL_POLICIES)
+    check_bool("repeat_if_compiled", repeat_if_compiled)
     arrivals = arrival_times(len(requests), request_rate, burstiness=burstiness, seed=seed)
     discarded = 0
     while True:
@@ -404,7 +406,7 @@ def report(result: OnlineResult) -> str:
                                           f"p90 {s.p90 * 1e3:.1f}  p99 {s.p99 * 1e3:.1f}"))
     lines.append(f"normalized latency {m.normalized_latency:.4f} s/token; mean running {m.mean_running:.2f} "
                  f"(peak {m.peak_running}); {result.compiles.requests} programs compiled during the run" + (
-                     f" (a first attempt compiled {result.discarded}: discarded, run again warm)"
+                     f" (a first attempt compiled {result.discarded}: discarded and run again)"
                      if result.discarded else ""))
     return "\n".join(lines)
 

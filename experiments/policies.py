@@ -14,8 +14,9 @@ sharing gains.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
+from paged_jax.checks import check_int
 from paged_jax.config import RESERVATIONS, reserved_tokens
 from paged_jax.page_state import pages_for_tokens
 
@@ -59,9 +60,10 @@ def paging_gain(lengths: Iterable[tuple[int, int]], *, page_size: int = 16, max_
     paper's section 6.1) from the first step.
 
     Args:
-      lengths: ``(prompt tokens, output tokens)`` per request (e.g. the
-        packaged ShareGPT requests' columns); a request is cut to
-        ``max_seq_len`` tokens.
+      lengths: ``(prompt tokens, output tokens)`` per request, ints (e.g.
+        the packaged ShareGPT requests' columns, or a NumPy array of
+        them); a prompt in ``[1, max_seq_len)``, its output cut to fit
+        ``max_seq_len``; a request without output tokens holds nothing.
       page_size: tokens per page.
       max_seq_len: Orca-Max's reservation, and every sequence's bound.
       output_cap: outputs capped at this many tokens (None: their full
@@ -70,15 +72,29 @@ def paging_gain(lengths: Iterable[tuple[int, int]], *, page_size: int = 16, max_
     Returns:
       ``{policy: its page-steps / paged's}`` for every policy of
       :data:`POLICIES` (``paged``: 1.0).
+
+    Raises:
+      ValueError: a length that is not such a pair of ints, a bad
+        ``page_size`` / ``max_seq_len`` / ``output_cap``, or no request
+        with an output token (naming the argument and its value).
     """
+    page_size, max_seq_len = check_int("page_size", page_size), check_int("max_seq_len", max_seq_len, 2)
+    if output_cap is not None:
+        output_cap = check_int("output_cap", output_cap)
     held = dict.fromkeys(POLICIES, 0)
-    for prompt, out in lengths:
+    for i, pair in enumerate(lengths):
+        if not (isinstance(pair, Sequence) or hasattr(pair, "__len__")) or len(pair) != 2:
+            raise ValueError(f"lengths[{i}] must be a (prompt tokens, output tokens) pair, got {pair!r}")
+        prompt = check_int(f"lengths[{i}] prompt tokens", pair[0], 1, max_seq_len)  # room for one output token
+        out = check_int(f"lengths[{i}] output tokens", pair[1], 0)
         out = min(out if output_cap is None else min(out, output_cap), max_seq_len - prompt)
-        if out < 1:
+        if out < 1:  # no output: nothing held while decoding
             continue
         for policy in POLICIES:
             if policy == "paged":
                 held[policy] += sum(pages_for_tokens(prompt + t, page_size) for t in range(1, out + 1))
             else:
                 held[policy] += out * pages_for_tokens(reserved_tokens(policy, prompt, out, max_seq_len), page_size)
+    if not held["paged"]:
+        raise ValueError("lengths must hold at least one request with an output token")
     return {policy: held[policy] / held["paged"] for policy in POLICIES}

@@ -276,10 +276,15 @@ def trace_slices(path: str | pathlib.Path) -> list[dict]:
       ``args``, ...), in the file's order.
 
     Raises:
-      ValueError: ``path`` is none of those (a folder with no trace, or
-        with several runs: the message lists them, pass one).
+      ValueError: ``path`` is none of those (missing, empty, a folder with
+        no trace, or with several runs: the message lists them, pass one),
+        or the file is not a Perfetto trace.
     """
+    if not isinstance(path, (str, pathlib.PurePath)) or not str(path) or "\0" in str(path):
+        raise ValueError(f"path must be a non-empty str or Path without a NUL byte, got path={path!r}")
     path = pathlib.Path(path)
+    if not path.exists():
+        raise ValueError(f"path={str(path)!r} does not exist")
     if path.is_file():
         found = [path]
     else:
@@ -288,6 +293,10 @@ def trace_slices(path: str | pathlib.Path) -> list[dict]:
         runs = "".join(f"\n  {p}" for p in found)
         raise ValueError(f"path={str(path)!r} must be a trace file, a run's folder, or a folder holding exactly one "
                          f"{TRACE_GLOB}; found {len(found)}" + (f" (pass one of them):{runs}" if found else ""))
-    data = json.loads(gzip.decompress(found[0].read_bytes()))
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    return [e for e in events if e.get("ph") == "X"]
+    try:
+        data = json.loads(gzip.decompress(found[0].read_bytes()))
+        events = data["traceEvents"] if isinstance(data, dict) else data
+        return [e for e in events if e.get("ph") == "X"]
+    except (OSError, EOFError, ValueError, KeyError, TypeError, AttributeError) as e:  # gzip, JSON or its shape
+        raise ValueError(f"{str(found[0])!r} is not a Perfetto trace (gzipped JSON with traceEvents): "
+                         f"{type(e).__name__}: {e}") from None

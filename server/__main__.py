@@ -116,7 +116,10 @@ def main(argv=None) -> None:
     try:
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-        _Server(config, app.state.engine_loop).run()
+        try:
+            _Server(config, app.state.engine_loop).run()
+        except KeyboardInterrupt:  # uvicorn.run catches the signal it re-raises; Server.run does not
+            pass
     finally:
         if profiler is not None:
             profiler.close()

@@ -261,9 +261,9 @@ class EngineLoop:
             commands = self._take(block=not busy)
             if not busy:
                 commands += self._settle(commands)
-            for cmd in commands:
+            for i, cmd in enumerate(commands):
                 if cmd is _STOP:
-                    self._shutdown()
+                    self._shutdown(commands[i + 1:])
                     return
                 self._handle(cmd)
             if self._failed is None and engine.has_unfinished():
@@ -450,7 +450,10 @@ class EngineLoop:
         return EngineDeadError(f"the engine failed ({type(self._failed).__name__}: {first}) and serves no more "
                                "requests; restart the server")
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, taken: list) -> None:
+        """Stops: fails every stream, aborts its requests, and answers every
+        command not handled (``taken`` after the stop, and what is still
+        queued) with :class:`EngineDeadError`, so no caller waits for ever."""
         with self._closing:
             self._stopped = True
         in_flight = list(self._sinks)
@@ -466,11 +469,14 @@ class EngineLoop:
                     self.engine.step()
             except Exception as e:  # noqa: BLE001 - shutting down: log it, do not mask the stop
                 log.error("the last engine step while stopping failed", exc_info=e)
-        while True:  # answer what is still queued, so no caller waits forever
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                break
+        while True:
+            if taken:
+                cmd = taken.pop(0)
+            else:
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    break
             future = getattr(cmd, "future", None)
             if future is not None and future.set_running_or_notify_cancel():
                 future.set_exception(EngineDeadError("the server is shutting down"))

@@ -433,7 +433,9 @@ def test_a_run_that_compiled_is_repeated_warm():
     result = online.serve_online(spec.build, requests, policy="paged", request_rate=math.inf)
     assert result.discarded > 0 and result.compiles.requests == 0
     assert result.row()["repeated_after_compiling"] == result.discarded
-    assert f"a first attempt compiled {result.discarded}: discarded, run again warm" in online.report(result)
+    assert f"a first attempt compiled {result.discarded}: discarded and run again" in online.report(result)
     assert online.serve_online(spec.build, requests, policy="paged", request_rate=math.inf).discarded == 0
     cold = online.serve_online(spec.build, requests, policy="paged", request_rate=2.0, repeat_if_compiled=False)
     assert cold.discarded == 0 and cold.row()["repeated_after_compiling"] == 0
+    with pytest.raises(ValueError, match="repeat_if_compiled must be a bool"):
+        online.serve_online(spec.build, requests, policy="paged", request_rate=2.0, repeat_if_compiled="no")

@@ -73,3 +73,24 @@ def test_stopping_ends_the_open_streams_with_the_shutdown_error_and_frees_their_
         engine_loop.stop()
     assert 2 <= seen < 2 * 900 and not engine.has_unfinished()
     assert engine.accounting()["used"] == 0
+
+
+def test_what_is_submitted_just_after_a_stop_fails_rather_than_waits():
+    """A submit or call queued behind the stop, taken in the same batch of
+    commands, is answered with EngineDeadError (it once waited for ever)."""
+    engine_loop = EngineLoop(make_engine(max_seqs=4))
+    engine_loop.start()
+    try:
+        engine_loop.stop_soon()
+        call = engine_loop.call(lambda e: 42)
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            call.result(timeout=30)
+
+        async def submit():
+            await admit(engine_loop, toy_requests(1))
+
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            asyncio.run(asyncio.wait_for(submit(), timeout=30))
+    finally:
+        engine_loop.stop()
+    assert not engine_loop.alive

@@ -122,6 +122,14 @@ def test_trace_slices_reads_a_file_a_run_or_a_folder_of_one_run(tmp_path):
         trace_slices(tmp_path)
     files[0].unlink()
     assert [e["name"] for e in trace_slices(tmp_path)] == ["2026_01_01_00_01_00"]
+    for content in (b"not gzip", gzip.compress(b"not json"), gzip.compress(b'{"foo": 1}'), b""):
+        files[1].write_bytes(content)
+        with pytest.raises(ValueError, match="perfetto_trace.json.gz' is not a Perfetto trace"):
+            trace_slices(files[1])
+    for bad, match in (("", "must be a non-empty str or Path"), (5, "got path=5"), ("/tmp/a\0b", "NUL"),
+                       (tmp_path / "missing", "does not exist")):
+        with pytest.raises(ValueError, match=match):
+            trace_slices(bad)
 
 
 def test_a_trace_that_cannot_start_warns_and_the_engine_steps_on(tmp_path):

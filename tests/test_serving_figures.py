@@ -7,6 +7,7 @@ the toy model.
 
 import argparse
 
+import numpy as np
 import pytest
 
 from experiments import provenance, serving_fig14, serving_figures, serving_ttft
@@ -149,3 +150,31 @@ def test_paging_gain_counts_page_steps_as_the_readme_says():
         "paged": 1.0, "max": 4.96, "pow2": 1.95, "oracle": 1.54}
     assert {k: round(v, 2) for k, v in paging_gain(lengths, output_cap=48).items()} == {
         "paged": 1.0, "max": 7.93, "pow2": 1.14, "oracle": 1.08}
+
+
+@pytest.mark.parametrize("args, match", [
+    (([],), "at least one request with an output token"),
+    (([(10, 0)],), "at least one request with an output token"),
+    (([(2048, 10)],), r"lengths\[0\] prompt tokens must be an int in \[1, 2048\), got .*=2048"),
+    (([(-50, 20)],), r"lengths\[0\] prompt tokens must be an int in \[1, 2048\)"),
+    (([(10, 20.0)],), r"lengths\[0\] output tokens must be an int >= 0, got .*=20.0"),
+    (([(True, 3)],), r"lengths\[0\] prompt tokens must be an int"),
+    (([(10, 20, 5)],), r"lengths\[0\] must be a \(prompt tokens, output tokens\) pair"),
+    (([10, 20],), r"lengths\[0\] must be a \(prompt tokens, output tokens\) pair, got 10"),
+    (([(10, 20)], {"page_size": 0}), "page_size must be an int >= 1"),
+    (([(10, 20)], {"output_cap": 0}), "output_cap must be an int >= 1"),
+    (([(10, 20)], {"max_seq_len": 1}), "max_seq_len must be an int >= 2"),
+])
+def test_paging_gain_refuses_bad_lengths_by_name(args, match):
+    from experiments.policies import paging_gain
+
+    kwargs = args[1] if len(args) > 1 else {}
+    with pytest.raises(ValueError, match=match):
+        paging_gain(args[0], **kwargs)
+
+
+def test_paging_gain_takes_a_numpy_array():
+    from experiments.policies import paging_gain
+
+    assert paging_gain(np.array([[5, 25]]), page_size=16, max_seq_len=80) == paging_gain([(5, 25)], page_size=16,
+                                                                                          max_seq_len=80)
