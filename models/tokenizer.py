@@ -25,6 +25,9 @@ the ids, match ``AutoTokenizer(...).apply_chat_template`` exactly.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 import os
 import warnings
 from typing import Sequence
@@ -96,6 +99,24 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.hf_tokenizer.id_to_token(token_id)
 
+    @functools.cached_property
+    def token_floor(self) -> TokenFloor | None:
+        """How few tokens a text can take (:class:`TokenFloor`), read once
+        from the vocabulary; None where no such bound holds."""
+        return token_floor(self.hf_tokenizer)
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on ``len(self.encode(text))`` computed without
+        tokenizing (:meth:`TokenFloor.fewest_tokens`); 0 where
+        :attr:`token_floor` is None.
+
+        Raises:
+          TypeError: ``text`` is not a str.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        return 0 if self.token_floor is None else self.token_floor.fewest_tokens(text)
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no BOS added; special tokens in the text,
         such as ``<|im_start|>``, become their single ids)."""
@@ -149,6 +170,115 @@ class Tokenizer:
             eos_token=self.id_to_token(self.eos_id),
             pad_token=self.id_to_token(self.pad_id),
         )
+
+
+_KEEPING_SPLITS = ("Isolated", "MergedWithPrevious", "MergedWithNext", "Contiguous")
+"""``Split`` behaviours that keep every character (``Removed`` drops the
+delimiters)."""
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte alphabet: the character standing for each byte 0-255 in
+    a byte-level vocabulary (printable Latin-1 for itself, the rest moved to
+    U+0100 on), as ``tokenizers``' ``ByteLevel`` maps them."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    moved = iter(range(256, 512))
+    return [chr(b) if b in kept else chr(next(moved)) for b in range(256)]
+
+
+BYTE_CHARS = _byte_chars()
+"""``BYTE_CHARS[b]``: byte ``b``'s character in a byte-level vocabulary."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TokenFloor:
+    """How few tokens a byte-level BPE can split a text into.
+
+    Why the bound is on bytes, and why it is a floor on the token count: a
+    byte-level BPE splits a text into its UTF-8 bytes and every token covers
+    a run of whole bytes, so a character may take up to 4 tokens (one per
+    byte) while a token may cover many characters (SmolLM2's longest, a
+    newline and 80 spaces, covers 81). Counting characters bounds nothing in
+    either direction; counting bytes does: a text whose kept bytes number
+    ``b`` takes at least ``ceil(b / max_token_bytes)`` tokens. A byte is kept
+    unless the vocabulary has no token for it: a BPE without an unknown
+    token then drops it silently (SmolLM2 drops 21 of the 256, among them
+    the control bytes 0x04 and 0x1d, so a text of 0x04 bytes takes no token
+    at all: counting them would overstate the floor).
+
+    Attributes:
+      max_token_bytes: the most bytes one token covers: a regular token's
+        string is in the byte alphabet (:data:`BYTE_CHARS`, one character
+        per byte), so it covers ``len(string)`` bytes; an added token
+        (``<|im_start|>``) is matched in the text whole and covers its
+        content's UTF-8 bytes.
+      dropped: the bytes the vocabulary has no token for.
+    """
+
+    max_token_bytes: int
+    dropped: bytes = b""
+
+    def __post_init__(self):
+        if not isinstance(self.max_token_bytes, int) or self.max_token_bytes < 1:
+            raise ValueError(f"max_token_bytes must be an int >= 1, got max_token_bytes={self.max_token_bytes!r}")
+        if not isinstance(self.dropped, bytes):
+            raise ValueError(f"dropped must be bytes, got {type(self.dropped).__name__}")
+
+    def fewest_tokens(self, text: str) -> int:
+        """The fewest tokens ``text`` can take: its kept UTF-8 bytes over
+        :attr:`max_token_bytes`, rounded up. Linear in the text, no
+        tokenizing (a lone surrogate counts as its 3 bytes)."""
+        data = text.encode("utf-8", "surrogatepass")
+        if self.dropped:
+            data = data.translate(None, self.dropped)
+        return -(-len(data) // self.max_token_bytes)
+
+
+def token_floor(tokenizer: tokenizers.Tokenizer) -> TokenFloor | None:
+    """``tokenizer``'s :class:`TokenFloor`, or None where no floor holds.
+
+    One holds, and is returned, only for a BPE model behind a byte-level
+    pre-tokenizer (alone, or in a sequence with ``Digits`` and ``Split``
+    that keeps its delimiters), with no normalizer (NFC composes characters
+    into fewer bytes), no added token that strips the whitespace beside it
+    (``lstrip`` / ``rstrip`` would cover any number of spaces) and no fused
+    unknown token (one would cover any run of bytes the vocabulary lacks).
+    Anything else (WordPiece's ``[UNK]`` for a whole word, a word-level
+    model that drops spaces) gives None. Reads the tokenizer's JSON: about
+    0.2 s for SmolLM2's, so call it once.
+    """
+    spec = json.loads(tokenizer.to_str())
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or spec.get("normalizer") is not None or not _byte_level(spec.get("pre_tokenizer")):
+        return None
+    added = spec.get("added_tokens") or []
+    if any(a.get("lstrip") or a.get("rstrip") for a in added):
+        return None
+    vocab = model.get("vocab") or {}
+    unknown = model.get("unk_token")
+    if unknown is not None and model.get("fuse_unk"):
+        return None
+    # Without an unknown token a byte the vocabulary lacks is dropped; with one it becomes one token of one byte.
+    dropped = b"" if unknown is not None else bytes(b for b, c in enumerate(BYTE_CHARS) if c not in vocab)
+    return TokenFloor(max_token_bytes=max([len(s) for s in vocab] + [len(a["content"].encode("utf-8"))
+                                                                     for a in added]), dropped=dropped)
+
+
+def _byte_level(pre: dict | None) -> bool:
+    """Whether ``pre`` (a pre-tokenizer's JSON) splits into UTF-8 bytes and
+    drops none: a ``ByteLevel``, or a ``Sequence`` with one and otherwise
+    only ``Digits`` and character-keeping ``Split``."""
+    if pre is None:
+        return False
+    if pre.get("type") == "ByteLevel":
+        return True
+    if pre.get("type") != "Sequence":
+        return False
+    parts = pre.get("pretokenizers") or []
+    keeping = all(p.get("type") in ("ByteLevel", "Digits")
+                  or (p.get("type") == "Split" and p.get("behavior") in _KEEPING_SPLITS) for p in parts)
+    return keeping and any(p.get("type") == "ByteLevel" for p in parts)
 
 
 def _compile_template(source: str):

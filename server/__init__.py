@@ -5,6 +5,8 @@ Layering: ``server -> models -> paged_jax``; nothing in ``models`` or
 
 - :mod:`server.protocol`: request bodies (pydantic, strict) and OpenAI
   error objects;
+- :mod:`server.limits`: bounds on a request (its body's bytes, each
+  field a body can grow);
 - :mod:`server.engine_loop`: the one thread that owns the engine, and the
   asyncio side of it (:func:`server.engine_loop.admit`);
 - :mod:`server.openai_serving`: completions and chat completions, streamed

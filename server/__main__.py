@@ -15,6 +15,10 @@ engine is served by :func:`server.app.build_app` with uvicorn. Binds
 engine steps after the first ``--profile-skip`` steps counted from the
 first request (:mod:`paged_jax.profiling`; send a warm-up load first, or skip
 enough steps, so that compilation stays out of the trace).
+
+``--max-body-bytes``, ``--max-prompts``, ``--max-messages``, ``--max-stop``,
+``--max-stop-chars``, ``--max-logit-bias`` and ``--max-cache-salt-chars``
+bound a request (:mod:`server.limits`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import uvicorn
 from models.llm import LLM
 from paged_jax.jit_stats import enable_persistent_cache
 from server.app import build_app
+from server.limits import RequestLimits, add_limit_args, limit_args
 from paged_jax.profiling import ProfileSpec, add_profile_args, check_profile_args
 
 API_KEY_ENV = "PAGED_JAX_API_KEY"
@@ -62,9 +67,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="JAX's persistent compilation cache folder, so a restart compiles nothing (default: off)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (default %(default)s)")
+    add_limit_args(p)
     add_profile_args(p)
     args = p.parse_args(argv)
     check_profile_args(p, args)
+    args.limit_bounds = limit_args(p, args)
     if not 0 < args.port < 65536:
         p.error(f"--port must be in [1, 65535], got {args.port}")
     if args.api_key == "":
@@ -105,9 +112,12 @@ def main(argv=None) -> None:
                   enable_prefix_caching=not args.no_prefix_caching)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"python -m server: {e}") from None
-    app = build_app(llm, model_name=args.served_model_name or args.model, api_key=args.api_key)
+    limits = RequestLimits.for_context(llm.engine.config.max_seq_len, vocab_size=llm.engine.vocab_size,
+                                       token_floor=None if llm.tokenizer is None else llm.tokenizer.token_floor,
+                                       **args.limit_bounds)
+    app = build_app(llm, model_name=args.served_model_name or args.model, api_key=args.api_key, limits=limits)
     log = logging.getLogger("server")
-    log.info("serving %r as %r; %r", llm.name, app.state.model_name, llm)
+    log.info("serving %r as %r; %r; %r", llm.name, app.state.model_name, llm, limits)
     profile = ProfileSpec.from_args(args)
     profiler = None if profile is None else profile.install(llm.engine)  # before the engine loop starts
     if profile is not None:

@@ -14,6 +14,11 @@ answers), unknown routes (404) included. With an API key, ``/v1/*`` and
 otherwise), as vLLM's ``--api-key``; ``/health`` and ``/metrics`` stay open
 to probes and scrapers.
 
+Bounds (:mod:`server.limits`): a body past the bound is a 413 while it
+streams in, a ``Content-Type`` other than JSON a 415 before it is read, an
+integer of more than 4,300 digits or a field past its bound a 400 naming
+it.
+
 Why bodies are parsed by hand rather than by FastAPI: a body that is not
 JSON and one whose field has the wrong type are different mistakes, and the
 error should say which, naming the field (:func:`server.protocol.validation_error`).
@@ -44,9 +49,10 @@ from starlette.requests import ClientDisconnect
 from models.llm import LLM
 from paged_jax.checks import check_instance
 from server.engine_loop import EngineLoop
+from server.limits import BodyLimit, RequestLimits, load_json
 from server.metrics import ServerMetrics
 from server.openai_serving import OpenAIServing
-from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, validation_error
+from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, shown, validation_error
 from server.timing import RequestTimes, TimingRecorder, stamp_first_chunk
 
 CLIENT_CLOSED = 499
@@ -55,7 +61,7 @@ answer (nginx's convention; the client never sees it)."""
 
 
 def build_app(llm: LLM, *, model_name: str | None = None, api_key: str | None = None,
-              timing: TimingRecorder | None = None) -> FastAPI:
+              timing: TimingRecorder | None = None, limits: RequestLimits | None = None) -> FastAPI:
     """An OpenAI-compatible app serving ``llm``'s engine.
 
     The engine loop (:class:`server.engine_loop.EngineLoop`) starts with
@@ -70,19 +76,27 @@ def build_app(llm: LLM, *, model_name: str | None = None, api_key: str | None = 
       api_key: if given, ``/v1/*`` needs ``Authorization: Bearer <api_key>``.
       timing: records where each completion request's time goes
         (:mod:`server.timing`; benchmarks); None records nothing.
+      limits: the bounds on a request (:class:`server.limits.RequestLimits`);
+        default :meth:`~server.limits.RequestLimits.for_context` of the
+        engine's ``max_seq_len`` and the tokenizer.
 
     Returns:
       the app; ``app.state`` holds ``engine_loop``, ``metrics``
-      (:class:`server.metrics.ServerMetrics`), ``model_name`` and ``timing``.
+      (:class:`server.metrics.ServerMetrics`), ``model_name``, ``timing``
+      and ``limits``.
 
     Raises:
       ValueError: ``llm`` is not an LLM, its engine is busy, or
         ``model_name`` / ``api_key`` is not a non-empty str, or ``timing``
-        is not a TimingRecorder.
+        is not a TimingRecorder, or ``limits`` not a RequestLimits.
     """
     check_instance("llm", llm, LLM, what="models.llm.LLM")
     if timing is not None:
         check_instance("timing", timing, TimingRecorder, what="server.timing.TimingRecorder")
+    if limits is None:
+        limits = RequestLimits.for_context(llm.engine.config.max_seq_len, vocab_size=llm.engine.vocab_size,
+                                           token_floor=None if llm.tokenizer is None else llm.tokenizer.token_floor)
+    check_instance("limits", limits, RequestLimits, what="server.limits.RequestLimits")
     model_name = llm.name if model_name is None else model_name
     for name, value in (("model_name", model_name), ("api_key", api_key)):
         if value is not None and (not isinstance(value, str) or not value):
@@ -91,7 +105,8 @@ def build_app(llm: LLM, *, model_name: str | None = None, api_key: str | None = 
     metrics = ServerMetrics(lambda: engine_loop.snapshot(), model_name)
     engine_loop = EngineLoop(llm.engine, on_output=metrics.observe)
     serving = OpenAIServing(engine_loop, model_name=model_name, tokenizer=llm.tokenizer,
-                            max_seq_len=llm.engine.config.max_seq_len, max_seqs=llm.engine.config.max_seqs)
+                            max_seq_len=llm.engine.config.max_seq_len, max_seqs=llm.engine.config.max_seqs,
+                            limits=limits)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -108,6 +123,8 @@ def build_app(llm: LLM, *, model_name: str | None = None, api_key: str | None = 
     app.state.metrics = metrics
     app.state.model_name = model_name
     app.state.timing = timing
+    app.state.limits = limits
+    app.add_middleware(BodyLimit, max_body_bytes=limits.max_body_bytes)
     _install_error_handlers(app)
 
     async def authorize(request: Request) -> None:
@@ -160,13 +177,26 @@ def build_app(llm: LLM, *, model_name: str | None = None, api_key: str | None = 
     return app
 
 
+JSON_MEDIA_TYPE = "application/json"
+
+
 async def _parse(request: Request, model: type[pydantic.BaseModel]):
+    """The body as ``model``, or an :class:`APIError`: 415 for a
+    ``Content-Type`` other than JSON (a web page may send ``text/plain`` to
+    a server on localhost without a CORS preflight, so such a body is not
+    read at all), 413 past the body bound (:class:`server.limits.BodyLimit`),
+    400 for what is not JSON, not an object, or a field pydantic refuses."""
+    content_type = request.headers.get("content-type")
+    if content_type is None or content_type.partition(";")[0].strip().lower() != JSON_MEDIA_TYPE:
+        got = "none" if content_type is None else shown(content_type)
+        raise APIError(415, f"Content-Type must be {JSON_MEDIA_TYPE} (a charset may follow), got {got}",
+                       code="unsupported_media_type")
     try:
         raw = await request.body()
     except ClientDisconnect:  # gone before its body arrived: nobody to answer
         raise APIError(CLIENT_CLOSED, "the client disconnected before sending its whole body") from None
     try:
-        data = json.loads(raw)
+        data = load_json(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
     except RecursionError:

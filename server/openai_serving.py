@@ -44,6 +44,7 @@ from paged_jax.engine import Request
 from paged_jax.requests import CompletionOutput, RequestOutput
 from paged_jax.sampling import SamplingParams
 from server.engine_loop import EngineDeadError, EngineLoop, RequestStream, admit
+from server.limits import RequestLimits
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, clip, shown
 
 DEFAULT_MAX_TOKENS = 16
@@ -93,14 +94,17 @@ class OpenAIServing:
         strings, empty text).
       max_seq_len: the engine's most tokens per sequence.
       max_seqs: the engine's most running sequences (``n`` at most this).
+      limits: the bounds on a request's fields (:class:`server.limits.RequestLimits`).
     """
 
-    def __init__(self, engine_loop: EngineLoop, *, model_name: str, tokenizer, max_seq_len: int, max_seqs: int):
+    def __init__(self, engine_loop: EngineLoop, *, model_name: str, tokenizer, max_seq_len: int, max_seqs: int,
+                 limits: RequestLimits):
         self.loop = engine_loop
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
         self.max_seqs = max_seqs
+        self.limits = limits
         self.vocab_size = engine_loop.engine.vocab_size  # read once, before the loop owns the engine
         self._token_text: dict[int, str] = {}
 
@@ -126,10 +130,13 @@ class OpenAIServing:
             raise bad_request(f"model {self.model_name!r} has no tokenizer (random weights): chat needs one; send "
                               "token ids to /v1/completions", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        for i, m in enumerate(messages):  # a template puts each message's text in the prompt
+            self._check_fits(f"messages[{i}].content", m["content"], "messages")
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - a template may raise anything (raise_exception, TemplateError)
             raise bad_request(f"messages: the chat template refused them: {e}", "messages") from None
+        self._check_fits("messages (rendered with the chat template)", text, "messages")
         ids = await asyncio.to_thread(self.tokenizer.encode, text)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
@@ -150,6 +157,7 @@ class OpenAIServing:
         if req.model is not None and req.model != self.model_name:
             raise APIError(404, f"The model `{clip(req.model)}` does not exist.", param="model",
                            code="model_not_found")
+        self.limits.check(req)
         for name, why in req.unsupported():
             raise bad_request(f"{name}: {why}", name)
         if req.stream_options is not None and not req.stream:  # vLLM's check and words
@@ -162,6 +170,10 @@ class OpenAIServing:
         prompts, names = _split(prompt)
         if not prompts:
             raise bad_request("prompt is empty; need at least one token", "prompt")
+        if self.tokenizer is not None:  # every text first: none is tokenized when one cannot fit
+            for name, p in zip(names, prompts):
+                if isinstance(p, str):
+                    self._check_fits(name, p, "prompt")
         out = []
         for name, p in zip(names, prompts):
             if isinstance(p, str):
@@ -179,6 +191,17 @@ class OpenAIServing:
                 raise bad_request(f"{name} is empty; need at least one token", "prompt")
             out.append(ids)
         return out
+
+    def _check_fits(self, name: str, text: str, param: str) -> None:
+        """Refuses ``text`` (a prompt, a message) whose fewest possible
+        tokens (:meth:`models.tokenizer.Tokenizer.fewest_tokens`, no
+        tokenizing) already fill the context."""
+        fewest = self.tokenizer.fewest_tokens(text)
+        if fewest >= self.max_seq_len:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_seq_len} tokens (prompt plus output); {name} is "
+                f"{len(text)} characters, which take at least {fewest} tokens (one token covers at most "
+                f"{self.tokenizer.token_floor.max_token_bytes} bytes of UTF-8), got {shown(text)}", param)
 
     def _decode(self, ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=False)

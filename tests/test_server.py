@@ -20,12 +20,14 @@ The module's last test fails the shared engine on purpose.
 import copy
 import json
 import random
+import re
 import threading
 import time
 
 import httpx
 import jax.numpy as jnp
 import openai
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -36,6 +38,8 @@ from paged_jax.engine import Engine, Request, SamplingParams
 from server import ThreadedServer, build_app
 from server import __main__ as server_main
 from paged_jax.profiling import ProfileSpec, trace_slices
+from models.tokenizer import TokenFloor
+from server.limits import MIN_BODY_BYTES, RequestLimits
 from server.protocol import MAX_MESSAGE_CHARS, SHOWN_CHARS, APIError, shown
 
 MODEL = "smollm2-test"
@@ -316,6 +320,127 @@ def test_errors_through_the_client_then_a_good_request(client, http):
     assert r.usage.completion_tokens == 1
 
 
+# ------------------------------------------- bounds: a body refused while it streams, fields refused by name
+
+BIG = 64 << 20  # 64 MiB: 64 times the module server's body bound
+
+
+def _body_chunks(total, pulled, chunk=64 << 10):
+    """A JSON-looking body of ``total`` bytes in ``chunk``-byte pieces (one buffer reused: the client
+    allocates nothing per chunk), counting in ``pulled[0]`` the bytes taken from it."""
+    piece = b"x" * chunk
+    yield b'{"prompt": "'
+    pulled[0] += 12
+    while pulled[0] < total:
+        step = min(chunk, total - pulled[0])
+        pulled[0] += step
+        yield piece if step == chunk else piece[:step]
+
+
+async def _in_process(app, headers):
+    """POSTs a BIG streamed body to ``app`` in this thread's event loop (httpx's ASGI transport hands the
+    app one chunk per receive, so what the app read is what the generator gave); returns the response, the
+    bytes taken and the seconds."""
+    pulled = [0]
+
+    async def chunks():
+        for c in _body_chunks(BIG, pulled):
+            yield c
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+        start = time.monotonic()
+        r = await c.post("/v1/completions", content=chunks(), headers=headers)
+        return r, pulled[0], time.monotonic() - start
+
+
+def test_an_oversized_body_gets_413_after_at_most_the_bound(server, http):
+    import asyncio
+
+    bound = server.app.state.limits.max_body_bytes
+    assert bound == 1 << 20  # SmolLM2 at 256 tokens: the 1 MiB floor
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    # In process: chunked (no Content-Length), and a Content-Length past the bound (refused before a byte).
+    for extra, most in (({}, bound + (64 << 10)), ({"Content-Length": str(BIG)}, 0)):
+        r, pulled, seconds = asyncio.run(_in_process(server.app, {**auth, **extra}))
+        error = r.json()["error"]
+        assert r.status_code == 413 and error["code"] == "request_too_large" and str(bound) in error["message"]
+        assert pulled <= most and seconds < 2, (extra, pulled, seconds)
+    # Over a socket, uvicorn's: the client writes all 64 MiB, the server holds none of them.
+    rss = psutil.Process().memory_info().rss
+    for extra in ({}, {"Content-Length": str(BIG)}):
+        start = time.monotonic()
+        r = http.post("/v1/completions", content=_body_chunks(BIG, [0]), headers={**auth, **extra})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert time.monotonic() - start < 10
+    assert psutil.Process().memory_info().rss - rss < BIG // 2
+    good = _raw(http, "/v1/completions", {"prompt": [1, 2], "max_tokens": 1, "temperature": 0})
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 1
+
+
+def test_text_past_the_context_is_refused_without_tokenizing(llm, http, monkeypatch):
+    def refuse(text):
+        raise AssertionError(f"tokenized {len(text)} characters")
+
+    monkeypatch.setattr(llm.tokenizer, "encode", refuse)
+    text = "a" * 1_000_000  # 1 MB: at least 12,346 tokens at SmolLM2's 81 bytes a token, past 256
+    for path, body, name in [
+        ("/v1/completions", {"prompt": text}, "prompt"),
+        ("/v1/completions", {"prompt": ["hi", text]}, "prompt[1]"),
+        ("/v1/chat/completions", {"messages": [CHAT[0], {"role": "user", "content": text}]}, "messages[1].content"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]},
+         "messages[0].content"),
+    ]:
+        start = time.monotonic()
+        r = _raw(http, path, body)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == name.split("[")[0], r.text[:300]
+        assert f"{name} is 1000000 characters, which take at least 12346 tokens" in error["message"]
+        assert "maximum context length is 256" in error["message"] and "... (1000000 chars)" in error["message"]
+        assert time.monotonic() - start < 2
+    monkeypatch.undo()
+    good = _raw(http, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "temperature": 0})
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 1
+
+
+HUGE_INT = b"1" + b"0" * 5000  # 5,001 digits: past Python's int-string conversion limit
+
+
+@pytest.mark.parametrize("headers, body, status, words", [
+    ({"Content-Type": "text/plain"}, b'{"prompt": "hi", "max_tokens": 1}', 415, "got 'text/plain'"),
+    ({"Content-Type": "application/x-www-form-urlencoded"}, b'{"prompt": "hi"}', 415, "must be application/json"),
+    ({}, b'{"prompt": "hi"}', 415, "got none"),
+    ({"Content-Type": "Application/JSON; charset=utf-8"}, b'{"prompt": [1, 2], "max_tokens": 1, "temperature": 0}',
+     200, None),
+])
+def test_only_json_bodies_are_read(server, headers, body, status, words):
+    r = httpx.post(server.url + "/v1/completions", content=body, timeout=120,
+                   headers={"Authorization": f"Bearer {KEY}", **headers})
+    assert r.status_code == status, r.text
+    if words is not None:
+        error = r.json()["error"]
+        assert error["code"] == "unsupported_media_type" and "Content-Type" in error["message"]
+        assert words in error["message"]
+
+
+def test_request_limits_defaults_flags_and_refusals(capsys):
+    floor = TokenFloor(max_token_bytes=81)
+    small = RequestLimits.for_context(256, token_floor=floor, vocab_size=49152)
+    assert small.max_body_bytes == MIN_BODY_BYTES and small.max_messages == 256 and small.max_prompts == 256
+    # 2,048 tokens: 2,047 x 81 x 6 text bytes + 32 x (256 x 6 + 4) stop bytes + 2,048 x 64 + 16 KiB.
+    assert RequestLimits.for_context(2048, token_floor=floor, vocab_size=49152).max_body_bytes == (
+        2047 * 486 + 32 * 1540 + 2048 * 64 + 16384)
+    assert RequestLimits.for_context(256, token_floor=None, vocab_size=10, max_stop=4).max_stop == 4
+    for bad, words in [({"max_stop": 0}, "max_stop must be an int >= 1, got max_stop=0"),
+                       ({"max_bodies": 3}, "unknown bounds ['max_bodies']")]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            RequestLimits.for_context(256, token_floor=floor, vocab_size=10, **bad)
+    args = server_main.parse_args(["--max-body-bytes", "5000", "--max-stop-chars", "9"])
+    assert args.limit_bounds == {"max_body_bytes": 5000, "max_stop_chars": 9}
+    with pytest.raises(SystemExit):
+        server_main.parse_args(["--max-prompts", "0"])
+    assert "--max-prompts must be >= 1, got 0" in capsys.readouterr().err
+
+
 # -------------------------------------------------------- metrics and soak
 
 
@@ -550,7 +675,7 @@ def test_shown_clips_long_values_and_says_how_long():
 
 @pytest.mark.parametrize("path, body, status, param, words", [
     ("/v1/completions", {"model": "y" * 5000, "prompt": "hi"}, 404, "model", "... (5000 chars)` does not exist"),
-    ("/v1/completions", {"prompt": "hi", "stop": ["x" * 5000, ""]}, 400, "stop", "stop[1] is empty"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x" * 250, ""]}, 400, "stop", "stop[1] is empty"),
     ("/v1/completions", {"prompt": "hi", "stop": ""}, 400, "stop", "stop is empty"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "t" * 5000}, 400, "max_tokens", "... (5000 chars)"),
     ("/v1/completions", {"prompt": "hi", "n": 10**300}, 400, "n", "... (301 chars)"),
@@ -568,6 +693,23 @@ def test_shown_clips_long_values_and_says_how_long():
     ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": False}}, 400, "stream_options",
      "Stream options can only be defined when `stream=True`."),
     ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 10**300}, 400, "best_of", "... (301 chars) n=2"),
+    # bounds (server.limits): each field a body can grow, refused by name
+    ("/v1/completions", {"prompt": [[1]] * 257}, 400, "prompt", "prompt has 257 prompts in a batch; at most 256"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 33}, 400, "stop", "stop has 33 stop strings; at most 32"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["a", "x" * 5000]}, 400, "stop",
+     "stop[1] is 5000 characters; a stop string may have at most 256"),
+    ("/v1/completions", {"prompt": "hi", "stop": "x" * 257}, 400, "stop", "stop is 257 characters"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, 400, "logit_bias",
+     "logit_bias has 301 entries; at most 300"),
+    ("/v1/chat/completions", {"messages": CHAT * 257}, 400, "messages", "messages has 257 messages; at most 256"),
+    ("/v1/completions", {"prompt": "hi", "cache_salt": "s" * 1_000_000}, 400, "cache_salt",
+     "cache_salt is 1000000 characters; it may have at most 256"),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": ' + HUGE_INT + b"}", 400, "max_tokens",
+     "max_tokens: an integer of 5001 digits is too large; integers may have at most 4300"),
+    ("/v1/completions", b'{"prompt": "hi", "metadata": {"x": [0, -' + HUGE_INT + b"]}}", 400, "metadata",
+     "metadata.x[1]: an integer of 5001 digits"),  # a field the server ignores
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi", "n": ' + HUGE_INT + b"}]}", 400,
+     "messages", "messages[0].n: an integer"),
 ])
 def test_error_messages_are_bounded_and_name_the_value(echo_client, path, body, status, param, words):
     with httpx.Client(base_url=str(echo_client.base_url).removesuffix("/v1/"), timeout=120,

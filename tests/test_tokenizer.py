@@ -4,11 +4,13 @@ import os
 import pathlib
 
 import pytest
+import tokenizers
+from tokenizers import pre_tokenizers
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported
 
 from models.gguf_loader import smollm2_gguf_path  # noqa: E402
-from models.tokenizer import load_tokenizer  # noqa: E402
+from models.tokenizer import BYTE_CHARS, TokenFloor, load_tokenizer, token_floor  # noqa: E402
 
 TEXTS = [
     "Hello, world!",
@@ -94,3 +96,35 @@ def test_bad_inputs(tok, tmp_path):
     missing = tmp_path / "nope.gguf"
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
         load_tokenizer(missing)
+
+
+FLOOR_TEXTS = TEXTS + ["\n" + " " * 80, "\x04" * 50 + "a\x1db", "\U00040000\U0001f642" * 30, "ab" * 500]
+
+
+def test_token_floor_bounds_the_token_count(tok):
+    floor = tok.token_floor
+    assert floor.max_token_bytes == 81  # a newline and 80 spaces, one token
+    assert tok.encode("\n" + " " * 80) and len(tok.encode("\n" + " " * 80)) == 1 == tok.fewest_tokens("\n" + " " * 80)
+    # Bytes the vocabulary lacks are dropped, so they count for nothing (0x04 among them).
+    assert b"\x04" in floor.dropped and tok.encode("\x04" * 10) == [] and tok.fewest_tokens("\x04" * 10) == 0
+    assert set(BYTE_CHARS) == set(pre_tokenizers.ByteLevel.alphabet())
+    spell = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    text = "".join(map(chr, range(1, 128))) + "é€🙂\U00040000"
+    assert spell.pre_tokenize_str(text)[0][0] == "".join(BYTE_CHARS[b] for b in text.encode())
+    for t in FLOOR_TEXTS:
+        assert tok.fewest_tokens(t) <= len(tok.encode(t)), t
+    assert tok.fewest_tokens("a" * 81_000) == 1000
+    with pytest.raises(TypeError, match="text must be a str"):
+        tok.fewest_tokens(b"bytes")
+
+
+def test_token_floor_is_none_where_no_floor_holds():
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel({"w0": 0}, unk_token="w0"))
+    assert token_floor(words) is None  # a word-level model drops spaces: no floor
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE({c: i for i, c in enumerate(BYTE_CHARS)}, []))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
+    assert token_floor(bpe) == TokenFloor(max_token_bytes=1)
+    bpe.normalizer = tokenizers.normalizers.NFC()  # composes characters into fewer bytes
+    assert token_floor(bpe) is None
+    with pytest.raises(ValueError, match="max_token_bytes must be an int >= 1"):
+        TokenFloor(max_token_bytes=0)
