@@ -17,6 +17,7 @@ program variant). About a minute on 2 busy cores, most of it compiling.
 The module's last test fails the shared engine on purpose.
 """
 
+import asyncio
 import copy
 import json
 import random
@@ -354,8 +355,6 @@ async def _in_process(app, headers):
 
 
 def test_an_oversized_body_gets_413_after_at_most_the_bound(server, http):
-    import asyncio
-
     bound = server.app.state.limits.max_body_bytes
     assert bound == 1 << 20  # SmolLM2 at 256 tokens: the 1 MiB floor
     auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
