@@ -3,10 +3,27 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The compilers for chips that are not here (libtpu, the CUDA plugin's Triton), at the project's JAX version, in a
+# venv of their own so the test venv's JAX never probes for a TPU or a GPU (experiments/aot.py); flax for the
+# engine's whole step.
+AOT_VENV := .venv-aot
+AOT_STAMP := $(AOT_VENV)/.installed
+JAX_VERSION := $(shell sed -n 's/.*"jax==\([0-9.]*\)".*/\1/p' pyproject.toml)
+FLAX_VERSION := $(shell sed -n 's/.*"flax==\([0-9.]*\)".*/\1/p' pyproject.toml)
 
-.PHONY: setup demo test test-all tables check-tables serving-figures serving-figures-14 serving-figures-quick bench-serving serve clean
+.PHONY: setup compile-kernels demo test test-all tables check-tables serving-figures serving-figures-14 serving-figures-quick bench-serving serve clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(AOT_STAMP)
+
+$(AOT_STAMP): pyproject.toml
+	test -x $(AOT_VENV)/bin/python || $(PYTHON) -m venv $(AOT_VENV)
+	$(AOT_VENV)/bin/python -m pip install -q "jax[tpu]==$(JAX_VERSION)" "jax-cuda12-plugin==$(JAX_VERSION)" \
+		"flax==$(FLAX_VERSION)"
+	touch $(AOT_STAMP)
+
+# Every kernel compiled for TPU v5e / v6e and sm80 / sm90 (results/kernel_compile.md; FULL=1: the whole product).
+compile-kernels: setup
+	$(PY) -m experiments.compile_kernels $(if $(FULL),--full)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -71,4 +88,4 @@ test-all: setup
 	$(PY) -m pytest -q -m ''
 
 clean:
-	rm -rf $(VENV) .pytest_cache .jax_cache .hypothesis
+	rm -rf $(VENV) $(AOT_VENV) .pytest_cache .jax_cache .hypothesis

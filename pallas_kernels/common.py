@@ -442,8 +442,17 @@ def pad_block_tables(block_tables: jax.Array, multiple: int) -> jax.Array:
 
 
 def interpret_default(interpret: bool | None, backend: str) -> bool:
-    """Interpret mode unless we run on ``backend`` ("gpu" or "tpu")."""
-    return jax.default_backend() != backend if interpret is None else bool(interpret)
+    """Interpret mode unless we run on ``backend`` ("gpu" or "tpu"), or
+    trace for a chip of it ahead of time (``pallas_kernels.chips.target``:
+    then the real compiler gets the kernel, not the interpreter)."""
+    if interpret is not None:
+        return bool(interpret)
+    from pallas_kernels import chips  # noqa: PLC0415 (chips imports this module's package)
+
+    target = chips.targeted()
+    if target is not None:
+        return {"tpu": "tpu", "gpu": "cuda"}[backend] != target.platform
+    return jax.default_backend() != backend
 
 
 

@@ -15,10 +15,17 @@ the blocks its queries see (:func:`pallas_kernels.flat_batch.tile_blocks`,
 the XLA work list's formula). Online softmax in f32.
 
 The write. The pool is both an input and an output (``input_output_aliases``;
-the caller donates it). The grid's first program copies every new token's
-K/V (and scales) from the call's ``[T, K, H]`` input into its slot before it
-attends, and only then does any program read a page: the grid runs in order
-on one core, so all writes precede all reads. tpu-inference's v3 kernel
+the caller donates it). The grid's first program writes every new token's
+K/V (and scales) into its slot before it attends, and only then does any
+program read a page: the grid runs in order on one core, so all writes
+precede all reads. Mosaic refuses a DMA at an offset that is not a multiple
+of the (8, 128) tile ("Offsets along tiled dimensions must be aligned to
+tiles"), so a token is never copied alone: the tokens are visited sorted by
+slot (``write_order``, scalar-prefetched), and each aligned chunk of
+``min(L, 32)`` slots of a page that receives tokens is read into VMEM,
+merged with its new rows (``jnp.where`` on a row iota) and written back
+whole, once per chunk; a quantized pool's scales are read, merged and
+written as the page's whole f32 row. tpu-inference's v3 kernel
 instead merges each sequence's new K/V into the block it has fetched and
 writes it back as it goes (its ``_fetch_bkv`` / ``_update_kv_cache``), so a
 sequence reads its own new tokens from the input; that would not let a
@@ -36,9 +43,10 @@ grid because later work depends on earlier; the new K/V passed to the kernel
 and the cache updated through an aliased output.
 
 On CPU it runs in TPU interpret mode (``pltpu.InterpretParams``), which
-simulates HBM, VMEM, DMAs and semaphores. It has not been compiled for a
-real TPU here: Mosaic's (8, 128) tiling wants ``M`` a multiple of 8 and
-``H`` of 128 (v3 pads heads to 128), which this kernel does not arrange.
+simulates HBM, VMEM, DMAs and semaphores. libtpu compiles it for v5e and v6e
+at every preset, page size and pool dtype the engine builds, inside the
+engine's whole step too (``experiments.aot``, ``tests/test_aot.py``,
+``results/kernel_compile.md``).
 """
 
 from __future__ import annotations
@@ -53,11 +61,22 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import common
 from pallas_kernels.flat_batch import prefill_tiles, tile_blocks, tiles
-from pallas_kernels.paged_attention_tpu import next_block_ready, online_softmax_step
+from pallas_kernels.paged_attention_tpu import key_positions, next_block_ready, online_softmax_step
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 """Finite stand-in for -inf in the running max: a row that sees no key in a
 block keeps a finite max and zero probabilities instead of ``-inf - -inf``."""
+
+
+def write_chunk_rows(page_size: int) -> int:
+    """Rows of a page the kernel reads and writes back as one piece when it
+    writes new K/V: ``min(L, 32)``. HBM pools of 16-bit and 8-bit dtypes are
+    tiled along the page's token axis (libtpu 0.0.42: tiles of 8 rows for
+    bf16 and for int8 at L = 16, 32 for int8 and fp8 at L = 64), and a DMA
+    must start and end on a tile ("Offsets along tiled dimensions must be
+    aligned to tiles"), so one token's row cannot be copied on its own; a
+    chunk of ``min(L, 32)`` rows at a multiple of itself always is."""
+    return min(page_size, 32)
 
 
 def _kernel(
@@ -68,6 +87,8 @@ def _kernel(
     tile_rows_ref,  # i32[U] each tile's query tokens
     block_tables_ref,  # i32[E * pages_per_seq]
     slots_ref,  # i32[T] the new tokens' flat slots (-1: none)
+    write_order_ref,  # i32[T] the rows with a slot, by slot (so by chunk); then the others
+    num_writes_ref,  # i32[1] rows with a slot
     # inputs, then outputs, then scratch
     *refs,
     group: int,
@@ -81,12 +102,17 @@ def _kernel(
 ):
     n_pool = 4 if quantized else 2  # K, V pages (and their scales)
     q_ref, refs = refs[0], refs[1:]  # q: [M, H] this tile's rows of KV head h
-    new = refs[:n_pool] if write else ()  # [T, K, H] (scales f32[T, K, 1]) in HBM
+    new = refs[:n_pool] if write else ()  # f32[T, K, H] K/V (quantized values), f32[T, K, 1] scales; in HBM
     refs = refs[len(new):]
     pool_in, refs = refs[:n_pool], refs[n_pool:]  # [layers, K, P, L, H] (scales [layers, K, P, L]) in HBM
     o_ref, refs = refs[0], refs[1:]  # f32[M, H]
     pool = refs[:n_pool] if write else pool_in  # aliased outputs: the same buffers, written
-    bufs, sems, write_sem = refs[-n_pool - 2:-2], refs[-2], refs[-1]  # VMEM [2, ppcb, L(, H)] each; DMA sems
+    refs = refs[n_pool:] if write else refs
+    bufs, refs = refs[:n_pool], refs[n_pool:]  # VMEM [2, ppcb, L(, H)] each
+    # VMEM: [2, K, C, H] in the pool's dtype and in f32, f32[2, K, H]; (quantized) f32[2, K, L] and f32[2, K, 1]
+    chunk_io, chunk_f32, new_rows = refs[:3]
+    scale_rows, new_scales = refs[3:5] if quantized else (None, None)
+    sems, write_sem = refs[-2:]
 
     u, h = pl.program_id(0), pl.program_id(1)
     rows_m, head_dim = q_ref.shape
@@ -95,30 +121,82 @@ def _kernel(
     layer = layer_ref[0]
 
     if write:
+        num_kv_heads = pool[0].shape[1]
+        chunk = chunk_io.shape[2]
+        chunks_per_page = page_size // chunk
+
+        def chunk_copy(key, i, to_pool):
+            """The DMA of chunk ``key`` (``page * chunks_per_page + c``) of K
+            (``i = 0``) or V (1), every KV head, between the pool and VMEM."""
+            page, first = key // chunks_per_page, pl.multiple_of((key % chunks_per_page) * chunk, chunk)
+            place = pool[i].at[layer, :, page, pl.ds(first, chunk)]  # [K, C, H]
+            return pltpu.make_async_copy(chunk_io.at[i], place, write_sem) if to_pool else \
+                pltpu.make_async_copy(place, chunk_io.at[i], write_sem)
+
+        def sync(copies):
+            for c in copies:
+                c.start()
+            for c in copies:
+                c.wait()
+
+        def scale_copies(key, to_pool):
+            """(quantized) The DMAs of the scales of chunk ``key``'s page,
+            K's and V's, every KV head: the page's whole f32[K, L] row (a
+            one-token DMA of an f32 row is refused too: "dynamic offset
+            times the element size is a multiple of the word size")."""
+            if not quantized:
+                return []
+            page = key // chunks_per_page
+            return [pltpu.make_async_copy(scale_rows.at[i], pool[2 + i].at[layer, :, page], write_sem) if to_pool
+                    else pltpu.make_async_copy(pool[2 + i].at[layer, :, page], scale_rows.at[i], write_sem)
+                    for i in range(2)]
+
+        def load(key):  # the chunk's old rows, in f32 (and its page's scales)
+            sync([chunk_copy(key, i, False) for i in range(2)] + scale_copies(key, False))
+            for i in range(2):
+                chunk_f32[i] = chunk_io[i].astype(jnp.float32)
+
+        def store(key):  # the merged chunk back into the pool
+            for i in range(2):
+                chunk_io[i] = chunk_f32[i].astype(chunk_io.dtype)
+            sync([chunk_copy(key, i, True) for i in range(2)] + scale_copies(key, True))
+
         @pl.when((u == 0) & (h == 0))
         def _write_new_kv():
-            def token(t, carry):
+            # Rows come by slot, so a chunk's new rows are consecutive: each
+            # chunk is read once, gets its rows, and is written back once.
+            chunk_row = lax.broadcasted_iota(jnp.int32, (chunk, head_dim), 0)
+
+            def token(i, current):
+                t = write_order_ref[i]
                 slot = slots_ref[t]
+                key, row = slot // chunk, slot % chunk
 
-                @pl.when(slot >= 0)
-                def _():
-                    page, offset = slot // page_size, slot % page_size
-                    copies = []
-                    for i, (src, dst) in enumerate(zip(new, pool)):
-                        for head in range(dst.shape[1]):
-                            if i < 2:  # a token's [H] K or V
-                                s, d = src.at[t, head], dst.at[layer, head, page, offset]
-                            else:  # its scale, as a [1] row
-                                s, d = src.at[t, head], dst.at[layer, head, page, pl.ds(offset, 1)]
-                            copies.append(pltpu.make_async_copy(s, d, write_sem))
-                    for c in copies:
-                        c.start()
-                    for c in copies:
-                        c.wait()
+                @pl.when(key != current)
+                def _next_chunk():
+                    @pl.when(current >= 0)
+                    def _():
+                        store(current)
 
-                return carry
+                    load(key)
 
-            lax.fori_loop(0, slots_ref.shape[0], token, 0)
+                sync([pltpu.make_async_copy(new[i].at[t], new_rows.at[i], write_sem) for i in range(2)])
+                for i in range(2):
+                    for head in range(num_kv_heads):
+                        chunk_f32[i, head] = jnp.where(chunk_row == row, new_rows[i, pl.ds(head, 1), :],
+                                                       chunk_f32[i, head])
+                if quantized:
+                    sync([pltpu.make_async_copy(new[2 + i].at[t], new_scales.at[i], write_sem) for i in range(2)])
+                    token_lane = lax.broadcasted_iota(jnp.int32, (num_kv_heads, page_size), 1)
+                    for i in range(2):
+                        scale_rows[i] = jnp.where(token_lane == slot % page_size, new_scales[i], scale_rows[i])
+                return key
+
+            last = lax.fori_loop(0, num_writes_ref[0], token, jnp.int32(-1))
+
+            @pl.when(last >= 0)
+            def _():
+                store(last)
 
     seq, end, rows = tile_seq_ref[u], tile_end_ref[u], tile_rows_ref[u]
     first_pos = end - rows
@@ -145,7 +223,7 @@ def _kernel(
         slot = next_block_ready(j, block_lo, block_hi, copies)
         k = bufs[0][slot].reshape(keys, head_dim).astype(jnp.float32)
         v = bufs[1][slot].reshape(keys, head_dim).astype(jnp.float32)
-        k_pos = j * keys + lax.broadcasted_iota(jnp.int32, (1, keys), 1)  # i32[1, keys]
+        k_pos, k_pos_col = key_positions(j * keys, keys)  # i32[1, keys], i32[keys, 1]
         key_real = k_pos < end  # keys past the tile's causal limit: unwritten or another's
         logits = jnp.einsum("mh,kh->mk", q, k, preferred_element_type=jnp.float32)  # f32[M, keys]
         if quantized:
@@ -156,7 +234,7 @@ def _kernel(
         if sliding_window is not None:
             visible &= k_pos > q_pos - sliding_window
         logits = jnp.where(visible, logits, MASK_VALUE)
-        return online_softmax_step(carry, logits, visible, key_real, v,
+        return online_softmax_step(carry, logits, visible, key_real, k_pos_col < end, v,
                                    bufs[3][slot].reshape(1, keys) if quantized else None)
 
     @pl.when(block_lo < block_hi)
@@ -203,9 +281,20 @@ def _call(q, new, pool, layer, block_tables, tile, first_row, slots, *, tile_q, 
     tile_spec = pl.BlockSpec((None, None, rows_m, head_dim), lambda u, h, *_: (u, h, 0, 0))
     scratch = [pltpu.VMEM((2, pages_per_compute_block, page_size, head_dim), x.dtype) for x in pool[:2]]
     scratch += [pltpu.VMEM((2, pages_per_compute_block, page_size), jnp.float32) for _ in pool[2:]]
+    chunk = write_chunk_rows(page_size)
+    scratch += [pltpu.VMEM((2, num_kv_heads, chunk, head_dim), pool[0].dtype),
+                pltpu.VMEM((2, num_kv_heads, chunk, head_dim), jnp.float32),
+                pltpu.VMEM((2, num_kv_heads, head_dim), jnp.float32)]
+    if quantized:
+        scratch += [pltpu.VMEM((2, num_kv_heads, page_size), jnp.float32), pltpu.VMEM((2, num_kv_heads, 1), jnp.float32)]
     scratch += [pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA(())]
     write = bool(new)
-    prefetch = (layer.reshape(1), tile.seq, tile.first_pos + tile.rows, tile.rows, block_tables.reshape(-1), slots)
+    # The write's order: rows with a slot by slot (the chunks' rows together), then the rest.
+    has_slot = slots >= 0
+    write_order = jnp.argsort(jnp.where(has_slot, slots, jnp.iinfo(jnp.int32).max)).astype(jnp.int32)
+    num_writes = has_slot.sum(dtype=jnp.int32).reshape(1)
+    prefetch = (layer.reshape(1), tile.seq, tile.first_pos + tile.rows, tile.rows, block_tables.reshape(-1), slots,
+                write_order, num_writes)
     # Operands: prefetch, q, new, pool; the pool (after q and new) is aliased to the outputs after o.
     first_pool = len(prefetch) + 1 + len(new)
     kernel = functools.partial(
@@ -249,9 +338,9 @@ def flat_ragged_tpu(q, k_new, v_new, k_pool, v_pool, layer, block_tables, q_star
     if k_new is not None:
         if quantized:
             (kq, ks), (vq, vs) = common.quantize_kv(k_new, k_pool.dtype), common.quantize_kv(v_new, v_pool.dtype)
-            new = (kq, vq, ks[..., None], vs[..., None])
-        else:
-            new = (k_new.astype(k_pool.dtype), v_new.astype(v_pool.dtype))
+            new = (kq.astype(jnp.float32), vq.astype(jnp.float32), ks[..., None], vs[..., None])
+        else:  # the values the pool will hold, in f32 (the kernel merges them into chunks in f32)
+            new = tuple(x.astype(p.dtype).astype(jnp.float32) for x, p in ((k_new, k_pool), (v_new, v_pool)))
     else:
         slots = jnp.full((t_total,), -1, jnp.int32)
     out = jnp.zeros(q.shape, q.dtype)

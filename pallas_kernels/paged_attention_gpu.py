@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import common
+from pallas_kernels import common, tuning
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 """Finite stand-in for -inf in the running max, so masked rows never give
@@ -103,6 +103,7 @@ def _kernel(
     group_pad: int,
     blocks_per_split: int,
     pages_per_compute_block: int,
+    page_splits: int,
     scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
@@ -115,7 +116,7 @@ def _kernel(
     q_block, split = pl.program_id(2), pl.program_id(3)
     rows, head_dim = q_ref.shape
     page_size = k_pages_ref.shape[2]
-    keys = pages_per_compute_block * page_size
+    keys = pages_per_compute_block * page_size // page_splits  # a block is pages, or 1 / page_splits of one
     kv_len, q_len, layer = kv_len_ref[0], q_len_ref[0], layer_ref[0]
 
     # Row r is query token q_block * block_q + r // G_pad, head r % G_pad of the group.
@@ -139,15 +140,19 @@ def _kernel(
 
     def body(j, carry):
         o_prev, l_prev, m_prev = carry
-        page_ids = block_table_ref[pl.ds(j * pages_per_compute_block, pages_per_compute_block)]
         # Pages are read where they sit in the stacked pool: no layer is copied out.
-        k = k_pages_ref[layer, page_ids].reshape(keys, head_dim).astype(compute_dtype)
-        v = v_pages_ref[layer, page_ids].reshape(keys, head_dim).astype(compute_dtype)
+        if page_splits == 1:
+            page_ids = block_table_ref[pl.ds(j * pages_per_compute_block, pages_per_compute_block)]
+            at = (layer, page_ids)
+        else:  # keys [offset, offset + keys) of one page: a large page at a large head dim
+            at = (layer, block_table_ref[j // page_splits], pl.ds((j % page_splits) * keys, keys))
+        k = k_pages_ref[at].reshape(keys, head_dim).astype(compute_dtype)
+        v = v_pages_ref[at].reshape(keys, head_dim).astype(compute_dtype)
         k_pos = j * keys + lax.broadcasted_iota(jnp.int32, (keys,), 0)  # i32[keys]
         key_real = k_pos < kv_len
         logits = plgpu.dot(q, k, trans_b=True)  # f32[M, keys]
         if quantized:
-            k_scale = k_scales_ref[layer, page_ids].reshape(1, keys)
+            k_scale = k_scales_ref[at].reshape(1, keys)
             logits = logits * k_scale
         if soft_cap is not None:
             logits = soft_cap * jnp.tanh(logits / soft_cap)
@@ -161,7 +166,7 @@ def _kernel(
         l_next = correction * l_prev + p.sum(axis=-1)
         if quantized:
             # NaN may sit in the scales of slots nobody owns; 0 * NaN is NaN.
-            v_scale = jnp.where(key_real, v_scales_ref[layer, page_ids].reshape(keys), 0.0)
+            v_scale = jnp.where(key_real, v_scales_ref[at].reshape(keys), 0.0)
             p = p * v_scale[None, :]
         if jnp.issubdtype(v_pages_ref.dtype, jnp.floating):  # and in float or fp8 pages (int8 has no NaN)
             v = jnp.where(key_real[:, None], v, jnp.zeros_like(v))
@@ -203,7 +208,13 @@ def flash_paged_call(
     """The shared kernel launch (inputs already validated, ``layer`` checked
     by ``common.checked_layer``; traceable). Pages are the stacked pool; a
     program reads layer ``layer`` of it in place (a one-layer call passes
-    ``x[None]``, ``common.stack_layer``).
+    ``x[None]``, ``common.stack_layer``). ``block_q``,
+    ``pages_per_compute_block`` and ``num_stages`` are upper bounds, fitted
+    to the target chip's shared memory (``pallas_kernels.tuning``).
+
+    Raises:
+      ValueError: (at trace time) float8 pages on a GPU below sm89, or no
+        tiling that fits the chip (``tuning``).
 
     Returns:
       [B, T, N, H] in ``q.dtype``; zeros for padding rows and empty
@@ -212,6 +223,14 @@ def flash_paged_call(
     batch, num_q_tokens, num_q_heads, head_dim = q.shape
     num_layers, num_kv_heads, num_pages, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
+    tuning.check_gpu_dtype(k_pages.dtype)
+    # The tiling asked for is an upper bound: stepped down to fit the chip's shared memory.
+    fitted = tuning.fit_gpu_tiling(
+        tuning.GPUTiling(block_q=block_q, pages_per_compute_block=pages_per_compute_block, num_stages=num_stages),
+        group_pad_for=lambda bq: max(pl.next_power_of_2(group), pl.cdiv(16, bq)), page_size=page_size,
+        head_dim=head_dim, itemsize=k_pages.dtype.itemsize)
+    block_q, pages_per_compute_block, num_stages = fitted.block_q, fitted.pages_per_compute_block, fitted.num_stages
+    page_splits = fitted.page_splits
     group_pad = max(pl.next_power_of_2(group), pl.cdiv(16, block_q))
     rows = block_q * group_pad
     num_q_blocks = pl.cdiv(num_q_tokens, block_q)
@@ -220,7 +239,7 @@ def flash_paged_call(
     # compute block per split; both are powers of two, so it divides.
     pages_per_seq = pl.next_power_of_2(max(block_tables.shape[1], pages_per_compute_block * k_splits))
     block_tables = common.pad_block_tables(block_tables, pages_per_seq)
-    blocks_per_split = pages_per_seq // pages_per_compute_block // k_splits
+    blocks_per_split = pages_per_seq * page_splits // pages_per_compute_block // k_splits
 
     # q: [B, T, N, H] -> [B, K, T_pad * G_pad, H], rows ordered (token, head).
     qr = q.reshape(batch, num_q_tokens, num_kv_heads, group, head_dim)
@@ -235,6 +254,7 @@ def flash_paged_call(
         group_pad=group_pad,
         blocks_per_split=blocks_per_split,
         pages_per_compute_block=pages_per_compute_block,
+        page_splits=page_splits,
         scale=scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
@@ -271,7 +291,7 @@ def flash_paged_call(
         ],
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"paged_attention_gpu_{block_q=}_{pages_per_compute_block=}_{k_splits=}",
+        name=f"paged_attention_gpu_{block_q=}_{pages_per_compute_block=}_{page_splits=}_{k_splits=}",
     )(layer, kv_lens, q_lens, block_tables, qr, k_pages, v_pages, *((k_scales, v_scales) if quantized else ()))
 
     # Combine the splits: o = sum_s o_s e^{m_s - m} / sum_s l_s e^{m_s - m}.

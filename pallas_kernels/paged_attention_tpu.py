@@ -18,8 +18,11 @@ leaves q unscaled; this one prefetches within a program, computes in f32 and
 scales q, see ``pallas_kernels.common``).
 
 On CPU it runs in TPU interpret mode (``pltpu.InterpretParams``), which
-simulates HBM, VMEM, DMAs and semaphores: about 0.1-0.2 s a call. It has not
-been compiled for a real TPU here.
+simulates HBM, VMEM, DMAs and semaphores: about 0.1-0.2 s a call. libtpu
+compiles it for v5e and v6e (``experiments.aot``, ``tests/test_aot.py``):
+the online-softmax step builds its row and column masks from
+``broadcasted_iota`` (:func:`key_positions`), because Mosaic cannot relayout
+a boolean ``(1, keys)`` row into a ``(keys, 1)`` column.
 """
 
 from __future__ import annotations
@@ -52,12 +55,26 @@ class TPUBlockSizes:
         common.check_block_sizes(self, positive=("pages_per_compute_block",))
 
 
-def online_softmax_step(carry, logits, visible, key_real, v, v_scale=None):
+def key_positions(first_key, keys: int):
+    """Positions of a key block's ``keys`` keys from ``first_key``, as a row
+    i32[1, keys] (for masks over logits columns) and as a column i32[keys,
+    1] (for masks over values rows). Both are built with
+    ``broadcasted_iota``: reshaping a ``(1, keys)`` mask to ``(keys, 1)``
+    is a lane-to-sublane relayout Mosaic refuses ("unsupported shape cast",
+    256 keys) or aborts on (``Check failed: rem == 0``, 64 keys) in libtpu
+    0.0.42 (v5e, v6e, v4, v5p); interpret mode accepts both."""
+    row = first_key + lax.broadcasted_iota(jnp.int32, (1, keys), 1)
+    col = first_key + lax.broadcasted_iota(jnp.int32, (keys, 1), 0)
+    return row, col
+
+
+def online_softmax_step(carry, logits, visible, key_real, key_real_col, v, v_scale=None):
     """One key block of a TPU kernel's online softmax (the flash-attention
     recurrence): ``carry = (o f32[M, H], l f32[M, 1], m f32[M, 1])``, the
     block's masked ``logits`` f32[M, keys] (``visible`` bool[M, keys]),
-    ``key_real`` bool[1, keys] (keys that hold a written token), ``v``
-    f32[keys, H] and, for a quantized pool, the values' per-key scales
+    ``key_real`` bool[1, keys] and ``key_real_col`` bool[keys, 1] (keys that
+    hold a written token, as a row and as a column: :func:`key_positions`),
+    ``v`` f32[keys, H] and, for a quantized pool, the values' per-key scales
     f32[1, keys]. Values of keys that are not real are zeroed first: NaN
     may sit in the pages (or scales) of slots nobody owns, and 0 * NaN is
     NaN. Returns the new carry."""
@@ -68,7 +85,7 @@ def online_softmax_step(carry, logits, visible, key_real, v, v_scale=None):
     l_next = correction * l_prev + p.sum(axis=-1, keepdims=True)
     if v_scale is not None:
         p = p * jnp.where(key_real, v_scale, 0.0)
-    v = jnp.where(key_real.reshape(-1, 1), v, 0.0)
+    v = jnp.where(key_real_col, v, 0.0)
     o_next = correction * o_prev + jnp.einsum("mk,kh->mh", p, v, preferred_element_type=jnp.float32)
     return o_next, l_next, m_next
 
@@ -139,7 +156,7 @@ def _kernel(
         slot = next_block_ready(j, block_lo, block_hi, copies)
         k = k_buf[slot].reshape(keys, head_dim).astype(jnp.float32)
         v = v_buf[slot].reshape(keys, head_dim).astype(jnp.float32)
-        k_pos = j * keys + lax.broadcasted_iota(jnp.int32, (1, keys), 1)  # i32[1, keys]
+        k_pos, k_pos_col = key_positions(j * keys, keys)  # i32[1, keys], i32[keys, 1]
         key_real = k_pos < length
         logits = jnp.einsum("gh,th->gt", q, k, preferred_element_type=jnp.float32)  # f32[G, keys]
         if quantized:
@@ -151,7 +168,7 @@ def _kernel(
             visible &= k_pos > length - 1 - sliding_window
         logits = jnp.where(visible, logits, -jnp.inf)
         # m stays finite: block j has a visible key
-        return online_softmax_step(carry, logits, visible, key_real, v,
+        return online_softmax_step(carry, logits, visible, key_real, k_pos_col < length, v,
                                    v_scale_buf[slot].reshape(1, keys) if quantized else None)
 
     @pl.when(block_lo < block_hi)
