@@ -20,8 +20,18 @@ so a SentencePiece "▁Paris" after "The capital is" keeps its space (decoded
 alone it would lose it). ``DecodeStream`` treats a context whose text ends
 in U+FFFD (a prompt cut inside a character) as no context and then returns
 the context's text with the first output (tokenizers 0.23.3,
-``step_decode_stream``), so such trailing prompt tokens are dropped from the
+``step_decode_stream``), so such trailing prompt tokens are taken out of the
 context first.
+
+A prompt cut inside a character (token ids that end with two of an emoji's
+four bytes): those trailing bytes are pending, not lost. The tokens that
+hold them are stepped through the stream after the context, so the first
+output token that brings the character's last bytes completes it, and the
+text starts with the whole character (``"🔥 is hot"``, where decoding the
+output alone gives ``"�� is hot"``); the prompt's own complete characters
+in those tokens are not repeated. Where the output does not complete the
+character, the prompt's partial bytes are dropped: the text never starts
+with a U+FFFD that the prompt's bytes, not the model, made.
 """
 
 from __future__ import annotations
@@ -73,7 +83,9 @@ class IncrementalDetokenizer:
 
     Attributes:
       text: the output text so far, as ``tokenizer.decode`` writes it after
-        the prompt; cut before the stop string once one is found. It never
+        the prompt (a character the prompt's last bytes begin and the
+        output completes included whole); cut before the stop string once
+        one is found. It never
         ends inside a character, nor in a U+FFFD the model wrote, which
         ``DecodeStream`` cannot tell from a partial character: that one
         comes with the next character, or never.
@@ -88,10 +100,21 @@ class IncrementalDetokenizer:
         if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a sequence of non-empty str, got {stop!r}")
         context = [int(i) for i in prompt_ids[-CONTEXT_TOKENS:]]
+        pending: list[int] = []  # trailing prompt tokens that end inside a character
         while context and tokenizer.decode(context, skip_special_tokens=skip_special_tokens).endswith(REPLACEMENT):
-            context.pop()
+            pending.insert(0, context.pop())
         self._tokenizer = tokenizer
         self._stream = DecodeStream(context, skip_special_tokens)
+        # The pending tokens' text after the context: complete characters (the prompt's, never output) and the
+        # U+FFFD of the partial bytes at its end, which the first output either completes or leaves invalid.
+        self._skip, self._partial = 0, 0
+        if pending:
+            before = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
+            after = tokenizer.decode(context + pending, skip_special_tokens=skip_special_tokens)
+            tail = after[len(before):] if after.startswith(before) else after
+            whole = tail.rstrip(REPLACEMENT)
+            said = "".join(self._stream.step(tokenizer, i) or "" for i in pending)
+            self._skip, self._partial = max(len(whole) - len(said), 0), len(tail) - len(whole)
         self._stop = tuple(stop)
         # Characters that may be the start of a stop string not yet complete.
         self._hold = max(map(len, self._stop), default=1) - 1
@@ -119,6 +142,13 @@ class IncrementalDetokenizer:
         new = self._stream.step(self._tokenizer, int(token_id))
         if not new:  # None: a character still incomplete, or a skipped special token
             return None
+        if self._skip or self._partial:  # the first text after a prompt cut inside a character
+            new = new[self._skip:]
+            while self._partial and new.startswith(REPLACEMENT):  # the prompt's bytes were never completed
+                new, self._partial = new[1:], self._partial - 1
+            self._skip, self._partial = 0, 0
+            if not new:
+                return None
         start = max(len(self.text) - self._hold, 0)
         self.text += new
         found = [(at, k) for k, s in enumerate(self._stop) if (at := self.text.find(s, start)) >= 0]

@@ -134,8 +134,44 @@ def test_a_prompt_cut_inside_a_character_does_not_leak_into_the_text(smollm2):
     # no context and returns their text with the first output (tokenizers 0.23.3).
     assert DecodeStream(ids[:3], True).step(smollm2.hf_tokenizer, ids[3]) == "hi 👍"
     d, deltas = stream(smollm2.hf_tokenizer, ids[:3], ids[3:])
-    assert "".join(deltas) == d.text == smollm2.decode(ids[3:])
+    assert "".join(deltas) == d.text == "👍 x"  # the prompt's bytes completed; its "hi " not repeated
     assert "hi" not in d.text
+
+
+@pytest.mark.parametrize("text, cut, want", [
+    ("The 🔥 is hot", 2, "🔥 is hot"),         # " " + 2 of the emoji's 4 bytes in the prompt
+    ("The 🔥 is hot", 3, "🔥 is hot"),         # 3 of its 4 bytes
+    ("x 日本 y", 2, "日本 y"),                  # a 3-byte CJK character split 1 + 2
+    ("x 日本 y", 3, "日本 y"),
+    ("a 👨\u200d👩\u200d👧 b", 2, "👨\u200d👩\u200d👧 b"),  # a ZWJ sequence, cut in its first emoji
+    ("a 👨\u200d👩\u200d👧 b", 7, "👩\u200d👧 b"),       # cut in its second: the first stays the prompt's
+    ("a 👨\u200d👩\u200d👧 b", 12, "👧 b"),
+])
+def test_a_prompt_ending_inside_a_character_is_completed_by_the_output(smollm2, text, cut, want):
+    """Issue 34: the prompt's trailing partial bytes are pending; the first
+    output token that brings the rest completes the character, in the
+    streamed deltas and the final text alike, with no U+FFFD (decoding the
+    output alone gives ``"�� is hot"``)."""
+    ids = smollm2.encode(text)
+    assert smollm2.decode(ids[:cut]).endswith("\ufffd") and "\ufffd" in smollm2.decode(ids[cut:])
+    d, deltas = stream(smollm2.hf_tokenizer, ids[:cut], ids[cut:])
+    assert "".join(deltas) == d.text == want
+    assert all("\ufffd" not in delta for delta in deltas)
+
+
+@pytest.mark.parametrize("out, want", [(" x", " x"), ("é!", "é!"), ("\ufffd ok", "\ufffd ok")])
+def test_prompt_bytes_the_output_never_completes_are_dropped(smollm2, out, want):
+    """The output starts a new character: the prompt's two partial bytes are
+    dropped, not shown as U+FFFD; a U+FFFD the model writes itself stays."""
+    prompt = smollm2.encode("hi 👍")[:2]  # "hi", " " + bytes 1-2
+    d, deltas = stream(smollm2.hf_tokenizer, prompt, smollm2.encode(out))
+    assert "".join(deltas) == d.text == want
+
+
+def test_a_prompt_cut_inside_a_character_keeps_its_stop_strings(smollm2):
+    ids = smollm2.encode("The 🔥 is hot")
+    d, deltas = stream(smollm2.hf_tokenizer, ids[:2], ids[2:], stop=[" is"])
+    assert "".join(deltas) == d.text == "🔥" and d.stop_str == " is"
 
 
 def test_a_trailing_replacement_character_is_held_back(smollm2):
