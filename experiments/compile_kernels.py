@@ -19,7 +19,7 @@ import collections
 import pathlib
 import sys
 
-from experiments import aot, provenance
+from experiments import aot, aot_step, provenance
 
 
 def summary(results: list[aot.Result]) -> list[str]:
@@ -42,13 +42,13 @@ def summary(results: list[aot.Result]) -> list[str]:
     return lines
 
 
-STEP_CASES = tuple(aot.StepCase(chip=chip) for chip in ("v5e", "v6e", "sm90"))
+STEP_CASES = tuple(aot_step.StepCase(chip=chip) for chip in ("v5e", "v6e", "sm90"))
 """The engine's step: Llama-3-8B in bfloat16, pages of 16, a bf16 pool of
 the rest of the chip's memory, a call of one 448-token prefill chunk and 63
 decodes, sampling."""
 
 
-def step_summary(results: list[aot.StepResult]) -> list[str]:
+def step_summary(results: list[aot_step.StepResult]) -> list[str]:
     """One line per chip: the step's status, pool, memory and cost analyses."""
     gb = 1e9
     lines = ["| chip | status | compile s | weights GB | pool GB (tokens) | arguments GB | temporaries GB | "
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
     results = aot.run_cases(aot.matrix(full=args.full), jobs=args.jobs, timeout=3600)
-    steps = [] if args.no_step else [aot.run_step(case) for case in STEP_CASES]
+    steps = [] if args.no_step else [aot_step.run_step(case) for case in STEP_CASES]
     step_notes = sorted({f"{r.case.chip}: {r.message}" for r in steps if r.message})
     rows = [r.row() for r in results]
     refused = sorted({r.message for r in results if r.status == "refused"})

@@ -151,5 +151,5 @@ def targeted() -> Chip | None:
 def current() -> Chip | None:
     """The chip kernels are tuned for now: the one :func:`target` names, else
     the first device JAX has (None on a CPU)."""
-    chip = getattr(_TARGET, "chip", None)
+    chip = targeted()
     return chip if chip is not None else from_device(jax.devices()[0])

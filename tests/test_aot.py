@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from experiments import aot
+from experiments import aot, aot_step
 from models.presets import PRESETS
 from pallas_kernels import chips, paged_attention_tpu, tuning
 
@@ -47,7 +47,7 @@ def test_the_engine_step_at_llama_3_8b_compiles_for_v5e_and_fits_its_memory():
     default backend), and the program held a copy of the pool in
     temporaries. The kernel writes the donated pool in place: temporaries
     are a few MB against a pool of hundreds."""
-    result = aot.run_step(aot.StepCase(chip="v5e"), timeout=900)
+    result = aot_step.run_step(aot_step.StepCase(chip="v5e"), timeout=900)
     assert result.status == "ok", result.message
     assert result.kernels >= 2  # the flat kernel's decode and prefill programs
     assert result.weight_bytes == PRESETS["llama-3-8b"].num_params * 2
@@ -57,7 +57,7 @@ def test_the_engine_step_at_llama_3_8b_compiles_for_v5e_and_fits_its_memory():
 
 
 def test_the_engine_step_lowers_for_sm90_and_its_kernels_compile():
-    result = aot.run_step(aot.StepCase(chip="sm90"), timeout=600)
+    result = aot_step.run_step(aot_step.StepCase(chip="sm90"), timeout=600)
     assert result.status == "ok" and result.kernels >= 2, result.message
 
 
