@@ -4,14 +4,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # The compilers for chips that are not here (libtpu, the CUDA plugin's Triton), at the project's JAX version, in a
-# venv of their own so the test venv's JAX never probes for a TPU or a GPU (experiments/aot.py); flax for the
+# venv of their own so the test venv's JAX never probes for a TPU or a GPU (experiments/lib/aot.py); flax for the
 # engine's whole step.
 AOT_VENV := .venv-aot
 AOT_STAMP := $(AOT_VENV)/.installed
 JAX_VERSION := $(shell sed -n 's/.*"jax==\([0-9.]*\)".*/\1/p' pyproject.toml)
 FLAX_VERSION := $(shell sed -n 's/.*"flax==\([0-9.]*\)".*/\1/p' pyproject.toml)
 
-.PHONY: setup compile-kernels browser diagram demo test test-all tables check-tables serving-figures serving-figures-14 serving-figures-quick bench-serving serve clean
+.PHONY: setup compile-kernels browser diagram docs demo test test-all tables check-tables serving-figures serving-figures-14 serving-figures-quick bench-serving serve clean
 
 setup: $(STAMP) $(AOT_STAMP)
 
@@ -23,7 +23,7 @@ $(AOT_STAMP): pyproject.toml
 
 # Every kernel compiled for TPU v5e / v6e and sm80 / sm90 (results/kernel_compile.md; FULL=1: the whole product).
 compile-kernels: setup
-	$(PY) -m experiments.compile_kernels $(if $(FULL),--full)
+	$(PY) -m experiments.kernels.compile_kernels $(if $(FULL),--full)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,14 +42,20 @@ browser:
 
 # The draggable layout diagram, docs/diagram/index.html, and its screenshot.png.
 diagram: setup browser
-	$(PY) -m experiments.diagram --screenshot
+	$(PY) -m experiments.memory.diagram --screenshot
+
+# The documentation site (Sphinx with MyST, docs/) into docs/_build/html, warnings as errors; the test suite
+# builds it too (tests/test_docs.py) and runs every code block of its pages and of the README.
+docs: setup
+	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
+	@echo "open docs/_build/html/index.html"
 
 demo: setup
-	$(PY) -m experiments.serve_sharegpt
+	$(PY) -m experiments.serving.serve_sharegpt
 
 tables: setup
-	$(PY) -m experiments.reproduce
-	$(PY) -m experiments.sharing
+	$(PY) -m experiments.memory.reproduce
+	$(PY) -m experiments.memory.sharing
 
 # The paper's serving figures (12-17: latency against request rate, paged vs the Orca baselines) and the
 # light-load TTFT, scaled down for CPU (each sweep 5-15 minutes on 2 cores, about two hours in all); --quick on
@@ -57,28 +63,28 @@ tables: setup
 FIG14_WORKLOADS = parallel-2 parallel-4 parallel-6 beam-2 beam-4 beam-6
 
 serving-figures: setup serving-figures-14
-	$(PY) -m experiments.serving_figures
-	$(PY) -m experiments.serving_ttft
-	$(PY) -m experiments.serving_figures --workload prefix-1
-	$(PY) -m experiments.serving_figures --workload prefix-5
-	$(PY) -m experiments.serving_figures --workload chatbot
+	$(PY) -m experiments.serving.serving_figures
+	$(PY) -m experiments.serving.serving_ttft
+	$(PY) -m experiments.serving.serving_figures --workload prefix-1
+	$(PY) -m experiments.serving.serving_figures --workload prefix-5
+	$(PY) -m experiments.serving.serving_figures --workload chatbot
 
 # Figure 14: six sweeps (each 5-15 minutes on 2 busy CPU cores), then their summary.
 serving-figures-14: setup
-	for w in $(FIG14_WORKLOADS); do $(PY) -m experiments.serving_figures --workload $$w || exit 1; done
-	$(PY) -m experiments.serving_fig14
+	for w in $(FIG14_WORKLOADS); do $(PY) -m experiments.serving.serving_figures --workload $$w || exit 1; done
+	$(PY) -m experiments.serving.serving_fig14
 
 serving-figures-quick: setup
-	$(PY) -m experiments.serving_figures --quick --model toy --out /tmp/paged_jax_serving_quick
-	$(PY) -m experiments.serving_ttft --model toy --num-requests 4 --max-output-len 6 --max-seqs 16 --max-batched-tokens 32 --out /tmp/paged_jax_serving_quick
-	$(PY) -m experiments.serving_figures --quick --model toy --workload parallel-2 --out /tmp/paged_jax_serving_quick
-	$(PY) -m experiments.serving_figures --quick --model toy --workload beam-2 --out /tmp/paged_jax_serving_quick
-	$(PY) -m experiments.serving_fig14 --quick --workloads parallel-2 beam-2 --out /tmp/paged_jax_serving_quick
-	$(PY) -m experiments.serving_figures --quick --model toy --workload prefix-5 --out /tmp/paged_jax_serving_quick
-	$(PY) -m experiments.serving_figures --quick --model toy --workload chatbot --out /tmp/paged_jax_serving_quick
+	$(PY) -m experiments.serving.serving_figures --quick --model toy --out /tmp/paged_jax_serving_quick
+	$(PY) -m experiments.serving.serving_ttft --model toy --num-requests 4 --max-output-len 6 --max-seqs 16 --max-batched-tokens 32 --out /tmp/paged_jax_serving_quick
+	$(PY) -m experiments.serving.serving_figures --quick --model toy --workload parallel-2 --out /tmp/paged_jax_serving_quick
+	$(PY) -m experiments.serving.serving_figures --quick --model toy --workload beam-2 --out /tmp/paged_jax_serving_quick
+	$(PY) -m experiments.serving.serving_fig14 --quick --workloads parallel-2 beam-2 --out /tmp/paged_jax_serving_quick
+	$(PY) -m experiments.serving.serving_figures --quick --model toy --workload prefix-5 --out /tmp/paged_jax_serving_quick
+	$(PY) -m experiments.serving.serving_figures --quick --model toy --workload chatbot --out /tmp/paged_jax_serving_quick
 
 bench-serving: setup
-	$(PY) -m experiments.bench_serving --request-rate 0.5 1 2 inf --policy paged max pow2 oracle
+	$(PY) -m experiments.serving.bench_serving --request-rate 0.5 1 2 inf --policy paged max pow2 oracle
 
 # The OpenAI-compatible server on SmolLM2 at http://127.0.0.1:8000 (python -m server --help for the flags).
 PORT ?= 8000
@@ -88,7 +94,7 @@ serve: setup
 
 # Two small runs of the tables in fresh processes; every non-timing cell must agree.
 check-tables: setup
-	$(PY) -m experiments.check_reproducible
+	$(PY) -m experiments.memory.check_reproducible
 
 # Two worker processes (pytest-xdist) stealing tests from each other: JAX compiles on one core per process, so
 # two use both cores of a 2-core machine (a clean clone on 2 quiet Intel Xeon cores: 1,128 tests in 11:54).

@@ -44,9 +44,9 @@ mkdir -p "$dest"
 cache="$dest/.jax_cache"
 
 if [ "$smoke" = 1 ]; then
-  step timeout 600 "$PY" -m experiments.kernel_bench --batches 2 --contexts 64 --ragged-batches 4 \
+  step timeout 600 "$PY" -m experiments.kernels.kernel_bench --batches 2 --contexts 64 --ragged-batches 4 \
     --heads smollm2 llama-3-8b --peak-copy-gb 0.01 --out "$dest/kernel_bench"
-  step timeout 600 "$PY" -m experiments.serve_sharegpt --model smollm2-135m --num-requests 4 --max-output-len 2 \
+  step timeout 600 "$PY" -m experiments.serving.serve_sharegpt --model smollm2-135m --num-requests 4 --max-output-len 2 \
     --kv-budget-tokens 4096 --compile-cache "$cache" --out "$dest/serve_smollm2-135m"
 else
   # 1. The default parameter product of the native kernels and the flat ragged kernel (add -m '' for the full
@@ -56,18 +56,18 @@ else
   step timeout 80 "$PY" -m pytest -q -p no:cacheprovider -m '' tests/test_kernels_smollm2.py tests/test_llama.py \
     -k "($native) and (engine_at_smollm2 or pallas_kernels_equals_xla)"
   # 2. The benchmark at the presets' heads, large sizes included (the flat kernel's rows: flat_gpu / flat_tpu).
-  step timeout 140 "$PY" -m experiments.kernel_bench --heads llama-3-8b qwen2.5-7b smollm2 --sizes large \
+  step timeout 140 "$PY" -m experiments.kernels.kernel_bench --heads llama-3-8b qwen2.5-7b smollm2 --sizes large \
     --batches 64 --contexts 2048 --ragged-batches 128 --min-seconds 0.05 --out "$dest/kernel_bench"
   # 3. Serving with random weights: SmolLM2 shapes (the README's 512-request GPU comparison), then Llama-3-8B in bf16.
-  step timeout 120 "$PY" -m experiments.serve_sharegpt --model smollm2-135m --num-requests 512 --max-output-len 256 \
+  step timeout 120 "$PY" -m experiments.serving.serve_sharegpt --model smollm2-135m --num-requests 512 --max-output-len 256 \
     --kv-budget-tokens 32768 --max-seqs 256 --max-batched-tokens 512 --compile-cache "$cache" \
     --out "$dest/serve_smollm2-135m"
-  step timeout 150 "$PY" -m experiments.serve_sharegpt --model llama-3-8b --dtype bfloat16 --kv-dtype bfloat16 \
+  step timeout 150 "$PY" -m experiments.serving.serve_sharegpt --model llama-3-8b --dtype bfloat16 --kv-dtype bfloat16 \
     --num-requests 128 --max-output-len 128 --kv-budget-tokens 32768 --max-seqs 256 --max-batched-tokens 512 \
     --compile-cache "$cache" --out "$dest/serve_llama-3-8b"
 fi
 rm -rf "$cache"
 
 # 4. The summary.
-step "$PY" -m experiments.device_summary "$dest"
+step "$PY" -m experiments.kernels.device_summary "$dest"
 exit "$status"

@@ -44,18 +44,18 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from experiments import provenance
-from experiments.cli import REPO, add_flag, check_out_dir
-from experiments.serving import make_engine
-from experiments.sharegpt import load_conversations
-from experiments.tables import markdown_table, write_table
+from experiments.lib import provenance
+from experiments.lib.cli import REPO, add_flag, check_out_dir
+from experiments.lib.serving import make_engine
+from experiments.lib.sharegpt import load_conversations
+from experiments.lib.tables import markdown_table, write_table
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.llama import Llama, LlamaConfig, forward_dense
 from models.smollm2 import load_llama_gguf
 from models.tokenizer import load_tokenizer
 from models.train import TrainConfig, Trainer, make_batch, pack_documents
-from paged_jax.requests import Request
-from paged_jax.sampling import SamplingParams
+from paged_jax.engine.requests import Request
+from paged_jax.engine.sampling import SamplingParams
 
 CHECKPOINTS = REPO / "checkpoints"
 

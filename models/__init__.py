@@ -27,7 +27,7 @@ of ``models/``, ``paged_jax/`` and ``pallas_kernels/``:
   R rows whose logits a flat batch returns
 
 A module that tiles work adds its own letters and says so
-(``paged_jax.ragged_attention``: U, Q, M, W, J, C).
+(``paged_jax.attention.ragged``: U, Q, M, W, J, C).
 
 Imports run one way: ``models -> paged_jax``, never back.
 """

@@ -3,7 +3,7 @@
 A checkpoint is one ``.safetensors`` file: every parameter under its dotted
 module path (``blocks.attn.wq``, stacked by layer as in the module, f32 or
 the model's dtype) and, in the file's string metadata, the
-:class:`models.config.LlamaConfig` as JSON (``paged_jax.config``) plus a
+:class:`models.config.LlamaConfig` as JSON (``paged_jax.engine.config``) plus a
 format tag and whatever the caller adds (the training step, the data).
 
 Why safetensors and not Orbax: the weights of the models trained here are a
@@ -79,7 +79,7 @@ def save_checkpoint(model: Llama, path: str | os.PathLike, *, metadata: dict[str
     Raises:
       ValueError: ``model`` is not a :class:`Llama`, ``metadata`` has a
         non-string key or value or uses a reserved key (``format``,
-        ``paged_jax.config``), or ``path`` is a folder.
+        ``paged_jax.engine.config``), or ``path`` is a folder.
       OSError: the file cannot be written (the message names it).
     """
     check_instance("model", model, Llama, what="models.llama.Llama")
@@ -87,7 +87,7 @@ def save_checkpoint(model: Llama, path: str | os.PathLike, *, metadata: dict[str
     for key, value in metadata.items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise ValueError(f"metadata must map str to str, got {key!r}: {value!r}")
-        if key in ("format", "paged_jax.config"):
+        if key in ("format", "paged_jax.engine.config"):
             raise ValueError(f"metadata key {key!r} is reserved")
     path = pathlib.Path(path)
     if path.is_dir():
@@ -96,7 +96,7 @@ def save_checkpoint(model: Llama, path: str | os.PathLike, *, metadata: dict[str
     weights = _flat_params(model)
     weights = {name: np.ascontiguousarray(jax.device_get(w)) for name, w in weights.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    metadata.update({"format": FORMAT, "paged_jax.config": json.dumps(dataclasses.asdict(model.config))})
+    metadata.update({"format": FORMAT, "paged_jax.engine.config": json.dumps(dataclasses.asdict(model.config))})
     safetensors.numpy.save_file(weights, str(path), metadata=metadata)
     return path
 
@@ -130,12 +130,12 @@ def load_checkpoint(path: str | os.PathLike, *, param_dtype=None) -> tuple[Llama
     if meta.get("format") != FORMAT:
         raise ValueError(f"checkpoint {str(path)!r}: metadata 'format' is {meta.get('format')!r}, expected {FORMAT!r}")
     try:
-        fields = json.loads(meta["paged_jax.config"])
+        fields = json.loads(meta["paged_jax.engine.config"])
         config = LlamaConfig(**fields)
     except KeyError as e:
-        raise ValueError(f"checkpoint {str(path)!r}: metadata lacks 'paged_jax.config'") from e
+        raise ValueError(f"checkpoint {str(path)!r}: metadata lacks 'paged_jax.engine.config'") from e
     except (TypeError, ValueError) as e:
-        raise ValueError(f"checkpoint {str(path)!r}: metadata 'paged_jax.config' does not fit LlamaConfig: {e}") from e
+        raise ValueError(f"checkpoint {str(path)!r}: metadata 'paged_jax.engine.config' does not fit LlamaConfig: {e}") from e
     dtypes = {str(w.dtype) for w in weights.values()}
     if not weights or not all(np.issubdtype(w.dtype, np.floating) for w in weights.values()) or len(dtypes) > 1:
         raise ValueError(f"checkpoint {str(path)!r}: weights must be floating point of one dtype, got "

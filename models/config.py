@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from models.rope import RopeScaling
 from paged_jax.checks import check_bool, check_choice, check_float, check_instance, check_int
-from paged_jax.kv_cache import KVPool, default_kv_dtype, init_kv_pool
+from paged_jax.paging.kv_cache import KVPool, default_kv_dtype, init_kv_pool
 from pallas_kernels import common
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -225,11 +225,11 @@ class LlamaConfig:
           dtype: storage dtype of K and V: float32, bfloat16, float16, or a
             quantized int8, float8_e4m3fn (alias ``"fp8"``) or float8_e5m2
             (with per-token scales); default
-            :func:`paged_jax.kv_cache.default_kv_dtype` (f32 on CPU, bf16 on
+            :func:`paged_jax.paging.kv_cache.default_kv_dtype` (f32 on CPU, bf16 on
             GPU and TPU).
 
         Raises:
-          ValueError: from :func:`paged_jax.kv_cache.init_kv_pool`.
+          ValueError: from :func:`paged_jax.paging.kv_cache.init_kv_pool`.
         """
         return init_kv_pool(
             num_layers=self.num_layers,

@@ -2,7 +2,7 @@
 by family, computing what transformers' own modeling code computes or
 refusing by name.
 
-Supported ``model_type`` values:
+Supported ``model_type`` values::
 
   llama        Llama 2 / 3 / 3.1 / 3.2 / 3.3 (``rope_type`` ``llama3``), SmolLM2,
                TinyLlama, ...

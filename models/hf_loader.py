@@ -12,7 +12,7 @@ Weights are read with ``safetensors`` from ``model.safetensors``, or from the
 shards that ``model.safetensors.index.json`` lists. Hugging Face stores each
 projection as ``[out, in]`` and its RoPE rotates halves (``rotate_half``), as
 :mod:`models.llama` does, so the weights need only transposing and stacking
-by layer, no permutation (unlike a GGUF, :mod:`models.gguf_loader`):
+by layer, no permutation (unlike a GGUF, :mod:`models.gguf_loader`)::
 
   model.embed_tokens.weight                    [V, D]      embed
   model.layers.{i}.input_layernorm.weight      [D]         blocks.attn_norm.scale[i]  (not OLMo 2)

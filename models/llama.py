@@ -20,10 +20,10 @@ branch skips the key blocks before the window): none of them changes, only
 the taken branch runs, and the cost is compiling the attention twice.
 
 The KV cache is never module state. :func:`forward` takes a
-:class:`paged_jax.kv_cache.KVPool` and returns the updated one; the pool
+:class:`paged_jax.paging.kv_cache.KVPool` and returns the updated one; the pool
 rides in the scan carry and each layer scatters its new K/V into its own
 slice in place, then attends over its pages with
-:func:`paged_jax.attention.paged_attention` (:func:`forward`). The engine's
+:func:`paged_jax.attention.paged.paged_attention` (:func:`forward`). The engine's
 flat ragged forward and the model it holds are in :mod:`models.ragged`,
 built from this module's blocks, embedding, layer scan and logits.
 
@@ -32,7 +32,7 @@ Validated at the door: :func:`forward` checks its arguments once per call
 ``kv_cache.check_slots``), and the layers under it call the ``unchecked_*``
 attention and KV writes, which trust their inputs.
 
-Batch convention ("padded ragged", see :mod:`paged_jax.attention`): tokens
+Batch convention ("padded ragged", see :mod:`paged_jax.attention.paged`): tokens
 ``[B, T]``; sequence ``b`` has ``q_lens[b] <= T`` real tokens at positions
 ``kv_lens[b] - q_lens[b] + t``; ``kv_lens[b]`` counts its cached tokens
 including these. Decode is ``T = 1``; prefill, chunked prefill and mixed
@@ -47,10 +47,10 @@ from flax import nnx
 
 from models.config import LlamaConfig
 from models.rope import apply_rope, rope_angles
-from paged_jax import attention as paged_attn
+from paged_jax.attention import paged as paged_attn
 from paged_jax.checks import check_choice
-from paged_jax.kv_cache import KVPool, check_pool, unchecked_write_layer_kv
-from paged_jax.slots import slot_mapping
+from paged_jax.paging.kv_cache import KVPool, check_pool, unchecked_write_layer_kv
+from paged_jax.paging.slots import slot_mapping
 
 
 def _normal(rngs: nnx.Rngs, shape, std: float, dtype):
@@ -343,7 +343,7 @@ def forward(
         tokens included).
       q_lens: i32[B] new tokens per sequence, ``0 <= q_lens <= min(T, kv_lens)``.
       impl: paged-attention implementation (see
-        :data:`paged_jax.attention.IMPLS`).
+        :data:`paged_jax.attention.paged.IMPLS`).
       all_logits: return logits for every query row instead of the last
         real one.
       reduce: for a model holding one device's share of the heads and MLP
@@ -359,7 +359,7 @@ def forward(
 
     Raises:
       ValueError: shapes or dtypes that do not fit each other or the model,
-        an unknown ``impl`` (``paged_jax.attention.check_paged_attention``,
+        an unknown ``impl`` (``paged_jax.attention.paged.check_paged_attention``,
         which also clamps the lengths under ``jit``); (eager calls) lengths
         outside their ranges.
     """
@@ -403,7 +403,7 @@ def forward_dense(
     pages and no cache, logits at every position.
 
     The same module, weights, RoPE and layer scan as :func:`forward`; only
-    the attention differs (:func:`paged_jax.attention.causal_attention` on
+    the attention differs (:func:`paged_jax.attention.paged.causal_attention` on
     contiguous K/V, against the pool's pages there), so a model trained here
     decodes identically through the paged cache (tests/test_train.py).
 

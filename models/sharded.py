@@ -9,7 +9,7 @@ over the ``model`` axis (Megatron-style): each device holds its query heads'
 and its share of the MLP, and the two partial outputs of every layer are
 summed over the model axis (``psum``, two all-reduces per layer). Heads that
 do not split evenly are replicated and padded with zero heads
-(:func:`paged_jax.sharding.head_layout`): the padded model computes exactly
+(:func:`paged_jax.distributed.sharding.head_layout`): the padded model computes exactly
 the same function. The layer scan stays one compiled body.
 
 KV pool (:meth:`ShardedLlama.make_kv_pool`): ``[layers, K', P, L, H]`` with
@@ -29,10 +29,10 @@ reference takes the same path so CPU tests exercise it.
 
 Two entry points: :meth:`ShardedLlama.forward` (a padded batch over the
 whole mesh, rows split over the data axis) and :class:`ShardedRaggedModel`
-(the engine's model for one data shard; :mod:`paged_jax.data_parallel`
+(the engine's model for one data shard; :mod:`paged_jax.distributed.data_parallel`
 runs one engine per data shard).
 
-Imports run one way: this module uses :mod:`paged_jax.sharding`, never the
+Imports run one way: this module uses :mod:`paged_jax.distributed.sharding`, never the
 reverse.
 """
 
@@ -49,11 +49,11 @@ from jax.sharding import PartitionSpec as P
 
 from models.llama import Llama, LlamaConfig, forward
 from models.ragged import forward_ragged
-from paged_jax import attention as paged_attn
-from paged_jax.batch import RaggedBatch
+from paged_jax.attention import paged as paged_attn
+from paged_jax.attention.batch import RaggedBatch
 from paged_jax.checks import check_choice, check_instance, check_int
-from paged_jax.kv_cache import KVPool, check_pool, init_kv_pool
-from paged_jax.sharding import DATA, MODEL, HeadLayout, head_layout, split_evenly
+from paged_jax.distributed.sharding import DATA, MODEL, HeadLayout, head_layout, split_evenly
+from paged_jax.paging.kv_cache import KVPool, check_pool, init_kv_pool
 from pallas_kernels import common
 
 KV_SPEC = P(None, MODEL, DATA, None, None)
@@ -139,7 +139,7 @@ class ShardedLlama:
         check_instance("model", model, Llama, what="models.llama.Llama")
         if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != (DATA, MODEL):
             raise ValueError(f"mesh must be a jax.sharding.Mesh with axes ('data', 'model') "
-                             f"(paged_jax.sharding.make_mesh), got {mesh!r}")
+                             f"(paged_jax.distributed.sharding.make_mesh), got {mesh!r}")
         check_choice("impl", impl, paged_attn.IMPLS)
         base = model.config
         m = mesh.shape[MODEL]
@@ -187,7 +187,7 @@ class ShardedLlama:
           dtype: the page dtype (``pallas_kernels.common.KV_DTYPES``).
 
         Raises:
-          ValueError: as :func:`paged_jax.kv_cache.init_kv_pool`.
+          ValueError: as :func:`paged_jax.paging.kv_cache.init_kv_pool`.
         """
         dtype = common.check_kv_dtype("dtype", dtype)
         pages_per_shard = check_int("pages_per_shard", pages_per_shard, 2)  # a null page and one more
@@ -277,7 +277,7 @@ class ShardedLlama:
 
 
 class ShardedRaggedModel:
-    """The engine's model (:class:`paged_jax.engine.PagedModel`) for one data
+    """The engine's model (:class:`paged_jax.engine.core.PagedModel`) for one data
     shard: tensor parallel over a mesh whose data axis has size 1.
 
     ``apply(params, batch, kv)`` runs :func:`models.ragged.forward_ragged`
@@ -294,7 +294,7 @@ class ShardedRaggedModel:
     def __init__(self, model: Llama, mesh: Mesh, *, impl: str = "auto"):
         if isinstance(mesh, Mesh) and mesh.shape.get(DATA, 1) != 1:
             raise ValueError(f"an engine serves one data shard: the mesh's data axis must be 1, got "
-                             f"data={mesh.shape[DATA]} (paged_jax.data_parallel runs one engine per shard)")
+                             f"data={mesh.shape[DATA]} (paged_jax.distributed.data_parallel runs one engine per shard)")
         self.sharded = ShardedLlama(model, mesh, impl=impl)
         self.config = self.sharded.config
         self.vocab_size = self.sharded.vocab_size
@@ -322,7 +322,7 @@ class ShardedRaggedModel:
     def check_kv_pool(self, kv: KVPool) -> None:
         """Raises ValueError unless ``kv`` fits the padded model and is a
         well-formed pool, float or quantized with its scales
-        (:func:`paged_jax.kv_cache.check_pool`)."""
+        (:func:`paged_jax.paging.kv_cache.check_pool`)."""
         want = (self.config.num_layers, self.config.num_kv_heads, self.config.head_dim)
         got = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
         if got != want:
@@ -334,20 +334,20 @@ class ShardedRaggedModel:
 def make_data_parallel_engine(model: Llama, mesh: Mesh, config, *, pages_per_shard: int, page_size: int,
                               stop_ids=(), vocab_size: int | None = None, impl: str = "auto",
                               check_page_state: bool = False, kv_dtype=jnp.float32):
-    """A :class:`paged_jax.data_parallel.DataParallelEngine` over ``mesh``:
+    """A :class:`paged_jax.distributed.data_parallel.DataParallelEngine` over ``mesh``:
     for each data shard (a row of ``model``-axis devices), the weights placed
     on its devices tensor parallel (:class:`ShardedRaggedModel`), a pool of
-    ``pages_per_shard`` pages there, and an :class:`paged_jax.engine.Engine`
+    ``pages_per_shard`` pages there, and an :class:`paged_jax.engine.core.Engine`
     with ``config``. Under ``jax.distributed`` each process builds engines
     only for the shards whose devices it holds (None for the others).
 
     Args:
       model: the decoder.
-      mesh: ``(data, model)`` mesh (:func:`paged_jax.sharding.make_mesh`).
-      config: an :class:`paged_jax.engine.EngineConfig`, shared by the shards.
+      mesh: ``(data, model)`` mesh (:func:`paged_jax.distributed.sharding.make_mesh`).
+      config: an :class:`paged_jax.engine.core.EngineConfig`, shared by the shards.
       pages_per_shard: pages of each shard's pool, null page included.
       page_size: tokens per page.
-      stop_ids, vocab_size, check_page_state: as :class:`paged_jax.engine.Engine`.
+      stop_ids, vocab_size, check_page_state: as :class:`paged_jax.engine.core.Engine`.
       impl: attention implementation.
       kv_dtype: dtype of every shard's K/V pages.
 
@@ -355,8 +355,8 @@ def make_data_parallel_engine(model: Llama, mesh: Mesh, config, *, pages_per_sha
       ValueError: a data shard whose devices belong to more than one
         process; from :class:`ShardedRaggedModel` or the engines.
     """
-    from paged_jax.data_parallel import DataParallelEngine
-    from paged_jax.engine import Engine
+    from paged_jax.distributed.data_parallel import DataParallelEngine
+    from paged_jax.engine.core import Engine
 
     if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != (DATA, MODEL):
         raise ValueError(f"mesh must be a jax.sharding.Mesh with axes ('data', 'model'), got {mesh!r}")

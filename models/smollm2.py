@@ -20,9 +20,8 @@ from models.gguf_families import check_rope_factors, layer_tensors
 from models.gguf_loader import load_gguf
 from models.llama import Llama, LlamaConfig, StepFn, make_step_fn
 from models.tokenizer import Tokenizer, load_tokenizer
-from paged_jax import page_state as ps
 from paged_jax.checks import check_int
-
+from paged_jax.paging import page_state as ps
 
 _RESHAPE = {
     # GGUF [layers, out, in] (biases [layers, out]) -> ours; n, k, h, d = N, K, H, D.

@@ -8,7 +8,7 @@ rebuild it with the ``tokenizers`` library the way transformers does when it
 loads the same file. SmolLM2's pre-tokenizer (``smollm``) splits every digit
 on its own; ``llama-bpe`` and ``qwen2`` split by their regular expressions
 first (:data:`GGUF_PRE_TOKENIZERS`); any other is refused by name
-(SentencePiece vocabularies, ``tokenizer.ggml.model = llama``, too):
+(SentencePiece vocabularies, ``tokenizer.ggml.model = llama``, too)::
 
   pre-tokenizer  Sequence([Digits(individual_digits=True), ByteLevel(add_prefix_space=False)]) (smollm),
                  Sequence([Split(pattern, "isolated"), ByteLevel(add_prefix_space=False, use_regex=False)])

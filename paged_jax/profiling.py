@@ -10,11 +10,11 @@ traces ``--profile-steps`` steps, each inside a
 ``jax.profiler.StepTraceAnnotation("engine_step", step_num=i)`` (TensorBoard's
 step view and Perfetto's slices both read it). Inside a step the engine
 marks its phases (``schedule``, ``dispatch``, ``complete``:
-:meth:`paged_jax.engine.Engine._step`), so the trace says how much of a step
+:meth:`paged_jax.engine.core.Engine._step`), so the trace says how much of a step
 is the host's scheduling, the launch, and the wait for the device's tokens.
 
 Why it lives beside the engine: the server and the scripts both need it,
-and it wraps nothing but :meth:`paged_jax.engine.Engine.step` (the layering
+and it wraps nothing but :meth:`paged_jax.engine.core.Engine.step` (the layering
 runs experiments -> server -> models -> paged_jax, and ``server`` imports
 FastAPI, which a script that only profiles should not pay for).
 
@@ -106,13 +106,13 @@ class StepProfiler:
     """Steps an engine like the engine itself, tracing steps
     ``[skip, skip + steps)`` into ``out_dir``.
 
-    It has the two methods :func:`paged_jax.outputs.drain` and the scripts'
+    It has the two methods :func:`paged_jax.engine.outputs.drain` and the scripts'
     loops call (``step``, ``has_unfinished``); everything else is the
     engine's. The trace stops after its last step, or at :meth:`close`
     (also on leaving a ``with`` block) if the run ends sooner.
 
     Args:
-      engine: a :class:`paged_jax.engine.Engine` (or anything with
+      engine: a :class:`paged_jax.engine.core.Engine` (or anything with
         ``step()`` and ``has_unfinished()``).
       out_dir: the trace's folder (created).
       skip: steps before the trace starts, >= 0.
@@ -228,7 +228,7 @@ class ProfileSpec:
         """Makes ``engine.step`` itself trace as this spec says, for an
         engine that something else steps: the server's engine loop calls
         ``engine.step()`` and takes only an
-        :class:`paged_jax.engine.Engine`, so a wrapper cannot stand in for
+        :class:`paged_jax.engine.core.Engine`, so a wrapper cannot stand in for
         it. Call it before anything steps ``engine``; the steps count from
         its first step after (in a server, from the first request). Close
         the returned profiler when done (the trace stops by itself after

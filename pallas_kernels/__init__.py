@@ -9,7 +9,7 @@
   (flat) token batch, decode and chunks, causal, the new tokens' K/V
   written by the call (GPU: Triton; ``flat_ragged_tpu``: Mosaic), beside
   its jnp reference; ``flat_batch``: the flat batch's tiles and checks,
-  shared with ``paged_jax.ragged_attention``'s XLA work list.
+  shared with ``paged_jax.attention.ragged``'s XLA work list.
 * ``common``: the shared input validator, the per-sequence reference, the
   K/V page dtypes and their quantization (int8, fp8) and the scale convention.
 

@@ -1,7 +1,7 @@
 """The chips the kernels are compiled for, and the on-chip memory each allows.
 
 A kernel is done when the real compilers accept it: libtpu for TPU
-topologies, Triton to PTX for NVIDIA architectures (``experiments.aot``
+topologies, Triton to PTX for NVIDIA architectures (``experiments.lib.aot``
 compiles every kernel for each chip here with no device at hand). What
 interpret mode never checks, and these numbers bound: the shared memory one
 GPU thread block may use and the VMEM a TPU kernel's buffers take.

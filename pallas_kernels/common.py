@@ -5,7 +5,7 @@
   and every ``ref_<name>``. Each kernel also exports ``unchecked_<name>``,
   the same call without any check (nor the clamps of :func:`checked_lengths`
   and :func:`checked_layer`), for a caller that validated the arguments at
-  its own door (``paged_jax.attention.paged_attention``).
+  its own door (``paged_jax.attention.paged.paged_attention``).
 * :func:`ref_sequence_attention`: attention over one sequence's contiguous
   K/V, plain NumPy in f64; the ``ref_<name>`` functions gather each
   sequence's owned slots and call it in a per-sequence Python loop
@@ -15,7 +15,7 @@
   (:func:`check_kv_dtype`, :func:`is_quantized`).
 * The scale convention (:func:`resolve_scale`).
 
-Batch convention ("padded ragged", the same as ``paged_jax.attention``):
+Batch convention ("padded ragged", the same as ``paged_jax.attention.paged``):
 sequence ``b`` has ``kv_lens[b]`` tokens in the cache, the last ``q_lens[b]``
 of which are its query tokens (their K/V already written). Query row ``t <
 q_lens[b]`` sits at position ``kv_lens[b] - q_lens[b] + t`` and sees keys at

@@ -7,7 +7,7 @@ same way): sequence ``s`` owns rows ``[q_starts[s], q_starts[s] +
 q_lens[s])``, the last ``q_lens[s]`` of its ``kv_lens[s]`` cached tokens, so
 query ``t`` of it sits at position ``kv_lens[s] - q_lens[s] + t``.
 
-Both the XLA work list (``paged_jax.ragged_attention``) and the flat Pallas
+Both the XLA work list (``paged_jax.attention.ragged``) and the flat Pallas
 kernels (:mod:`pallas_kernels.flat_ragged_attention`) cut the batch into
 *tiles*: up to ``tile_q`` consecutive query tokens of one sequence, in
 sequence order. :func:`tiles` derives them on device from the lengths;

@@ -8,7 +8,7 @@ row is padding for another sequence's sake. The pool is the stacked ``[layers,
 K, P, L, H]`` pool, read in place at ``layer``. The call writes the new
 tokens' K/V (``k_new``, ``v_new`` ``[T, K, H]``) at their flat ``slots``
 (``page * L + offset``, -1 for none), quantized for an int8 or fp8 pool
-exactly as ``paged_jax.kv_cache.write_layer_kv`` does, and returns the pool:
+exactly as ``paged_jax.paging.kv_cache.write_layer_kv`` does, and returns the pool:
 the caller donates it, so it is updated in place.
 
 Work is cut into query tiles (:func:`pallas_kernels.flat_batch.tiles`, the
@@ -29,7 +29,7 @@ Implementations (``impl``):
   queries see (causal limit, sliding window) with an online softmax in f32.
   GPU programs run in no order, and the engine relies on a sequence reading
   K/V another sequence writes in the same call (same-step prefix sharing,
-  ``paged_jax.kv_manager``), so the call first writes the new K/V with one
+  ``paged_jax.engine.kv_manager``), so the call first writes the new K/V with one
   XLA scatter on the donated pool (in place) and then attends.
 * ``"tpu"``: a Pallas Mosaic kernel (:mod:`pallas_kernels.flat_ragged_tpu`):
   scalar prefetch of tiles and tables, a sequential grid whose first program
@@ -40,7 +40,7 @@ Implementations (``impl``):
 
 Validated once, at :func:`flat_ragged_paged_attention`;
 :func:`unchecked_flat_ragged_paged_attention` trusts its inputs (the engine
-calls it after its own door, ``paged_jax.ragged_attention.check_attend``).
+calls it after its own door, ``paged_jax.attention.ragged.check_attend``).
 
 Sources: vLLM v1's flat batches; tpu-inference's ragged paged attention v3
 (``tpu_inference/kernels/ragged_paged_attention/v3/kernel.py``: packed

@@ -31,9 +31,9 @@ writes it back as it goes (its ``_fetch_bkv`` / ``_update_kv_cache``), so a
 sequence reads its own new tokens from the input; that would not let a
 sequence read K/V another sequence of the same call writes into a shared
 page, which the engine's same-step prefix sharing relies on
-(``paged_jax.kv_manager``). Quantization (int8, fp8) is the XLA
+(``paged_jax.engine.kv_manager``). Quantization (int8, fp8) is the XLA
 ``common.quantize_kv`` before the kernel, so the bytes written are those of
-``paged_jax.kv_cache.write_layer_kv``.
+``paged_jax.paging.kv_cache.write_layer_kv``.
 
 Facts borrowed from tpu-inference's ragged paged attention v3
 (``tpu_inference/kernels/ragged_paged_attention/v3/kernel.py``): lengths,
@@ -45,7 +45,7 @@ and the cache updated through an aliased output.
 On CPU it runs in TPU interpret mode (``pltpu.InterpretParams``), which
 simulates HBM, VMEM, DMAs and semaphores. libtpu compiles it for v5e and v6e
 at every preset, page size and pool dtype the engine builds, inside the
-engine's whole step too (``experiments.aot``, ``tests/test_aot.py``,
+engine's whole step too (``experiments.lib.aot``, ``tests/test_aot.py``,
 ``results/kernel_compile.md``).
 """
 

@@ -10,7 +10,7 @@ step gathers one block of pages for the group and all KV heads (``[K, Bg,
 pages_per_compute_block * L, H]``, small enough to stay in cache) and attends
 all ``G`` query heads of each KV group to it. The work is about the sum of
 the lengths (plus the length spread inside a group), not ``batch * max_len``
-as in the gather-everything XLA path (``paged_jax.attention.
+as in the gather-everything XLA path (``paged_jax.attention.paged.
 xla_paged_attention``) or padded dense attention.
 
 Sources: PagedAttention (Kwon et al., SOSP 2023, section 4.1, equation 4:
@@ -193,7 +193,7 @@ def unchecked_paged_attention_cpu(q, k_pages, v_pages, block_tables, lengths, k_
                                   block_sizes: CPUBlockSizes = CPUBlockSizes(), layer=None) -> jax.Array:
     """:func:`paged_attention_cpu` trusting its inputs: no check, and no
     clamp of lengths or layer. For callers that validated at their door
-    (``paged_jax.attention.paged_attention``); same arguments and result."""
+    (``paged_jax.attention.paged.paged_attention``); same arguments and result."""
     layer_index = common.layer_index(layer)
     k_pages, v_pages, k_scales, v_scales = common.stack_layer(k_pages, v_pages, k_scales, v_scales, layer=layer)
     return _paged_attention_cpu(

@@ -19,7 +19,7 @@ scales q, see ``pallas_kernels.common``).
 
 On CPU it runs in TPU interpret mode (``pltpu.InterpretParams``), which
 simulates HBM, VMEM, DMAs and semaphores: about 0.1-0.2 s a call. libtpu
-compiles it for v5e and v6e (``experiments.aot``, ``tests/test_aot.py``):
+compiles it for v5e and v6e (``experiments.lib.aot``, ``tests/test_aot.py``):
 the online-softmax step builds its row and column masks from
 ``broadcasted_iota`` (:func:`key_positions`), because Mosaic cannot relayout
 a boolean ``(1, keys)`` row into a ``(keys, 1)`` column.
@@ -309,7 +309,7 @@ def unchecked_paged_attention_tpu(q, k_pages, v_pages, block_tables, lengths, k_
                                   layer=None) -> jax.Array:
     """:func:`paged_attention_tpu` trusting its inputs: no check, and no
     clamp of lengths or layer. For callers that validated at their door
-    (``paged_jax.attention.paged_attention``); same arguments and result."""
+    (``paged_jax.attention.paged.paged_attention``); same arguments and result."""
     layer_index = common.layer_index(layer)
     k_pages, v_pages, k_scales, v_scales = common.stack_layer(k_pages, v_pages, k_scales, v_scales, layer=layer)
     return _paged_attention_tpu(

@@ -145,7 +145,7 @@ def unchecked_ragged_paged_attention(q, k_pages, v_pages, block_tables, kv_lens,
                                      layer=None) -> jax.Array:
     """:func:`ragged_paged_attention` trusting its inputs: no check, and no
     clamp of lengths or layer. For callers that validated at their door
-    (``paged_jax.attention.paged_attention``); same arguments and result."""
+    (``paged_jax.attention.paged.paged_attention``); same arguments and result."""
     layer_index = common.layer_index(layer)
     k_pages, v_pages, k_scales, v_scales = common.stack_layer(k_pages, v_pages, k_scales, v_scales, layer=layer)
     return _ragged(

@@ -11,7 +11,7 @@ pipeline stages (2 to 1), then the keys per block (halved, never below one
 page nor 16), then the query tokens per program (halved, never below 16
 rows). ``pallas_kernels.paged_attention_gpu.flash_paged_call``, the launch of
 every GPU kernel, calls it, so every configuration the engine can build
-fits: ``experiments.aot`` compiles them all with Triton for sm80 and sm90
+fits: ``experiments.lib.aot`` compiles them all with Triton for sm80 and sm90
 and checks the shared memory Triton reports against the limit
 (``tests/test_aot.py``; the table in ``results/kernel_compile.md``).
 

@@ -1,6 +1,6 @@
 """One thread owns the engine; HTTP handlers talk to it through commands.
 
-Why a thread and commands: :class:`paged_jax.engine.Engine` is not
+Why a thread and commands: :class:`paged_jax.engine.core.Engine` is not
 thread-safe (``add_request``, ``abort`` and ``check_request`` read and
 change the scheduler's queues, which ``step`` changes too), and ``step``
 blocks for a whole model call. So exactly one thread, the loop, calls the
@@ -52,7 +52,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from paged_jax.engine import Engine, Request, RequestOutput
+from paged_jax.engine.core import Engine, Request, RequestOutput
 from paged_jax.jit_stats import CompileMonitor
 from server import timing
 
@@ -93,7 +93,7 @@ class Sink:
 class EngineSnapshot:
     """What ``/metrics`` reports about the engine, as of ``time_s``
     (``time.time()``). Counters are totals since the engine was made
-    (:class:`paged_jax.stats.EngineStats`: ``prompt_tokens`` are counted at
+    (:class:`paged_jax.engine.stats.EngineStats`: ``prompt_tokens`` are counted at
     a request's first admission, ``prefix_hit_tokens`` of them came from the
     prefix cache); pages are
     :meth:`Engine.accounting`'s (free + cached + used = total), counted at
@@ -157,7 +157,7 @@ class EngineLoop:
     def __init__(self, engine: Engine, *, on_output: Callable[[RequestOutput], None] | None = None,
                  name: str = "paged-jax-engine"):
         if not isinstance(engine, Engine):
-            raise ValueError(f"engine must be a paged_jax.engine.Engine, got a {type(engine).__name__}")
+            raise ValueError(f"engine must be a paged_jax.engine.core.Engine, got a {type(engine).__name__}")
         if engine.has_unfinished():
             raise ValueError("engine has unfinished requests; the loop must own it from an idle state")
         self.engine = engine

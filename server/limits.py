@@ -45,13 +45,13 @@ text and every other field at its bound on small contexts, and for a
 tokenizer without a :class:`models.tokenizer.TokenFloor`."""
 
 JSON_BYTES_PER_TEXT_BYTE = 6
-"""The most bytes JSON spends on one byte of text: a control byte is
-``\\u001f`` (6); a 4-byte character as a surrogate pair, ``\\ud83d\\ude00``,
-is 3 per byte."""
+"""The most bytes JSON spends on one byte of text (a control byte is
+``\\u001f``, 6; a 4-byte character as a surrogate pair, ``\\ud83d\\ude00``,
+is 3 per byte)."""
 
 MESSAGE_JSON_BYTES = 64
 """JSON bytes of one chat message beside its content
-(``{"role": "assistant", "content": ""}, ``: 37, with room for a longer role)."""
+(``{"role": "assistant", "content": ""},``: 37, with room for a longer role)."""
 
 FIELDS_JSON_BYTES = 16 << 10
 """JSON bytes of every other field (``model``, the sampling numbers, ...)."""

@@ -7,13 +7,13 @@ tests, never share a counter):
 - the engine's own counters and page accounting, read from the latest
   :class:`server.engine_loop.EngineSnapshot` by a custom collector at
   scrape time: they are totals the engine keeps anyway
-  (:class:`paged_jax.stats.EngineStats`), so mirroring them into
+  (:class:`paged_jax.engine.stats.EngineStats`), so mirroring them into
   prometheus counters step by step would only add work to the loop;
 - per-request latencies (time to first token, every inter-token gap,
   end to end) and finished requests by reason, observed on the loop's
   thread from each output as it is reported (:meth:`ServerMetrics.observe`).
 
-Times are seconds on the engine's clock (:meth:`paged_jax.engine.Engine.clock`):
+Times are seconds on the engine's clock (:meth:`paged_jax.engine.core.Engine.clock`):
 from a request's admission by the engine, not from the client's send.
 """
 
@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from paged_jax.requests import RequestOutput
+from paged_jax.engine.requests import RequestOutput
 from server.engine_loop import EngineSnapshot
 
 PREFIX = "paged_jax:"
@@ -36,7 +36,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
-"""Histogram buckets, seconds: vLLM's."""
+"""Histogram buckets in seconds (vLLM's)."""
 
 
 class _EngineCollector(Collector):

@@ -1,12 +1,12 @@
 """The completions and chat completions endpoints: an OpenAI request in,
 engine requests out, their streamed outputs back as OpenAI responses.
 
-Each HTTP request becomes one engine :class:`paged_jax.requests.Request`
+Each HTTP request becomes one engine :class:`paged_jax.engine.requests.Request`
 per prompt (a batch of prompts gives several; chat gives one), each asking
 for ``n`` choices; choice ``i * n + j`` is prompt ``i``'s sample ``j``, as
 OpenAI and vLLM number them. Every engine request streams deltas
 (``SamplingParams.output_kind="delta"``): the engine detokenizes and cuts
-stop strings (:mod:`paged_jax.detokenizer`), this module only formats.
+stop strings (:mod:`paged_jax.engine.detokenizer`), this module only formats.
 
 Echo. ``echo`` with ``logprobs`` asks the engine for the prompt's
 log-probabilities (``SamplingParams.prompt_logprobs``, the same ``k``) and
@@ -28,7 +28,6 @@ client's terms before the engine sees them. What only the engine knows
 from __future__ import annotations
 
 import asyncio
-
 import dataclasses
 import json
 import math
@@ -39,10 +38,10 @@ import uuid
 from collections.abc import AsyncIterator
 
 from paged_jax.checks import check_float, check_int, is_int
-from paged_jax.detokenizer import IncrementalDetokenizer, as_tokenizer
-from paged_jax.engine import Request
-from paged_jax.requests import CompletionOutput, RequestOutput
-from paged_jax.sampling import SamplingParams
+from paged_jax.engine.core import Request
+from paged_jax.engine.detokenizer import IncrementalDetokenizer, as_tokenizer
+from paged_jax.engine.requests import CompletionOutput, RequestOutput
+from paged_jax.engine.sampling import SamplingParams
 from server.engine_loop import EngineDeadError, EngineLoop, RequestStream, admit
 from server.limits import RequestLimits
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, clip, shown

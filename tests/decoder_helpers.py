@@ -9,9 +9,9 @@ import numpy as np
 from models.config import LlamaConfig
 from models.llama import Llama
 from models.ragged import RaggedModel
-from paged_jax import page_state as ps
-from paged_jax.batch import RaggedBatch, Tiling, batch_shape
-from paged_jax.slots import flat_slot_mapping
+from paged_jax.attention.batch import RaggedBatch, Tiling, batch_shape
+from paged_jax.paging import page_state as ps
+from paged_jax.paging.slots import flat_slot_mapping
 
 PAGE_SIZE, NUM_PAGES = 4, 17  # the tiny decoder tests' pool unless a test says otherwise
 

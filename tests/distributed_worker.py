@@ -26,7 +26,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from paged_jax.sharding import init_distributed, make_mesh  # noqa: E402
+from paged_jax.distributed.sharding import init_distributed, make_mesh  # noqa: E402
 
 
 def main(out_path: str) -> None:
@@ -34,7 +34,6 @@ def main(out_path: str) -> None:
     import numpy as np
     from flax import nnx
     from jax.experimental import multihost_utils
-
     from sharded_cases import TINY_GQA, decode_sharded, decode_unsharded, make_prompts
 
     from models.llama import Llama
@@ -53,8 +52,8 @@ def main(out_path: str) -> None:
     # requests (placed by tokens), every output gathered to every process.
     from models.ragged import RaggedModel
     from models.sharded import make_data_parallel_engine
-    from paged_jax.data_parallel import gather_outputs
-    from paged_jax.engine import Engine, EngineConfig, Request
+    from paged_jax.distributed.data_parallel import gather_outputs
+    from paged_jax.engine.core import Engine, EngineConfig, Request
 
     config = EngineConfig(max_seqs=4, max_seq_len=32, max_num_batched_tokens=32)
     requests = [Request(request_id=i, prompt_ids=p, max_new_tokens=1 + i % 6)

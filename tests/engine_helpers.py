@@ -12,11 +12,11 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax.engine import Engine, EngineConfig, Request
-from paged_jax.kv_cache import KVPool, init_kv_pool, write_layer_pages
-from paged_jax.kv_groups import kv_groups
-from paged_jax.ragged_attention import attend
-from paged_jax.sampling import SamplingParams
+from paged_jax.attention.ragged import attend
+from paged_jax.engine.core import Engine, EngineConfig, Request
+from paged_jax.engine.sampling import SamplingParams
+from paged_jax.paging.kv_cache import KVPool, init_kv_pool, write_layer_pages
+from paged_jax.paging.kv_groups import kv_groups
 
 VOCAB, DIM, HEADS, KV_HEADS, HEAD_DIM = 50, 16, 2, 1, 8
 PAGE = 4  # tokens per page in every engine built here unless a test says otherwise
@@ -197,7 +197,7 @@ class LayeredToyModel:
     """The toy LM with several attention layers, layer ``l`` attending the
     last ``windows[l]`` tokens (None: all of them): a hybrid model such as
     Gemma 3 when the windows mix. Its ``kv_groups`` are the layer groups
-    (:mod:`paged_jax.kv_groups`): given a pool of ``kv_groups.group_size``
+    (:mod:`paged_jax.paging.kv_groups`): given a pool of ``kv_groups.group_size``
     layers the engine keeps a block table per group, given a pool of every
     layer one table and every page; ``apply`` reads whichever the batch
     carries (one table, or one per group)."""

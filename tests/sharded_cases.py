@@ -8,7 +8,7 @@ import numpy as np
 
 from models.llama import LlamaConfig, forward
 from models.sharded import ShardedLlama
-from paged_jax.sharding import DATA
+from paged_jax.distributed.sharding import DATA
 
 TINY_GQA = LlamaConfig(vocab_size=64, model_dim=32, mlp_dim=64, num_layers=2, num_q_heads=9, num_kv_heads=3,
                        head_dim=8)

@@ -1,6 +1,6 @@
 """The kernels the real compilers accept: every Pallas kernel compiled for
 TPU v5e / v6e (libtpu) and sm80 / sm90 (Triton to PTX) with no device, each
-within its chip's on-chip memory (``experiments.aot``), and the pieces that
+within its chip's on-chip memory (``experiments.lib.aot``), and the pieces that
 choose tilings and refuse what a chip cannot run."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from experiments import aot, aot_step
+from experiments.lib import aot, aot_step
 from models.presets import PRESETS
 from pallas_kernels import chips, paged_attention_tpu, tuning
 
@@ -26,7 +26,7 @@ def test_every_kernel_compiles_for_every_chip_within_its_memory():
     round's fixes none of the TPU cases compiled (a (1, keys) -> (keys, 1)
     mask reshape; the flat kernel's one-token DMA into a tiled page) and 15
     GPU cases were over their shared memory; fp8 on sm80 aborted Triton. The
-    full product: ``python -m experiments.compile_kernels --full``."""
+    full product: ``python -m experiments.kernels.compile_kernels --full``."""
     results = aot.run_cases(aot.matrix(), jobs=2, timeout=900)
     bad = [f"{r.case.name}: {r.status} {r.on_chip_bytes}/{r.limit_bytes} {r.message[:200]}" for r in results
            if r.status not in ("ok", "refused")]

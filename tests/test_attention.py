@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.attention import paged_attention, xla_paged_attention, xla_paged_decode_attention
-from paged_jax.kv_cache import write_pages
-from paged_jax.page_state import NULL_PAGE
+from paged_jax.attention.paged import paged_attention, xla_paged_attention, xla_paged_decode_attention
+from paged_jax.paging.kv_cache import write_pages
+from paged_jax.paging.page_state import NULL_PAGE
 from pallas_kernels.common import QUANTIZED_KV_DTYPES, dequantize_kv, quantize_kv
 
 

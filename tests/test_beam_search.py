@@ -9,9 +9,9 @@ import itertools
 import numpy as np
 import pytest
 
-from paged_jax import beam_search
-from paged_jax.engine import Engine, EngineConfig, Request
-from paged_jax.sampling import SamplingParams
+from paged_jax.engine import beam_search
+from paged_jax.engine.core import Engine, EngineConfig, Request
+from paged_jax.engine.sampling import SamplingParams
 from tests.engine_helpers import PAGE, ToyModel, dense_logits, make_engine, toy_params, toy_pool
 
 

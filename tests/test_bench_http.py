@@ -14,10 +14,11 @@ import csv
 import numpy as np
 import pytest
 
-from experiments import bench_http, http_backend
-from experiments.latency import RequestRecord
-from experiments.online import OnlineRun
-from paged_jax.requests import CompletionOutput, Request, RequestOutput
+from experiments.lib import http_backend
+from experiments.lib.latency import RequestRecord
+from experiments.lib.online import OnlineRun
+from experiments.serving import bench_http
+from paged_jax.engine.requests import CompletionOutput, Request, RequestOutput
 from server import timing
 
 # ------------------------------------------------------- the breakdown, by hand

@@ -1,4 +1,4 @@
-"""The online serving benchmark (experiments.online, bench_serving,
+"""The online serving benchmark (experiments.lib.online, bench_serving,
 serving_figures): arrival traces, the metrics on hand-worked records, the
 driver against the offline engine on the toy model, and the scripts' flags.
 
@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments import bench_serving, latency, online, preflight, provenance, serving_figures
+from experiments.lib import latency, online, preflight, provenance
+from experiments.serving import bench_serving, serving_figures
 from models.config import LlamaConfig
 from models.llama import Llama
 from models.ragged import RaggedModel
-from paged_jax.engine import Request
+from paged_jax.engine.core import Request
 from tests.engine_helpers import make_engine, serve, toy_requests
 
 # ----------------------------------------------------------------- arrivals

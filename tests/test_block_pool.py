@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.block_pool import BlockPool
-from paged_jax.page_state import (
+from paged_jax.paging.block_pool import BlockPool
+from paged_jax.paging.page_state import (
     NO_PAGE,
     NULL_PAGE,
     init_page_state,

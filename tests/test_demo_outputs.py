@@ -16,8 +16,8 @@ import pathlib
 
 import pytest
 
-from experiments.serving import serve
-from experiments.sharegpt import build_requests
+from experiments.lib.serving import serve
+from experiments.lib.sharegpt import build_requests
 from models.ragged import RaggedModel
 from models.smollm2 import load_smollm2
 

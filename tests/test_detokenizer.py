@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tokenizers import decoders, pre_tokenizers
 from tokenizers.decoders import DecodeStream
 
-from paged_jax.detokenizer import IncrementalDetokenizer, as_tokenizer
+from paged_jax.engine.detokenizer import IncrementalDetokenizer, as_tokenizer
 
 PROMPT = "The capital of France is"
 SPLIT_TEXTS = ["👍🏽", "👨‍👩‍👧", "🙂🚀 ok", "日本語のテキスト", " 中文，한국어 and ελληνικά ✓"]

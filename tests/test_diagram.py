@@ -1,4 +1,4 @@
-"""The draggable layout diagram (:mod:`experiments.diagram`): the page is
+"""The draggable layout diagram (:mod:`experiments.memory.diagram`): the page is
 self-contained and current, bad arguments are refused by name, and in real
 headless Chromium the page loads without console errors, the slider and the
 preset box show the numbers :mod:`paged_jax.memory` gives, and a screenshot
@@ -17,7 +17,7 @@ import struct
 
 import pytest
 
-from experiments import diagram
+from experiments.memory import diagram
 from paged_jax.memory import PRESETS, contiguous_waste, paged_slots, paged_waste
 
 SPEC = diagram.DiagramSpec()
@@ -54,7 +54,7 @@ def test_page_is_self_contained_and_current():
     assert re.findall(r"<link[^>]*>", page) == ['<link rel="icon" href="data:,">']
     committed = diagram.DEFAULT_OUT / "index.html"
     assert committed.read_text(encoding="utf-8") == page, (
-        f"{committed} is not what the generator writes now: run python -m experiments.diagram --screenshot")
+        f"{committed} is not what the generator writes now: run python -m experiments.memory.diagram --screenshot")
     assert (diagram.DEFAULT_OUT / "screenshot.png").stat().st_size > 10_000
 
 

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.engine import Engine, EngineConfig, Request
-from paged_jax.kv_cache import init_kv_pool
-from paged_jax.sampling import SamplingParams
+from paged_jax.engine.core import Engine, EngineConfig, Request
+from paged_jax.engine.sampling import SamplingParams
+from paged_jax.paging.kv_cache import init_kv_pool
 from tests.engine_helpers import (
     VOCAB,
     ToyModel,
@@ -286,7 +286,7 @@ def test_engine_refuses_a_pool_or_vocabulary_that_does_not_fit_the_model():
 
 
 def test_cli_refuses_an_unusable_compile_cache(tmp_path):
-    from experiments.serve_sharegpt import parse_args
+    from experiments.serving.serve_sharegpt import parse_args
 
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("")

@@ -5,9 +5,9 @@ stopping ends the open streams."""
 import asyncio
 
 import pytest
-
 from engine_helpers import make_engine, toy_requests
-from paged_jax.engine import Request, SamplingParams
+
+from paged_jax.engine.core import Request, SamplingParams
 from server.engine_loop import EngineDeadError, EngineLoop, admit
 
 

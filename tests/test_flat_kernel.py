@@ -29,8 +29,7 @@ import numpy as np
 import pytest
 
 from models.presets import PRESETS
-from tests.decoder_helpers import small_mixed_batch
-from paged_jax.kv_cache import KVPool, write_layer_kv
+from paged_jax.paging.kv_cache import KVPool, write_layer_kv
 from pallas_kernels import common
 from pallas_kernels.flat_ragged_attention import (
     FlatBlockSizes,
@@ -38,6 +37,7 @@ from pallas_kernels.flat_ragged_attention import (
     ref_flat_ragged_paged_attention,
     unchecked_flat_ragged_paged_attention,
 )
+from tests.decoder_helpers import small_mixed_batch
 
 LAYERS, LAYER = 3, 1
 
@@ -513,7 +513,7 @@ def engine_tokens(config, impl, *, prompt_lens, page_size, num_pages, budget, kv
 
     from models.llama import Llama
     from models.ragged import RaggedModel
-    from paged_jax.engine import Engine, EngineConfig, Request
+    from paged_jax.engine.core import Engine, EngineConfig, Request
 
     model = Llama(config, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
@@ -559,7 +559,7 @@ def test_forward_ragged_lets_the_flat_kernel_write(monkeypatch, impl, writes):
 
     from models import llama, ragged
     from models.config import LlamaConfig
-    from paged_jax import ragged_attention
+    from paged_jax.attention import ragged as ragged_attention
 
     calls = []
 

@@ -21,7 +21,7 @@ from flax import nnx
 from models.config import LlamaConfig
 from models.llama import Llama
 from models.ragged import RaggedModel
-from paged_jax.kv_cache import KVPool, check_pool, copy_pages, init_kv_pool, write_layer_kv
+from paged_jax.paging.kv_cache import KVPool, check_pool, copy_pages, init_kv_pool, write_layer_kv
 from pallas_kernels.common import dequantize_kv, quantized_max
 from tests.decoder_helpers import mixed_calls
 
@@ -193,7 +193,7 @@ def test_engine_on_an_fp8_pool_mostly_agrees_with_f32_greedy():
     part at near-ties, after which a request's continuations differ:
     measured, 12 of 16 requests identical over 16 tokens, 15 of 16 with
     the same first token."""
-    from paged_jax.engine import Engine, EngineConfig, Request
+    from paged_jax.engine.core import Engine, EngineConfig, Request
 
     model = tiny_model()
     r = np.random.default_rng(3)
@@ -215,7 +215,7 @@ def test_engine_on_an_fp8_pool_mostly_agrees_with_f32_greedy():
 
 def test_serve_sharegpt_takes_fp8(tmp_path):
     """(On a mesh too: tests/test_sharding_quantized.py.)"""
-    from experiments import serve_sharegpt
+    from experiments.serving import serve_sharegpt
 
     for flag, want in (("fp8", "float8_e4m3fn"), ("float8_e4m3fn", "float8_e4m3fn"), ("float8_e5m2", "float8_e5m2")):
         assert serve_sharegpt.parse_args(["--kv-dtype", flag, "--out", str(tmp_path)]).kv_dtype == want
@@ -224,10 +224,10 @@ def test_serve_sharegpt_takes_fp8(tmp_path):
 
 
 def test_serving_engine_allocates_the_asked_fp8():
-    """experiments.serving's engine (what the serving table describes) holds
+    """experiments.lib.serving's engine (what the serving table describes) holds
     an fp8 pool when asked (on a mesh, every shard's dtype:
     tests/test_sharding_quantized.py)."""
-    from experiments.serving import make_engine
+    from experiments.lib.serving import make_engine
 
     model = tiny_model()
     engine = make_engine(model, kv_tokens=64, page_size=4, max_seqs=2, max_seq_len=64, kv_dtype=jnp.float8_e4m3fn)

@@ -40,13 +40,10 @@ import math
 import pathlib
 import warnings
 
-import numpy as np
-import pytest
-
-from tests.family_helpers import FAMILIES, VOCAB, load_transformers, write_checkpoint
-
 import gguf  # noqa: I001  (family_helpers first: it sets HF_HUB_OFFLINE before transformers loads)
 import jax.numpy as jnp
+import numpy as np
+import pytest
 import safetensors.numpy
 import torch
 import transformers
@@ -64,6 +61,7 @@ from models.rope import inv_freq
 from models.smollm2 import load_llama_gguf
 from models.tokenizer import load_tokenizer
 from tests.decoder_helpers import mixed_calls
+from tests.family_helpers import FAMILIES, VOCAB, load_transformers, write_checkpoint
 
 LOGIT_ATOL = 1e-4
 Q8_ATOL = 0.3  # Q8_0 against the f32 folder: 8-bit weights moved Gemma 2's logits (std about 1.5) by 0.13
@@ -485,7 +483,7 @@ def test_gemma_query_scale_follows_llama_cpp():
 
 @pytest.mark.parametrize("family", families("qwen3"), indirect=True)
 def test_serve_sharegpt_checks_a_gguf_before_loading(family, tmp_path):
-    from experiments import serve_sharegpt
+    from experiments.serving import serve_sharegpt
 
     _, _, path, _, _, _ = family
     args = serve_sharegpt.parse_args(["--model", str(path), "--out", str(tmp_path)])

@@ -34,14 +34,15 @@ from flax import nnx
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported
 
+import torch  # noqa: E402  (the test extra: the oracle must be there, never skipped)
+import transformers  # noqa: E402
+from tokenizers import Tokenizer as RawTokenizer  # noqa: E402
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
 from models.hf_loader import load_hf, load_hf_model, load_hf_tokenizer, read_hf_config  # noqa: E402
 from models.llama import Llama, forward_dense, make_step_fn  # noqa: E402
 from models.ragged import RaggedModel  # noqa: E402
-from paged_jax.engine import Engine, EngineConfig, Request  # noqa: E402
-
-import torch  # noqa: E402  (the test extra: the oracle must be there, never skipped)
-import transformers  # noqa: E402
-from tokenizers import Tokenizer as RawTokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+from paged_jax.engine.core import Engine, EngineConfig, Request  # noqa: E402
 
 LOGIT_ATOL = 1e-4
 NEW_TOKENS = 12
@@ -345,7 +346,7 @@ def test_shards_outside_the_folder_and_string_eos_ids_are_refused(tmp_path, mist
 
 
 def test_serve_sharegpt_model_flag(tmp_path, mistral_folder):
-    from experiments.serve_sharegpt import parse_args
+    from experiments.serving.serve_sharegpt import parse_args
 
     out = ["--out", str(tmp_path / "out"), "--no-compile-cache"]
     assert parse_args(out).model == "smollm2"

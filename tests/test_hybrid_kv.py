@@ -1,5 +1,5 @@
 """A hybrid model (sliding-window and full layers mixed, as Gemma 3) with a
-block table per layer group (paged_jax.kv_groups through the KV manager):
+block table per layer group (paged_jax.paging.kv_groups through the KV manager):
 each sliding group's pages return to the pool once they leave its window,
 the full group keeps its pages, and outputs equal the same engine keeping
 every page in one table and the float64 oracle.
@@ -13,15 +13,23 @@ import functools
 
 import numpy as np
 import pytest
+from engine_helpers import (
+    PAGE,
+    VOCAB,
+    LayeredToyModel,
+    check_accounting,
+    layered_greedy_reference,
+    layered_params,
+    one_sequence_steps,
+    toy_requests,
+)
 
-from engine_helpers import PAGE, VOCAB, LayeredToyModel, check_accounting, layered_greedy_reference, \
-    layered_params, one_sequence_steps, toy_requests
-from paged_jax.engine import Engine, EngineConfig, Request
-from paged_jax.kv_groups import KVGroups, kv_groups, single_group
+from paged_jax.engine.core import Engine, EngineConfig, Request
+from paged_jax.engine.sampling import SamplingParams
 from paged_jax.memory import layer_pages, sliding_layer_count
-from paged_jax.page_state import NULL_PAGE, pages_for_tokens
-from paged_jax.sampling import SamplingParams
-from paged_jax.sliding_window import window_first_kept
+from paged_jax.paging.kv_groups import KVGroups, kv_groups, single_group
+from paged_jax.paging.page_state import NULL_PAGE, pages_for_tokens
+from paged_jax.paging.sliding_window import window_first_kept
 
 WINDOW = 8  # tokens; pages of 4
 WINDOWS = (WINDOW,) * 5 + (None,)  # Gemma 3's 5 local : 1 global -> 6 groups of one layer
@@ -305,11 +313,11 @@ def test_the_decoder_reads_per_group_tables_as_it_reads_one():
 
 
 def test_hybrid_capacity_script_counts_and_says_when_memory_did_not_bind(tmp_path):
-    """experiments.hybrid_capacity at toy size: the maths columns, and the
+    """experiments.memory.hybrid_capacity at toy size: the maths columns, and the
     warning when the schedule rather than the pool capped the sequences
     (2 generated tokens, chunks of 8: a request ends before the next is
     prefilled)."""
-    from experiments import hybrid_capacity
+    from experiments.memory import hybrid_capacity
 
     args = ["--context", "64", "--window", "8", "--page-size", "4", "--full-sequences", "2", "--num-requests", "6",
             "--baseline-requests", "3", "--budget-tokens", "8", "--max-seqs", "8", "--out", str(tmp_path)]

@@ -1,4 +1,4 @@
-"""experiments.kernel_bench: every implementation it times computes
+"""experiments.kernels.kernel_bench: every implementation it times computes
 attention (against a float64 per-sequence loop), the tables it writes, its
 summary against issue 11's targets, its presets and its argument checks
 (tiny sizes, timing loops of one call)."""
@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import device_summary, kernel_bench, provenance
+from experiments.kernels import device_summary, kernel_bench
+from experiments.lib import provenance
 from paged_jax import memory
 from pallas_kernels import paged_attention_gpu, ragged_paged_attention
-
 
 ONE_CALL = 1e-6
 """--min-seconds that makes every timed loop one call: the numbers mean nothing, the test is quick."""

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax import attention
+from paged_jax.attention import paged as attention
 from pallas_kernels import common
 from pallas_kernels.paged_attention_cpu import CPUBlockSizes, paged_attention_cpu, ref_paged_attention_cpu
 from pallas_kernels.paged_attention_gpu import GPUBlockSizes, paged_attention_gpu, ref_paged_attention_gpu
@@ -227,7 +227,7 @@ def test_kernels_on_hand_case():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_xla_paged_attention_matches_common_reference(dtype):
     # The per-sequence loop (the truth) against the XLA path of
-    # paged_jax.attention (a masked gather). Ragged, with a window and a cap.
+    # paged_jax.attention.paged (a masked gather). Ragged, with a window and a cap.
     c = make_case(0, kv_lens=[0, 5, 17, 9], q_lens=[0, 5, 1, 4], num_q_tokens=6, page_size=4,
                   num_kv_heads=2, group=3, head_dim=8, dtype=dtype, pages_per_seq=5)
     for options in (dict(), dict(sliding_window=3, soft_cap=2.0)):

@@ -68,9 +68,9 @@ def test_engine_at_smollm2_shapes_through_kernel_equals_xla(impl):
     from flax import nnx
 
     from models.llama import Llama
-    from models.ragged import RaggedModel
     from models.presets import PRESETS
-    from paged_jax.engine import Engine, EngineConfig, Request
+    from models.ragged import RaggedModel
+    from paged_jax.engine.core import Engine, EngineConfig, Request
 
     config = dataclasses.replace(PRESETS["smollm2-135m"], num_layers=2, vocab_size=512)
     model = Llama(config, rngs=nnx.Rngs(0))

@@ -10,9 +10,9 @@ hands out 1, 2, 3, ... in that order.
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax import page_state as ps
-from paged_jax.block_pool import BlockPool
-from paged_jax.engine import Request
+from paged_jax.engine.core import Request
+from paged_jax.paging import page_state as ps
+from paged_jax.paging.block_pool import BlockPool
 from tests.engine_helpers import PAGE, VOCAB, check_accounting, make_engine, serve
 
 assert PAGE == 4

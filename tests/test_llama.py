@@ -14,9 +14,9 @@ from models.config import SMOLLM2_135M
 from models.llama import Llama, LlamaConfig, forward, make_step_fn
 from models.ragged import RaggedModel, forward_ragged
 from models.smollm2 import generate_greedy
+from paged_jax.paging.kv_cache import write_layer_pages, write_pages
+from paged_jax.paging.page_state import NULL_PAGE
 from tests.decoder_helpers import NUM_PAGES, PAGE_SIZE, mixed_calls, nan_pool, small_mixed_batch
-from paged_jax.kv_cache import write_layer_pages, write_pages
-from paged_jax.page_state import NULL_PAGE
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}  # f32, matmul precision "highest" (conftest)
 
@@ -327,7 +327,7 @@ def test_engine_on_the_decoder_preemption_keeps_greedy_outputs():
     """The real decoder behind the engine: a pool small enough to force
     preemption by recompute gives the same greedy tokens as a large one, and
     every page comes back."""
-    from paged_jax.engine import Engine, EngineConfig, Request
+    from paged_jax.engine.core import Engine, EngineConfig, Request
 
     model = tiny_model()
     step = RaggedModel(model)
@@ -408,7 +408,7 @@ def test_engine_through_pallas_kernels_equals_xla(impl):
     """The engine's mixed batches through the Pallas kernels (interpret mode
     on CPU, as a GPU would run them natively) give the XLA path's greedy
     tokens."""
-    from paged_jax.engine import Engine, EngineConfig, Request
+    from paged_jax.engine.core import Engine, EngineConfig, Request
 
     model = tiny_model()
     r = np.random.default_rng(5)
@@ -423,7 +423,7 @@ def test_engine_through_pallas_kernels_equals_xla(impl):
 
 
 def test_int8_pool_stores_quantized_kv_and_refuses_half_pools():
-    from paged_jax.kv_cache import KVPool, init_kv_pool, write_layer_kv
+    from paged_jax.paging.kv_cache import KVPool, init_kv_pool, write_layer_kv
     from pallas_kernels.common import dequantize_kv
 
     config = LlamaConfig(**TINY)
@@ -454,8 +454,8 @@ def test_non_finite_logits_stop_the_engine_instead_of_giving_a_token(beam):
     valid-looking id. The engine refuses and names the requests."""
     from flax import nnx as _nnx
 
-    from paged_jax.engine import Engine, EngineConfig, Request
-    from paged_jax.sampling import SamplingParams
+    from paged_jax.engine.core import Engine, EngineConfig, Request
+    from paged_jax.engine.sampling import SamplingParams
 
     model = Llama(LlamaConfig(**TINY), rngs=_nnx.Rngs(0))
     model.final_norm.scale.set_value(jnp.full_like(model.final_norm.scale[...], jnp.nan))
@@ -471,7 +471,7 @@ def test_non_finite_logits_stop_the_engine_instead_of_giving_a_token(beam):
 
 
 def test_write_layer_kv_refuses_malformed_pools_and_layers():
-    from paged_jax.kv_cache import KVPool, write_layer_kv
+    from paged_jax.paging.kv_cache import KVPool, write_layer_kv
 
     config = LlamaConfig(**TINY)
     kv = config.make_kv_pool(num_pages=5, page_size=4, dtype=jnp.int8)

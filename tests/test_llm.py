@@ -18,7 +18,7 @@ from models.config import LlamaConfig
 from models.gguf_loader import smollm2_gguf_path
 from models.llm import LLM, load_model
 from models.presets import PRESETS
-from paged_jax.engine import Engine, Request, SamplingParams
+from paged_jax.engine.core import Engine, Request, SamplingParams
 
 PROMPTS = ["The capital of France is", "1 2 3", "Once upon a time, in a small village by the sea, there"]
 NEW = 8

@@ -5,11 +5,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments import capacity
+from experiments.memory import capacity
 from paged_jax.memory import (
     GB,
-    KiB,
     PRESETS,
+    KiB,
     ModelPreset,
     contiguous_waste,
     dtype_bytes,

@@ -18,9 +18,9 @@ from flax import nnx
 
 from models.llama import Llama, LlamaConfig
 from models.ragged import RaggedModel
-from paged_jax.batch import RaggedBatch, Tiling, batch_shape
-from paged_jax.engine import Engine, EngineConfig, Request
-from paged_jax.ragged_attention import attend
+from paged_jax.attention.batch import RaggedBatch, Tiling, batch_shape
+from paged_jax.attention.ragged import attend
+from paged_jax.engine.core import Engine, EngineConfig, Request
 
 PAGE = 4
 IMPLS = ["xla", "xla_loop", "pallas_gpu", "pallas_tpu", "pallas_ragged"]

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax import page_state as ps
-from paged_jax.slots import slot_mapping
+from paged_jax.paging import page_state as ps
+from paged_jax.paging.slots import slot_mapping
 
 
 def mask(n, *idx):

@@ -8,8 +8,8 @@ import functools
 import numpy as np
 import pytest
 
-from paged_jax.engine import Request
-from paged_jax.sampling import SamplingParams
+from paged_jax.engine.core import Request
+from paged_jax.engine.sampling import SamplingParams
 from tests.engine_helpers import VOCAB, check_accounting, greedy_reference, make_engine, toy_params, toy_requests
 
 

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_jax.engine import Request
-from paged_jax.page_state import NULL_PAGE
-from paged_jax.prefix_cache import PrefixCache, chain_keys
-from paged_jax.sliding_window import window_first_kept
-from paged_jax.sampling import SamplingParams
+from paged_jax.engine.core import Request
+from paged_jax.engine.sampling import SamplingParams
+from paged_jax.paging.page_state import NULL_PAGE
+from paged_jax.paging.prefix_cache import PrefixCache, chain_keys
+from paged_jax.paging.sliding_window import window_first_kept
 from tests.engine_helpers import PAGE, VOCAB, check_accounting, make_engine, serve, toy_requests
 
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments import provenance, serve_sharegpt, serving, sharegpt
+from experiments.lib import provenance, serving, sharegpt
+from experiments.serving import serve_sharegpt
 from models.llama import Llama, LlamaConfig, forward_dense
 from models.presets import PRESETS, PUBLISHED_CONFIGS, bytes_to_build, random_model
 from models.rope import RopeScaling

@@ -7,12 +7,18 @@ import time
 
 import numpy as np
 import pytest
-
 from engine_helpers import make_engine, toy_requests
-from experiments import bench_serving
-from paged_jax.outputs import drain
-from paged_jax.profiling import (ProfileSpec, StepProfiler, add_profile_args, check_profile_args, report_trace,
-                                 trace_slices)
+
+from experiments.serving import bench_serving
+from paged_jax.engine.outputs import drain
+from paged_jax.profiling import (
+    ProfileSpec,
+    StepProfiler,
+    add_profile_args,
+    check_profile_args,
+    report_trace,
+    trace_slices,
+)
 
 
 def test_traces_only_the_asked_steps_with_the_engine_phases(tmp_path):

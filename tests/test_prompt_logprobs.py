@@ -22,9 +22,9 @@ from flax import nnx
 from models.config import LlamaConfig
 from models.llama import Llama, forward_dense
 from models.llm import LLM
-from paged_jax.engine import Engine, EngineConfig, Request, SamplingParams, num_traces
+from paged_jax.engine.core import Engine, EngineConfig, Request, SamplingParams, num_traces
+from paged_jax.engine.sampling import MAX_STOP_STRINGS
 from paged_jax.jit_stats import CompileMonitor
-from paged_jax.sampling import MAX_STOP_STRINGS
 
 TINY = dict(vocab_size=97, model_dim=32, mlp_dim=48, num_layers=2, num_q_heads=3, num_kv_heads=1, head_dim=16,
             rope_theta=10000.0, rms_norm_eps=1e-5)

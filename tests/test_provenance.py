@@ -11,13 +11,14 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import check_reproducible, provenance, sharing, tables
+from experiments.lib import provenance, tables
+from experiments.memory import check_reproducible, sharing
 
 SEEDS = {"sharegpt_shuffle": 0, "arrivals": 3}
 
 
 def record(**kw):
-    return provenance.collect("experiments.reproduce", ["--skip-serving"], seeds=SEEDS, **kw)
+    return provenance.collect("experiments.memory.reproduce", ["--skip-serving"], seeds=SEEDS, **kw)
 
 
 def git_repo(path):
@@ -40,7 +41,7 @@ def test_block_has_every_field():
     r = record()
     fields = r.as_dict()
     assert tuple(fields) == provenance.FIELDS
-    assert r.command == "python -m experiments.reproduce --skip-serving"
+    assert r.command == "python -m experiments.memory.reproduce --skip-serving"
     if (provenance.REPO / ".git").exists():
         assert re.fullmatch(r"[0-9a-f]{40}", r.commit)
     assert r.dirty == "no" or r.dirty.startswith("yes (")
@@ -59,15 +60,15 @@ def test_block_has_every_field():
 
 def test_command_line_defaults_to_sys_argv(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["/x/experiments/sharing.py", "--parts", "a", "--out", "my results"])
-    r = provenance.collect("experiments.sharing")
-    assert r.command == "python -m experiments.sharing --parts a --out 'my results'"
-    assert provenance.collect("experiments.sharing", []).seeds == "none"
+    r = provenance.collect("experiments.memory.sharing")
+    assert r.command == "python -m experiments.memory.sharing --parts a --out 'my results'"
+    assert provenance.collect("experiments.memory.sharing", []).seeds == "none"
 
 
 @pytest.mark.parametrize("seeds", [{"a": True}, {"a": 1.0}, {"a b": 1}, {"a=b": 1}, {"": 1}])
 def test_bad_seeds_are_refused(seeds):
     with pytest.raises(ValueError, match="seed"):
-        provenance.collect("experiments.reproduce", [], seeds=seeds)
+        provenance.collect("experiments.memory.reproduce", [], seeds=seeds)
 
 
 def test_dirty_flag(tmp_path):
@@ -144,7 +145,7 @@ def test_write_table_writes_both_files_with_the_block(tmp_path):
 
 
 def test_sharing_writes_the_block(tmp_path):
-    r = provenance.collect("experiments.sharing", ["--parts", "c"], seeds=sharing.SEEDS)
+    r = provenance.collect("experiments.memory.sharing", ["--parts", "c"], seeds=sharing.SEEDS)
     rows = [{"part": "c", "page_size": 16, "recompute_ms": 1.5}]
     sharing.write(tmp_path, {"c": rows}, {"c": "(c) title"}, "note", r)
     prov, read = provenance.read_csv(tmp_path / "sharing.csv")
@@ -196,14 +197,14 @@ def test_compare_names_file_row_and_column(tmp_path):
 
 @pytest.mark.slow  # ~30-50 s; `make check-tables` runs the same check, the tests above cover the comparison
 def test_reproduce_twice_agrees(tmp_path, capsys):
-    # Two fresh processes of `python -m experiments.reproduce` on a small configuration (~15-25 s each).
+    # Two fresh processes of `python -m experiments.memory.reproduce` on a small configuration (~15-25 s each).
     assert check_reproducible.main(["--keep", str(tmp_path)]) == 0, capsys.readouterr().out
     assert "reproducible: 13 files" in capsys.readouterr().out
     for path in sorted((tmp_path / "run1").iterdir()):
         if path.suffix == ".csv":
             prov, rows = provenance.read_csv(path)
             assert rows and prov["seeds"] == "sharegpt_shuffle=0, arrivals=0", path.name
-            assert prov["command"].startswith("python -m experiments.reproduce --sim-requests 20 ")
+            assert prov["command"].startswith("python -m experiments.memory.reproduce --sim-requests 20 ")
         elif path.suffix == ".md":
             assert provenance.split_markdown(path.read_text())[1]["commit"], path.name
 

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.batch import BatchShape, RaggedBatch, Tiling, batch_shape
-from paged_jax.ragged_attention import attend, count_work, ragged_paged_attention
+from paged_jax.attention.batch import BatchShape, RaggedBatch, Tiling, batch_shape
+from paged_jax.attention.ragged import attend, count_work, ragged_paged_attention
 
 PAGE = 4
 

@@ -15,11 +15,11 @@ import re
 import numpy as np
 import pytest
 
-from paged_jax.block_pool import BlockPool
-from paged_jax.config import RESERVATIONS, EngineConfig, reserved_tokens
-from paged_jax.engine import Request
-from paged_jax.page_state import pages_for_tokens
-from paged_jax.sampling import SamplingParams
+from paged_jax.engine.config import RESERVATIONS, EngineConfig, reserved_tokens
+from paged_jax.engine.core import Request
+from paged_jax.engine.sampling import SamplingParams
+from paged_jax.paging.block_pool import BlockPool
+from paged_jax.paging.page_state import pages_for_tokens
 from tests.engine_helpers import PAGE, VOCAB, check_accounting, make_engine, serve, toy_requests
 
 assert PAGE == 4

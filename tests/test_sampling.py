@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax.sampling import sample, top_p_mask
+from paged_jax.engine.sampling import sample, top_p_mask
 
 
 def _nucleus_probs(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:

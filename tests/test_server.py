@@ -32,14 +32,15 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from experiments import bench_serving, http_backend
+from experiments.lib import http_backend
+from experiments.serving import bench_serving
 from models.gguf_loader import smollm2_gguf_path
 from models.llm import LLM
-from paged_jax.engine import Engine, Request, SamplingParams
+from models.tokenizer import TokenFloor
+from paged_jax.engine.core import Engine, Request, SamplingParams
+from paged_jax.profiling import ProfileSpec, trace_slices
 from server import ThreadedServer, build_app
 from server import __main__ as server_main
-from paged_jax.profiling import ProfileSpec, trace_slices
-from models.tokenizer import TokenFloor
 from server.limits import MIN_BODY_BYTES, RequestLimits
 from server.protocol import MAX_MESSAGE_CHARS, SHOWN_CHARS, APIError, shown
 

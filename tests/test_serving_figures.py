@@ -1,6 +1,6 @@
-"""Figure 14 (parallel sampling, beam search) in experiments.serving_figures,
-its summary (experiments.serving_fig14) and the light-load TTFT
-(experiments.serving_ttft): the pool each width needs, the memory line
+"""Figure 14 (parallel sampling, beam search) in experiments.serving.serving_figures,
+its summary (experiments.serving.serving_fig14) and the light-load TTFT
+(experiments.serving.serving_ttft): the pool each width needs, the memory line
 counted by hand, the summary on hand-made sweeps, and the quick paths on
 the toy model.
 """
@@ -10,9 +10,10 @@ import argparse
 import numpy as np
 import pytest
 
-from experiments import provenance, serving_fig14, serving_figures, serving_ttft
-from paged_jax.requests import Request
-from paged_jax.sampling import SamplingParams
+from experiments.lib import provenance
+from experiments.serving import serving_fig14, serving_figures, serving_ttft
+from paged_jax.engine.requests import Request
+from paged_jax.engine.sampling import SamplingParams
 
 
 def test_sampling_pool_holds_one_max_request_of_the_widest_workload():
@@ -133,15 +134,15 @@ def test_light_load_refuses_bad_loads(argv, capsys):
 
 
 def test_paging_gain_counts_page_steps_as_the_readme_says():
-    """experiments.policies.paging_gain: one request by hand (prompt 5,
+    """experiments.lib.policies.paging_gain: one request by hand (prompt 5,
     output 25, pages of 16, max_seq_len 80: paged holds 1 page for 11
     steps and 2 for 14, 39 page-steps; Oracle 2 pages, Pow2 3 (37
     tokens), Max 5, for 25 steps), then the README's counts over the
     1,000 packaged ShareGPT requests."""
     import json
 
-    from experiments.policies import paging_gain
-    from experiments.sharegpt import PACKAGED_REQUESTS
+    from experiments.lib.policies import paging_gain
+    from experiments.lib.sharegpt import PACKAGED_REQUESTS
 
     gain = paging_gain([(5, 25)], page_size=16, max_seq_len=80)
     assert gain == {"paged": 1.0, "max": 125 / 39, "pow2": 75 / 39, "oracle": 50 / 39}
@@ -166,7 +167,7 @@ def test_paging_gain_counts_page_steps_as_the_readme_says():
     (([(10, 20)], {"max_seq_len": 1}), "max_seq_len must be an int >= 2"),
 ])
 def test_paging_gain_refuses_bad_lengths_by_name(args, match):
-    from experiments.policies import paging_gain
+    from experiments.lib.policies import paging_gain
 
     kwargs = args[1] if len(args) > 1 else {}
     with pytest.raises(ValueError, match=match):
@@ -174,7 +175,7 @@ def test_paging_gain_refuses_bad_lengths_by_name(args, match):
 
 
 def test_paging_gain_takes_a_numpy_array():
-    from experiments.policies import paging_gain
+    from experiments.lib.policies import paging_gain
 
     assert paging_gain(np.array([[5, 25]]), page_size=16, max_seq_len=80) == paging_gain([(5, 25)], page_size=16,
                                                                                           max_seq_len=80)

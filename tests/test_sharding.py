@@ -23,15 +23,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from sharded_cases import TINY_GQA, decode_sharded, decode_unsharded, make_prompts
 
 from models.llama import Llama, LlamaConfig
 from models.ragged import RaggedModel
 from models.sharded import KV_SPEC, ShardedLlama, ShardedRaggedModel, make_data_parallel_engine
-from paged_jax.data_parallel import DataParallelEngine, merged_stats
-from paged_jax.engine import Engine, EngineConfig, Request
-from paged_jax.sharding import (DATA, MODEL, default_model_size, head_layout, init_distributed, make_mesh,
-                                parse_mesh)
-from sharded_cases import TINY_GQA, decode_sharded, decode_unsharded, make_prompts
+from paged_jax.distributed.data_parallel import DataParallelEngine, merged_stats
+from paged_jax.distributed.sharding import (
+    DATA,
+    MODEL,
+    default_model_size,
+    head_layout,
+    init_distributed,
+    make_mesh,
+    parse_mesh,
+)
+from paged_jax.engine.core import Engine, EngineConfig, Request
 
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
 # Sharded vs unsharded logits: f32, differing only in the order of the
@@ -205,7 +212,7 @@ def test_smollm2_sharded_decode_equals_unsharded(smollm2, data, model_size):
 
 @pytest.fixture(scope="module")
 def sharegpt_requests():
-    from experiments.sharegpt import load_conversations, sample_requests
+    from experiments.lib.sharegpt import load_conversations, sample_requests
     from models.tokenizer import load_tokenizer
 
     tok = load_tokenizer()

@@ -30,19 +30,33 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
+from sharded_cases import (
+    PAGE_SIZE,
+    TINY_GQA,
+    block_tables,
+    decode_sharded,
+    decode_unsharded,
+    make_prompts,
+    mixed_split,
+    padded_rows,
+)
 
 from models.llama import Llama, forward
 from models.ragged import RaggedModel
-from models.sharded import (KV_SPEC, SCALE_SPEC, ShardedLlama, ShardedRaggedModel, kv_pool_specs,
-                            make_data_parallel_engine)
-from paged_jax.engine import Engine, EngineConfig, Request
-from paged_jax.kv_cache import copy_pages
-from paged_jax.sampling import SamplingParams
-from paged_jax.sharding import make_mesh
-from paged_jax.swap import gather_pages, scatter_pages
+from models.sharded import (
+    KV_SPEC,
+    SCALE_SPEC,
+    ShardedLlama,
+    ShardedRaggedModel,
+    kv_pool_specs,
+    make_data_parallel_engine,
+)
+from paged_jax.distributed.sharding import make_mesh
+from paged_jax.engine.core import Engine, EngineConfig, Request
+from paged_jax.engine.sampling import SamplingParams
+from paged_jax.paging.kv_cache import copy_pages
+from paged_jax.paging.swap import gather_pages, scatter_pages
 from tests.decoder_helpers import small_mixed_batch
-from sharded_cases import (PAGE_SIZE, TINY_GQA, block_tables, decode_sharded, decode_unsharded, make_prompts,
-                           mixed_split, padded_rows)
 
 TINY_ATOL = 1e-4
 FLIP_FRACTION = 0.25  # measured worst: 1.0e-2 / 0.11 = 0.09
@@ -356,7 +370,7 @@ def test_data_parallel_engine_swapping_quantized_pages_equals_one_device(model, 
 
 
 def test_serve_sharegpt_takes_a_quantized_pool_on_a_mesh(tmp_path):
-    from experiments import serve_sharegpt
+    from experiments.serving import serve_sharegpt
 
     for flag, want in (("fp8", "float8_e4m3fn"), ("int8", "int8"), ("float8_e5m2", "float8_e5m2")):
         args = serve_sharegpt.parse_args(["--kv-dtype", flag, "--mesh", "data=2,model=4", "--out", str(tmp_path)])

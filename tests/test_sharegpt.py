@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from experiments.sharegpt import (
+from experiments.lib.sharegpt import (
     SampledRequest,
     load_conversations,
     sample_requests,

@@ -4,8 +4,8 @@ it and the prefix cache.
 Random operations (allocate, append, extend, fork, a write into a shared
 page, free, cache hits, evictions through new allocations, swap out and swap
 in, pages a sliding window drops, and refused calls) run on the device functions of
-``paged_jax.page_state`` and ``paged_jax.sliding_window`` and on the
-NumPy twin ``paged_jax.block_pool.BlockPool``, which is written separately
+``paged_jax.paging.page_state`` and ``paged_jax.paging.sliding_window`` and on the
+NumPy twin ``paged_jax.paging.block_pool.BlockPool``, which is written separately
 from the same rules. After every step:
 
 * the twin equals the device state, field by field, free-queue order included;
@@ -20,7 +20,7 @@ from the same rules. After every step:
   tokens can no longer see.
 
 A second machine (``GroupedRowsMachine``) runs a hybrid model's page state:
-a row per slot and layer group (``paged_jax.kv_groups``), slot operations
+a row per slot and layer group (``paged_jax.paging.kv_groups``), slot operations
 acting on all of a slot's rows, only the sliding group's rows dropping.
 """
 
@@ -30,11 +30,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from paged_jax import page_state as ps
-from paged_jax import sliding_window as sw
-from paged_jax.block_pool import BlockPool
-from paged_jax.prefix_cache import PrefixCache, chain_keys
-from paged_jax.step import _group_rows
+from paged_jax.engine.step import _group_rows
+from paged_jax.paging import page_state as ps
+from paged_jax.paging import sliding_window as sw
+from paged_jax.paging.block_pool import BlockPool
+from paged_jax.paging.prefix_cache import PrefixCache, chain_keys
 
 NUM_PAGES, MAX_SEQS, MAX_PAGES, PAGE = 14, 4, 5, 2
 VOCAB = 2  # few distinct tokens: many equal pages, many hits
@@ -281,7 +281,7 @@ TestSharingMachine = SharingMachine.TestCase
 
 # ------------------------------------------------------------ layer groups
 
-G_WINDOWS = (WINDOW, None)  # a sliding group and a full group (paged_jax.kv_groups), one row each per slot
+G_WINDOWS = (WINDOW, None)  # a sliding group and a full group (paged_jax.paging.kv_groups), one row each per slot
 G, SLOTS = len(G_WINDOWS), 3
 
 
@@ -289,7 +289,7 @@ class GroupedRowsMachine(RuleBasedStateMachine):
     """The page state of a hybrid model: ``G * SLOTS`` rows, row ``group *
     SLOTS + slot``; every slot operation (grow, fork, free, swap out and
     in) acts on the slot's ``G`` rows as the engine's step does
-    (``paged_jax.step._group_rows``), and only the sliding group's rows
+    (``paged_jax.engine.step._group_rows``), and only the sliding group's rows
     drop pages. After every step: the twin equals the device (free-queue
     order included), a slot's rows hold the same tokens and table positions,
     the full group's rows hold every page, the sliding group's only null

@@ -1,6 +1,6 @@
 """The engine on a model whose every layer attends a sliding window: pages
 that leave the window return to the pool while their sequence runs, and
-nothing else changes (paged_jax.sliding_window through the KV manager).
+nothing else changes (paged_jax.paging.sliding_window through the KV manager).
 
 Every engine here compares its device page state with the host's twin
 after each call (``check_page_state``)."""
@@ -9,14 +9,24 @@ import functools
 
 import numpy as np
 import pytest
+from engine_helpers import (
+    PAGE,
+    VOCAB,
+    ToyModel,
+    check_accounting,
+    greedy_reference,
+    make_engine,
+    one_sequence_steps,
+    toy_params,
+    toy_pool,
+    toy_requests,
+)
 
-from engine_helpers import PAGE, VOCAB, ToyModel, check_accounting, greedy_reference, make_engine, \
-    one_sequence_steps, toy_params, toy_pool, toy_requests
-from paged_jax.engine import Engine, EngineConfig, Request
+from paged_jax.engine.core import Engine, EngineConfig, Request
+from paged_jax.engine.sampling import SamplingParams
 from paged_jax.memory import layer_pages
-from paged_jax.page_state import NULL_PAGE, pages_for_tokens
-from paged_jax.sampling import SamplingParams
-from paged_jax.sliding_window import window_first_kept
+from paged_jax.paging.page_state import NULL_PAGE, pages_for_tokens
+from paged_jax.paging.sliding_window import window_first_kept
 
 WINDOW = 10  # tokens; pages of 4, so a long sequence keeps 3 or 4 pages
 

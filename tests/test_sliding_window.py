@@ -1,16 +1,16 @@
 """Pages a sliding window no longer sees: exact counts, order, the host
 twin, and attention that reads a table with dropped pages as if they were
-kept (paged_jax.sliding_window)."""
+kept (paged_jax.paging.sliding_window)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax import page_state as ps
-from paged_jax import ragged_attention as ra
-from paged_jax import sliding_window as sw
-from paged_jax.block_pool import BlockPool
+from paged_jax.attention import ragged as ra
+from paged_jax.paging import page_state as ps
+from paged_jax.paging import sliding_window as sw
+from paged_jax.paging.block_pool import BlockPool
 
 
 def brute_first_kept(n: int, window: int, page: int) -> int:

@@ -17,13 +17,13 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported
 
+import torch  # noqa: E402  (the test extra: the oracle must be there, never skipped)
+import transformers  # noqa: E402
+
 from models.gguf_loader import smollm2_gguf_path  # noqa: E402
 from models.llama import make_step_fn  # noqa: E402
 from models.smollm2 import generate_greedy, load_smollm2  # noqa: E402
 from tests.decoder_helpers import mixed_calls  # noqa: E402
-
-import torch  # noqa: E402  (the test extra: the oracle must be there, never skipped)
-import transformers  # noqa: E402
 
 LOGIT_ATOL = 1e-3
 NEW_TOKENS = 32
@@ -109,7 +109,7 @@ def test_mixed_batches_match_transformers(ours, hf, prompts):
     page, and span pages), then decoded together: every chunk's last-token
     logits equal transformers on the sequence so far, and the greedy tokens
     equal its argmax."""
-    from paged_jax.batch import Tiling
+    from paged_jax.attention.batch import Tiling
 
     model, tok, _, _ = ours
     a, b, c = (tok.encode(t) for t in prompts)

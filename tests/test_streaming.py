@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models
 
-from paged_jax.engine import Engine, EngineConfig, Request, SamplingParams, num_traces
+from paged_jax.engine.core import Engine, EngineConfig, Request, SamplingParams, num_traces
 from tests.engine_helpers import (
     PAGE,
     VOCAB,

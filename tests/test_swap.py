@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.engine import EngineConfig
-from paged_jax.kv_cache import KVPool, copy_pages
-from paged_jax.sampling import SamplingParams
-from paged_jax.swap import SwappedGroup, SwapSpace, gather_pages, scatter_pages
+from paged_jax.engine.core import EngineConfig
+from paged_jax.engine.sampling import SamplingParams
+from paged_jax.paging.kv_cache import KVPool, copy_pages
+from paged_jax.paging.swap import SwappedGroup, SwapSpace, gather_pages, scatter_pages
 from pallas_kernels.common import QUANTIZED_KV_DTYPES, is_quantized
 from tests.engine_helpers import check_accounting, make_engine, serve, toy_requests
 

@@ -16,15 +16,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments.sharegpt import load_conversations
+from experiments.lib.sharegpt import load_conversations
 from models.checkpoint import FORMAT, load_checkpoint, save_checkpoint
 from models.llama import Llama, LlamaConfig, forward, forward_dense
 from models.ragged import RaggedModel
-from models.train import (PAD_SEGMENT, TrainConfig, Trainer, decay_mask, make_batch, next_token_loss,
-                          pack_documents)
-from paged_jax import page_state as ps
-from paged_jax.attention import causal_attention, segment_positions
-from paged_jax.engine import Engine, EngineConfig, Request
+from models.train import PAD_SEGMENT, TrainConfig, Trainer, decay_mask, make_batch, next_token_loss, pack_documents
+from paged_jax.attention.paged import causal_attention, segment_positions
+from paged_jax.engine.core import Engine, EngineConfig, Request
+from paged_jax.paging import page_state as ps
 from pallas_kernels.common import ref_sequence_attention
 
 BYTE_CONFIG = LlamaConfig(vocab_size=256, model_dim=64, mlp_dim=128, num_layers=2, num_q_heads=4,
@@ -346,7 +345,7 @@ def test_checkpoint_errors_name_the_file_and_field(trained, tmp_path):
     with pytest.raises(ValueError, match=r"missing.safetensors.*missing weights \['blocks.mlp.w_up'\]"):
         load_checkpoint(missing)
     bad = tmp_path / "bad.safetensors"
-    safetensors.numpy.save_file(weights, str(bad), metadata={**meta, "paged_jax.config": meta["paged_jax.config"]
+    safetensors.numpy.save_file(weights, str(bad), metadata={**meta, "paged_jax.engine.config": meta["paged_jax.engine.config"]
                                 .replace('"num_kv_heads": 2', '"num_kv_heads": 3')})
     with pytest.raises(ValueError, match="bad.safetensors.*num_q_heads must be a multiple of num_kv_heads"):
         load_checkpoint(bad)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from experiments.waste_sim import SCHEMES, FirstFit, SimConfig, simulate
+from experiments.lib.waste_sim import SCHEMES, FirstFit, SimConfig, simulate
 
 ALL_AT_ONCE = 1e9  # arrivals per iteration: every request arrives at iteration 0
 

@@ -1,5 +1,5 @@
-"""The serving workloads of Figures 16 and 17 (experiments.workloads), the
-``-nocache`` policies (experiments.policies) and serving_figures' quick runs
+"""The serving workloads of Figures 16 and 17 (experiments.lib.workloads), the
+``-nocache`` policies (experiments.lib.policies) and serving_figures' quick runs
 of them on the toy model.
 
 Prompts are built with a character tokenizer over hand-made conversations,
@@ -10,8 +10,9 @@ so every expected prompt can be written out; the packaged-lengths path
 import pytest
 from flax import nnx
 
-from experiments import online, policies, provenance, serving_figures, workloads
-from experiments.sharegpt import conversation_rounds, sample_requests
+from experiments.lib import online, policies, provenance, workloads
+from experiments.lib.sharegpt import conversation_rounds, sample_requests
+from experiments.serving import serving_figures
 from models.config import LlamaConfig
 from models.llama import Llama
 from models.ragged import RaggedModel

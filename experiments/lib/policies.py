@@ -1,0 +1,100 @@
+"""The serving comparison's policies: a KV reservation policy
+(``EngineConfig.reservation``, paper section 6.1), optionally with
+automatic prefix caching turned off.
+
+A policy name is a reservation (:data:`POLICIES`: ``paged`` is vLLM,
+``max``, ``pow2`` and ``oracle`` the paper's Orca baselines), which keeps
+the comparison's prefix-caching setting (on unless ``--no-prefix-caching``),
+or a reservation with :data:`NO_CACHE` appended (``paged-nocache``), which
+always serves without the prefix cache. The paper's Figure 16 needs both in
+one sweep: vLLM sharing the few-shot prefix against Orca-Oracle, which
+shares nothing; ``paged-nocache`` separates what paging gains from what
+sharing gains.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from paged_jax.checks import check_int
+from paged_jax.engine.config import RESERVATIONS, reserved_tokens
+from paged_jax.paging.page_state import pages_for_tokens
+
+POLICIES = RESERVATIONS
+"""The reservation policies: ``paged``, ``max``, ``pow2``, ``oracle``."""
+NO_CACHE = "-nocache"
+"""Appended to a reservation policy: the same policy without prefix caching."""
+ALL_POLICIES = POLICIES + tuple(p + NO_CACHE for p in POLICIES)
+"""Every policy name a comparison accepts."""
+_BASE_LABELS = {"paged": "paged (vLLM)", "max": "Orca (Max)", "pow2": "Orca (Pow2)", "oracle": "Orca (Oracle)"}
+POLICY_LABELS = {**_BASE_LABELS, **{p + NO_CACHE: f"{_BASE_LABELS[p]}, no prefix cache" for p in POLICIES}}
+"""Each policy's name in tables and plots (the paper's names for the
+reservation policies)."""
+
+
+def split_policy(policy: str) -> tuple[str, bool]:
+    """``(reservation, prefix caching allowed)`` of a policy name:
+    ``"oracle-nocache"`` -> ``("oracle", False)``, ``"paged"`` ->
+    ``("paged", True)``.
+
+    Raises:
+      ValueError: ``policy`` is not one of :data:`ALL_POLICIES`.
+    """
+    if not isinstance(policy, str) or policy not in ALL_POLICIES:
+        raise ValueError(f"policy must be a reservation policy (one of {list(POLICIES)}), optionally followed by "
+                         f"{NO_CACHE!r}, got policy={policy!r}")
+    if policy.endswith(NO_CACHE):
+        return policy[: -len(NO_CACHE)], False
+    return policy, True
+
+
+def paging_gain(lengths: Iterable[tuple[int, int]], *, page_size: int = 16, max_seq_len: int = 2048,
+                output_cap: int | None = None) -> dict[str, float]:
+    """How many more requests paging holds than each reservation policy,
+    counted rather than measured: at equal memory and a decode step whose
+    time does not grow with the batch (an accelerator's regime), the
+    requests a pool holds scale with the inverse of a request's KV
+    page-steps (pages held, summed over its decode steps). Paged holds
+    ``pages_for_tokens(prompt + t)`` at step ``t``; a reservation policy
+    holds its reservation (:func:`paged_jax.engine.config.reserved_tokens`, the
+    paper's section 6.1) from the first step.
+
+    Args:
+      lengths: ``(prompt tokens, output tokens)`` per request, ints (e.g.
+        the packaged ShareGPT requests' columns, or a NumPy array of
+        them); a prompt in ``[1, max_seq_len)``, its output cut to fit
+        ``max_seq_len``; a request without output tokens holds nothing.
+      page_size: tokens per page.
+      max_seq_len: Orca-Max's reservation, and every sequence's bound.
+      output_cap: outputs capped at this many tokens (None: their full
+        lengths).
+
+    Returns:
+      ``{policy: its page-steps / paged's}`` for every policy of
+      :data:`POLICIES` (``paged``: 1.0).
+
+    Raises:
+      ValueError: a length that is not such a pair of ints, a bad
+        ``page_size`` / ``max_seq_len`` / ``output_cap``, or no request
+        with an output token (naming the argument and its value).
+    """
+    page_size, max_seq_len = check_int("page_size", page_size), check_int("max_seq_len", max_seq_len, 2)
+    if output_cap is not None:
+        output_cap = check_int("output_cap", output_cap)
+    held = dict.fromkeys(POLICIES, 0)
+    for i, pair in enumerate(lengths):
+        if not (isinstance(pair, Sequence) or hasattr(pair, "__len__")) or len(pair) != 2:
+            raise ValueError(f"lengths[{i}] must be a (prompt tokens, output tokens) pair, got {pair!r}")
+        prompt = check_int(f"lengths[{i}] prompt tokens", pair[0], 1, max_seq_len)  # room for one output token
+        out = check_int(f"lengths[{i}] output tokens", pair[1], 0)
+        out = min(out if output_cap is None else min(out, output_cap), max_seq_len - prompt)
+        if out < 1:  # no output: nothing held while decoding
+            continue
+        for policy in POLICIES:
+            if policy == "paged":
+                held[policy] += sum(pages_for_tokens(prompt + t, page_size) for t in range(1, out + 1))
+            else:
+                held[policy] += out * pages_for_tokens(reserved_tokens(policy, prompt, out, max_seq_len), page_size)
+    if not held["paged"]:
+        raise ValueError("lengths must hold at least one request with an output token")
+    return {policy: held[policy] / held["paged"] for policy in POLICIES}

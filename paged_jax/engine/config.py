@@ -1,0 +1,145 @@
+"""The engine's configuration: scheduler limits, the preemption mode, prefix
+caching and the reservation policy (:class:`paged_jax.engine.core.Engine`).
+
+Reservation policies. Besides paging on demand, the engine runs the
+PagedAttention paper's baselines (Kwon et al., SOSP 2023, section 6.1):
+pre-paging servers such as Orca reserve a sequence's slots when it is
+admitted, for a length the server decides up front (:func:`reserved_tokens`):
+
+- ``"paged"``: nothing reserved; pages are taken as the sequence grows (vLLM);
+- ``"max"``: ``max_seq_len`` tokens (Orca (Max));
+- ``"pow2"``: the prompt plus the next power of two of the true output
+  length, at most ``max_seq_len`` ("if the true output length is 25, it
+  reserves 32 positions for outputs"; Orca (Pow2));
+- ``"oracle"``: the prompt plus exactly the true output length (Orca (Oracle)).
+
+The true output length is the request's ``max_new_tokens``. Serving
+benchmarks run with ``ignore_eos=True``, where that is exactly how long the
+output is; with EOS allowed a sequence may stop sooner, and ``"oracle"``
+then reserves the cap the request declared, not the length it turns out to
+have. The reservation is backed by pages, which removes external
+fragmentation, so the baselines *understate* what paging gains over a
+truly contiguous allocator. Attention work is the same under every policy:
+it is bounded by each sequence's length, not by its reservation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from paged_jax.attention.batch import Tiling
+from paged_jax.checks import check_bool, check_choice, check_instance, check_int
+
+RESERVATIONS = ("paged", "max", "pow2", "oracle")
+"""The values of ``EngineConfig.reservation``."""
+
+
+def reserved_tokens(policy: str, prompt_len: int, max_new_tokens: int, max_seq_len: int) -> int:
+    """Tokens one sequence holds pages for from its admission on, however
+    short it still is, under reservation ``policy`` (one of
+    :data:`RESERVATIONS`; see the module docstring). The one place the rule
+    lives: the KV manager's costs and growth and a request's check against
+    the pool all ask here. Every sequence of a group (parallel samples,
+    beams) reserves the same.
+
+    Args:
+      policy: "paged" (0: nothing reserved), "max", "pow2" or "oracle".
+      prompt_len: the request's prompt tokens.
+      max_new_tokens: its output cap, taken as the true output length
+        (exact with ``ignore_eos``).
+      max_seq_len: the engine's most tokens per sequence; no policy
+        reserves more.
+
+    Returns:
+      e.g. with ``prompt_len=5, max_new_tokens=25, max_seq_len=80``: paged
+      0, max 80, pow2 5 + 32 = 37, oracle 5 + 25 = 30.
+
+    Raises:
+      ValueError: an unknown ``policy``.
+    """
+    check_choice("policy", policy, RESERVATIONS)
+    if policy == "paged":
+        return 0
+    if policy == "max":
+        return max_seq_len
+    if policy == "pow2":
+        return min(prompt_len + (1 << (max_new_tokens - 1).bit_length()), max_seq_len)
+    return min(prompt_len + max_new_tokens, max_seq_len)  # oracle
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Scheduler limits.
+
+    Attributes:
+      max_seqs: most sequences running at once, >= 1.
+      max_seq_len: most tokens per sequence, prompt plus output, >= 1.
+      max_num_batched_tokens: tokens per model call, decode tokens and
+        prefill chunks together (the token budget of chunked prefill);
+        >= ``max_seqs`` so every running sequence can decode in one call.
+      reservation: the tokens each sequence holds pages for from its
+        admission on: "paged" (none: pages on demand), "max", "pow2" or
+        "oracle" (the paper's Orca baselines; see the module docstring and
+        :func:`reserved_tokens`).
+      tiling: how attention cuts a call into work, and how many prefill
+        chunks one call carries (:class:`paged_jax.attention.batch.Tiling`).
+      async_scheduling: schedule and dispatch iteration ``i + 1`` before
+        reading iteration ``i``'s sampled tokens (they reach ``i + 1``'s
+        input on device), so the host's work overlaps the device's, as in
+        vLLM's async scheduling. A sequence that stops on a stop token then
+        computes one token more, which is discarded. Outputs are the same
+        either way.
+      enable_prefix_caching: keep full pages keyed by their tokens after
+        their sequence ends, and let a new (or recomputed) sequence whose
+        first pages equal them take them instead of prefilling
+        (:mod:`paged_jax.paging.prefix_cache`).
+      preemption_mode: "recompute" (free a preempted group's pages and
+        prefill its tokens again when resumed) or "swap" (copy its pages to
+        host memory and back, :mod:`paged_jax.paging.swap`; paper section 4.5). A
+        group that does not fit in the swap space is recomputed.
+      swap_space_pages: pages the swap space holds; default as many as the
+        KV pool's usable pages.
+      drop_out_of_window_pages: when every layer of the model attends a
+        sliding window (``PagedModel.kv_window``), or a hybrid model's
+        pool is laid out by layer group (``PagedModel.kv_groups``,
+        :mod:`paged_jax.paging.kv_groups`), return the pages that left a window to
+        the pool while the sequence runs (:mod:`paged_jax.paging.sliding_window`);
+        False keeps every page until the sequence ends (the same outputs,
+        more memory; a hybrid model then needs a pool of every layer).
+    """
+
+    max_seqs: int = 64
+    max_seq_len: int = 2048
+    max_num_batched_tokens: int = 256
+    reservation: str = "paged"
+    tiling: Tiling = Tiling()
+    async_scheduling: bool = True
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    swap_space_pages: int | None = None
+    drop_out_of_window_pages: bool = True
+
+    def __post_init__(self):
+        for name in ("max_seqs", "max_seq_len", "max_num_batched_tokens"):
+            check_int(name, getattr(self, name))
+        check_instance("tiling", self.tiling, Tiling, what="paged_jax.attention.batch.Tiling")
+        if self.max_num_batched_tokens < self.max_seqs:
+            raise ValueError(
+                "max_num_batched_tokens must be >= max_seqs (every running sequence decodes in each call), "
+                f"got max_num_batched_tokens={self.max_num_batched_tokens} max_seqs={self.max_seqs}"
+            )
+        check_choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
+        check_choice("reservation", self.reservation, RESERVATIONS)
+        if self.swap_space_pages is not None:
+            check_int("swap_space_pages", self.swap_space_pages, 0)
+        for name in ("async_scheduling", "enable_prefix_caching", "drop_out_of_window_pages"):
+            check_bool(name, getattr(self, name))
+
+    @property
+    def pages_by_layer_group(self) -> bool:
+        """Whether a hybrid model's pool should be laid out by layer group
+        (a block table per group, :mod:`paged_jax.paging.kv_groups`): when pages
+        leave a window at all and the policy pages on demand. A reservation
+        policy (the paper's Orca, a contiguous cache) keeps every layer's
+        pages in one table, as such a system does."""
+        return self.drop_out_of_window_pages and self.reservation == "paged"

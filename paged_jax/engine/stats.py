@@ -1,0 +1,156 @@
+"""What the engine counts: per-call records and counters over its life
+(the columns of the serving tables).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from paged_jax.attention.batch import BatchShape
+from paged_jax.jit_stats import CompileMonitor
+
+
+@dataclasses.dataclass
+class CallRecord:
+    """One model call: its static shape, real tokens, and seconds from
+    dispatch to results on the host, less ``compile_s`` spent compiling (or
+    loading from the persistent cache) inside it."""
+
+    shape: BatchShape
+    tokens: int
+    decode_tokens: int
+    seconds: float
+    compile_s: float
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters over an engine's life. Times in seconds.
+
+    ``mean_concurrency`` and ``kv_token_fraction`` are time-averaged over
+    iterations, weighting each by its wall time; ``kv_token_fraction`` is the
+    share of allocated KV slots (pages held x page size) that hold a token.
+    ``model_s`` is the time the host spends in the jitted step calls
+    (page-state update, forward and sampling): dispatching them and waiting
+    for their results, compilation excluded; ``compile_s`` all compilation
+    (and loading from the persistent cache) during iterations, inside the
+    calls or not (the page-state frees, swap copies); ``host_s`` everything
+    else an iteration spends (scheduling, building the batch), which with
+    ``async_scheduling`` overlaps the device's work on the previous call:
+    ``model_s + compile_s + host_s = busy_s``.
+
+    Prefix caching: ``prompt_tokens`` counts the prompt tokens of requests
+    at their first admission and ``prefix_hit_tokens`` those of them served
+    from the cache (``prefix_hit_rate`` is the ratio); ``recompute_hit_tokens``
+    counts tokens of preempted sequences found again in the cache when
+    readmitted. ``prefix_hit_pages`` counts pages taken from the cache, and
+    ``pages_saved`` those of them another running sequence held at the time
+    (memory not spent twice; the others only save compute).
+
+    Sharing: after each iteration ``seq_pages_sum`` adds the pages every
+    sequence holds, each sequence counting its own (what they would take
+    without sharing), and ``used_pages_sum`` the distinct pages held;
+    ``sharing_saving`` is ``1 - used / seq`` over the run, the measure of
+    the paper's Figures 15 and 17. ``recomputed_tokens``: tokens prefilled
+    again after a preemption by recompute. ``window_dropped_pages``: pages
+    returned to the pool while their sequence ran because a sliding window
+    no longer saw them (:mod:`paged_jax.paging.sliding_window`), every layer group
+    counted (:mod:`paged_jax.paging.kv_groups`).
+    """
+
+    iterations: int = 0
+    model_calls: int = 0
+    prefill_tokens: int = 0  # prompt (and recomputed) tokens computed
+    decode_tokens: int = 0  # tokens fed back one at a time
+    generated_tokens: int = 0
+    discarded_tokens: int = 0  # sampled after a stop token was already in flight
+    preemptions: int = 0
+    swap_outs: int = 0  # preemptions by swapping (the rest recomputed)
+    swapped_out_pages: int = 0
+    swapped_in_pages: int = 0
+    aborted: int = 0
+    prompt_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    recompute_hit_tokens: int = 0
+    prefix_hit_pages: int = 0
+    pages_saved: int = 0
+    recomputed_tokens: int = 0
+    window_dropped_pages: int = 0
+    seq_pages_sum: int = 0
+    used_pages_sum: int = 0
+    peak_pages_used: int = 0
+    peak_concurrency: int = 0
+    busy_s: float = 0.0
+    model_s: float = 0.0
+    compile_s: float = 0.0
+    concurrency_s: float = 0.0  # integral of running sequences over time
+    token_fraction_s: float = 0.0  # integral of used/allocated over time
+    programs: set = dataclasses.field(default_factory=set)  # (BatchShape, StepOptions): one compiled program each
+    calls: list = dataclasses.field(default_factory=list)  # CallRecord per model call
+
+    def record_call(self, rec: CallRecord) -> None:
+        """Counts one model call whose results the host has read."""
+        self.model_calls += 1
+        self.model_s += rec.seconds
+        self.decode_tokens += rec.decode_tokens
+        self.prefill_tokens += rec.tokens - rec.decode_tokens
+        self.calls.append(rec)
+
+    def record_iteration(self, *, seconds: float, compile_s: float, held_pages: int, used_pages: int,
+                         concurrency: int, token_slots: float | None) -> None:
+        """Counts one engine iteration of ``seconds`` (``compile_s`` of them
+        compiling, in a model call or not), with ``held_pages`` pages held
+        summed over sequences, ``used_pages`` distinct pages in use,
+        ``concurrency`` sequences running, and ``token_slots`` the share of
+        held slots holding tokens (None when no page is held)."""
+        self.iterations += 1
+        self.seq_pages_sum += held_pages
+        self.used_pages_sum += used_pages
+        self.peak_pages_used = max(self.peak_pages_used, used_pages)
+        self.busy_s += seconds
+        self.compile_s += compile_s
+        self.peak_concurrency = max(self.peak_concurrency, concurrency)
+        self.concurrency_s += concurrency * seconds
+        if token_slots is not None:
+            self.token_fraction_s += token_slots * seconds
+
+    @property
+    def sharing_saving(self) -> float:
+        """Share of the pages sequences hold that sharing saves (0 when
+        nothing is shared)."""
+        return 1 - self.used_pages_sum / self.seq_pages_sum if self.seq_pages_sum else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache / prompt tokens."""
+        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def host_s(self) -> float:
+        return self.busy_s - self.model_s - self.compile_s
+
+    @property
+    def mean_concurrency(self) -> float:
+        return self.concurrency_s / self.busy_s if self.busy_s else 0.0
+
+    @property
+    def kv_token_fraction(self) -> float:
+        return self.token_fraction_s / self.busy_s if self.busy_s else 0.0
+
+    @property
+    def num_programs(self) -> int:
+        """Distinct static shapes run: the jit compilations this engine
+        needed (fewer if another engine of the same model compiled some)."""
+        return len(self.programs)
+
+
+_MONITOR: CompileMonitor | None = None
+
+
+def compile_seconds() -> float:
+    """Seconds JAX has spent compiling in this process (since the first
+    call of this function)."""
+    global _MONITOR
+    if _MONITOR is None:
+        _MONITOR = CompileMonitor()
+    return _MONITOR.counts.seconds
