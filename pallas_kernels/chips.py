@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 
 import jax
 
@@ -99,7 +98,11 @@ CHIPS: dict[str, Chip] = {
 }
 """The chips every kernel is compiled for in the test suite (``make test``)."""
 
-_TARGET = threading.local()
+_TARGET = jax.make_user_context(default_value=None)
+"""The chip :func:`target` names, part of every ``jax.jit`` cache key: a
+function traced for one chip is traced again for another, never reused with
+the first chip's tiling (which the kernels choose while being traced).
+Per thread, as JAX's own contexts are."""
 
 
 def get(name: str) -> Chip:
@@ -119,12 +122,8 @@ def target(chip: Chip | str):
     its name), not for the device JAX runs on: what ahead-of-time
     compilation for a chip that is not here needs."""
     chip = get(chip) if isinstance(chip, str) else chip
-    previous = getattr(_TARGET, "chip", None)
-    _TARGET.chip = chip
-    try:
+    with _TARGET(chip):
         yield chip
-    finally:
-        _TARGET.chip = previous
 
 
 def from_device(device) -> Chip | None:
@@ -145,7 +144,7 @@ def from_device(device) -> Chip | None:
 
 def targeted() -> Chip | None:
     """The chip :func:`target` names in this thread, or None outside it."""
-    return getattr(_TARGET, "chip", None)
+    return _TARGET.value
 
 
 def current() -> Chip | None:

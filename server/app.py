@@ -16,7 +16,7 @@ to probes and scrapers.
 
 Bounds (:mod:`server.limits`): a body past the bound is a 413 while it
 streams in, a ``Content-Type`` other than JSON a 415 before it is read, an
-integer of more than 4,300 digits or a field past its bound a 400 naming
+integer of more than 20 digits or a field past its bound a 400 naming
 it.
 
 Why bodies are parsed by hand rather than by FastAPI: a body that is not

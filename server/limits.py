@@ -77,10 +77,12 @@ MAX_CACHE_SALT_CHARS = 256
 page's key and held as long as the request (a tenant id or a random token
 takes tens of characters)."""
 
-MAX_INT_DIGITS = 4300
-"""The most digits of an integer in a body (Python's default int-string
-conversion limit, ``sys.get_int_max_str_digits()``): a longer one is
-refused naming where it is."""
+MAX_INT_DIGITS = 20
+"""The most digits of an integer in a body: the widest any field takes is a
+64-bit seed (20 digits). A longer one is refused naming where it is, before
+any arithmetic: a bound at Python's int-string conversion limit (4,300
+digits) let ``len(prompt) + max_tokens`` reach 4,301 digits, which no error
+message could then print (a 500)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -251,25 +253,36 @@ class BodyLimit:
 
     async def __call__(self, scope, receive, send):
         """Serves one ASGI connection scope (HTTP requests counted, others
-        passed through)."""
+        passed through). A 413 closes the connection (``Connection:
+        close``): the server then stops reading the body, where keeping the
+        connection alive would read and drop whatever the client goes on
+        sending (an endless chunked body: for ever)."""
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or ()).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             error = self._too_large(f"is {int(declared)} bytes (its Content-Length)")
-            return await JSONResponse(error.body(), error.status)(scope, receive, send)
+            return await JSONResponse(error.body(), error.status, headers={"Connection": "close"})(scope, receive, send)
         seen = 0
+        over = False
 
         async def counted():
-            nonlocal seen
+            nonlocal seen, over
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_body_bytes:
+                    over = True
                     raise self._too_large(f"has more than {self.max_body_bytes} bytes")
             return message
 
-        await self.app(scope, counted, send)
+        async def closing(message):
+            if over and message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"connection"]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, counted, closing)
 
 
 class _HugeInt:

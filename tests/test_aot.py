@@ -87,6 +87,19 @@ def test_the_worker_records_an_abort_and_goes_on(tmp_path):
     assert [r.status for r in results] == ["aborted", "ok", "ok"]
 
 
+def test_a_case_compiles_the_same_whichever_case_its_worker_compiled_before():
+    """The tiling is chosen while a kernel is traced, for the chip ``chips.target`` names; the chip is part of
+    ``jax.jit``'s cache key, so a worker that compiled the flat kernel for sm90 first traces it again for
+    sm80 (it reused sm90's tiling, 217,088 B, over sm80's 166,912 B) and the other way round."""
+    sm80, sm90 = (aot.Case(kernel="flat_ragged_gpu", model="gemma-3-12b", page_size=64, kv_dtype="float32",
+                           chip=chip) for chip in ("sm80", "sm90"))
+    alone = {r.case.chip: r for r in [*aot.run_cases([sm80], jobs=1), *aot.run_cases([sm90], jobs=1)]}
+    for order in ([sm90, sm80], [sm80, sm90]):
+        for r in aot.run_cases(order, jobs=1):
+            assert r.status == "ok", r.message
+            assert r.on_chip_bytes == alone[r.case.chip].on_chip_bytes <= r.limit_bytes, (order, r)
+
+
 def test_run_cases_without_the_compilers_says_how_to_get_them(tmp_path):
     with pytest.raises(FileNotFoundError, match="make setup"):
         aot.run_cases(aot.matrix()[:1], python=tmp_path / "nope")

@@ -120,9 +120,21 @@ def check_make(words, request):
     assert proc.returncode == 0, f"`{' '.join(words)}`: {proc.stderr.strip()}"
 
 
+@pytest.fixture(scope="module")
+def user_checkpoint(tmp_path_factory):
+    """What a page's ``~/ckpt/...`` stands for: a Hugging Face folder of the reader's (a tiny random Llama 3)."""
+    from family_helpers import write_checkpoint
+
+    folder = tmp_path_factory.mktemp("ckpt")
+    write_checkpoint(folder, "llama3")
+    return str(folder)
+
+
 def check_python_module(words, request):
     assert words[1] == "-m", f"`{' '.join(words)}`: the docs run scripts as `python -m module`"
     module, argv = words[2], words[3:]
+    # A path of the reader's own (~/ckpt/...) is checked against a real folder of that kind.
+    argv = [request.getfixturevalue("user_checkpoint") if a.startswith("~/ckpt/") else a for a in argv]
     mod = importlib.import_module(module if module != "server" else "server.__main__")
     parse = getattr(mod, "parse_args", None)
     assert parse is not None, f"{module} has no parse_args(argv) to check `{' '.join(argv)}` against"
