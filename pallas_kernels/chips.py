@@ -120,19 +120,46 @@ def get(name: str) -> Chip:
 def target(chip: Chip | str):
     """Tune kernels traced inside the block for ``chip`` (a :class:`Chip` or
     its name), not for the device JAX runs on: what ahead-of-time
-    compilation for a chip that is not here needs."""
+    compilation for a chip that is not here needs.
+
+    Raises:
+      ValueError: ``chip`` is neither a :class:`Chip` nor a known name.
+    """
     chip = get(chip) if isinstance(chip, str) else chip
+    if not isinstance(chip, Chip):
+        raise ValueError(f"chip must be a pallas_kernels.chips.Chip or one of {sorted(CHIPS)}, got chip={chip!r}")
     with _TARGET(chip):
         yield chip
 
 
+def generic_gpu(compute_capability: str) -> Chip:
+    """A GPU not in :data:`CHIPS`, described as cautiously as its compute
+    capability allows: the smallest shared memory per block of its
+    generation (99 KiB from 8.0 on: A10, L4 and the RTX 30 / 40 cards have
+    that much where A100 and H100 have more; 96 KiB on 7.x), so a kernel
+    tiled for it fits whatever card it is, and float8 from 8.9 on.
+
+    Raises:
+      ValueError: ``compute_capability`` is not ``"major.minor"``.
+    """
+    try:
+        major, minor = (int(x) for x in str(compute_capability).split("."))
+    except ValueError:
+        raise ValueError(f"compute_capability must be 'major.minor', got {compute_capability!r}") from None
+    return Chip(name=f"sm{major}{minor}", platform="cuda", description=f"a GPU of compute capability {major}.{minor}",
+                compute_capability=f"{major}.{minor}", smem_per_block=(99 if major >= 8 else 96) * KiB,
+                hbm_bytes=16 * GiB, fp8=(major, minor) >= (8, 9))
+
+
 def from_device(device) -> Chip | None:
-    """The :class:`Chip` a JAX device is, or None for a CPU or an
-    accelerator not in :data:`CHIPS` (compute capability or device kind
-    unknown): then the kernels keep their defaults."""
+    """The :class:`Chip` a JAX device is: one of :data:`CHIPS`, a
+    :func:`generic_gpu` for another GPU (never taken for an H100: an A10
+    tuned as one would ask for more shared memory than it has), or None for
+    a CPU or a TPU not in the table (then the kernels keep their
+    defaults)."""
     if device.platform == "gpu":
         cc = str(getattr(device, "compute_capability", ""))
-        return next((c for c in CHIPS.values() if c.compute_capability == cc), None)
+        return next((c for c in CHIPS.values() if c.compute_capability == cc), None) or generic_gpu(cc)
     if device.platform == "tpu":
         kind = device.device_kind.lower()
         if "v5 lite" in kind or "v5e" in kind:

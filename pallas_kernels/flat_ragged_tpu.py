@@ -44,9 +44,10 @@ and the cache updated through an aliased output.
 
 On CPU it runs in TPU interpret mode (``pltpu.InterpretParams``), which
 simulates HBM, VMEM, DMAs and semaphores. libtpu compiles it for v5e and v6e
-at every preset, page size and pool dtype the engine builds, inside the
-engine's whole step too (``experiments.lib.aot``, ``tests/test_aot.py``,
-``results/kernel_compile.md``).
+at the test suite's presets, page sizes and pool dtypes (every one the engine
+builds with ``compile_kernels --full``; ``experiments.lib.aot``,
+``tests/test_aot.py``, ``results/kernel_compile.md``), and inside the
+engine's whole step (``experiments.lib.aot_step``).
 """
 
 from __future__ import annotations

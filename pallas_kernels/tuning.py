@@ -47,6 +47,12 @@ class GPUTiling:
     num_stages: int
     page_splits: int = 1
 
+    def __post_init__(self):
+        for name in ("block_q", "pages_per_compute_block", "num_stages", "page_splits"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {name}={value!r}")
+
 
 def gpu_smem_bytes(*, rows: int, keys: int, head_dim: int, itemsize: int, num_stages: int) -> int:
     """Shared memory of one GPU program by the module's model, bytes."""
@@ -77,6 +83,11 @@ def fit_gpu_tiling(want: GPUTiling, *, group_pad_for, page_size: int, head_dim: 
         chip), naming the shapes, the bytes and the limit.
     """
     chip = chip or chips.current() or chips.CHIPS["sm90"]
+    if not isinstance(chip, chips.Chip) or chip.platform != "cuda":
+        raise ValueError(f"chip must be a GPU pallas_kernels.chips.Chip, got chip={chip!r}")
+    for name, value in (("page_size", page_size), ("head_dim", head_dim), ("itemsize", itemsize)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {name}={value!r}")
     limit = chip.smem_per_block
     block_q, ppcb, stages, splits = want.block_q, want.pages_per_compute_block, want.num_stages, want.page_splits
 
@@ -112,6 +123,8 @@ def check_gpu_dtype(kv_dtype, chip: chips.Chip | None = None) -> None:
     import jax.numpy as jnp
 
     chip = chip or chips.current()
+    if chip is not None and not isinstance(chip, chips.Chip):
+        raise ValueError(f"chip must be a pallas_kernels.chips.Chip or None, got chip={chip!r}")
     dtype = jnp.dtype(kv_dtype)
     if chip is not None and not chip.fp8 and dtype.name.startswith("float8"):
         raise ValueError(f"{chip.description} (compute capability {chip.compute_capability}) has no float8: a "

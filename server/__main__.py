@@ -40,7 +40,7 @@ API_KEY_ENV = "PAGED_JAX_API_KEY"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m server", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m server", description="Serve a model over the OpenAI API.")
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (the packaged SmolLM2-135M-Instruct GGUF, default), a .gguf file, a Hugging Face "
                         "checkpoint folder, or a random-weight preset (token-id prompts only)")

@@ -39,7 +39,7 @@ from collections.abc import AsyncIterator
 
 from paged_jax.checks import check_float, check_int, is_int
 from paged_jax.engine.core import Request
-from paged_jax.engine.detokenizer import IncrementalDetokenizer, as_tokenizer
+from paged_jax.engine.detokenizer import IncrementalDetokenizer, as_tokenizer, prompt_text
 from paged_jax.engine.requests import CompletionOutput, RequestOutput
 from paged_jax.engine.sampling import SamplingParams
 from server.engine_loop import EngineDeadError, EngineLoop, RequestStream, admit
@@ -118,8 +118,9 @@ class OpenAIServing:
         self._check_lengths(prompts, max_tokens, "max_tokens", "prompt", least=0 if req.echo else 1)
         sampling = self._sampling(req, logprobs=req.logprobs, prompt_logprobs=req.logprobs if req.echo else None)
         echo = None
-        if req.echo:  # a prompt sent as text comes back as sent; token ids as their decode
-            echo = [p if isinstance(p, str) else self._decode(ids) for p, ids in zip(_split(req.prompt)[0], prompts)]
+        if req.echo:  # a prompt sent as text comes back as sent; token ids as their text before the output's
+            echo = [p if isinstance(p, str) else prompt_text(self.tokenizer, ids) if self.tokenizer else ""
+                    for p, ids in zip(_split(req.prompt)[0], prompts)]
         return await self._run(req, prompts, max_tokens, sampling, chat=False, echo=echo)
 
     async def chat(self, req: ChatCompletionRequest):
@@ -201,9 +202,6 @@ class OpenAIServing:
                 f"This model's maximum context length is {self.max_seq_len} tokens (prompt plus output); {name} is "
                 f"{len(text)} characters, which take at least {fewest} tokens (one token covers at most "
                 f"{self.tokenizer.token_floor.max_token_bytes} bytes of UTF-8), got {shown(text)}", param)
-
-    def _decode(self, ids: list[int]) -> str:
-        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _check_lengths(self, prompts: list[list[int]], max_tokens: int, tokens_name: str, prompt_name: str,
                        least: int = 1) -> None:

@@ -50,11 +50,33 @@ def clip(text: str, limit: int = SHOWN_CHARS) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
 
 
+def _as_sent(value, budget: list | None = None):
+    """``value`` with every pydantic model replaced by the fields the client set, as far as
+    :data:`SHOWN_CHARS` items reach (the rest of a long list is never shown, so never converted)."""
+    budget = [SHOWN_CHARS] if budget is None else budget
+    if isinstance(value, BaseModel):
+        value = value.model_dump(exclude_unset=True)
+    if isinstance(value, (list, tuple)) and any(isinstance(v, (BaseModel, list, tuple, dict)) for v in value[:1]):
+        out = []
+        for v in value:
+            if budget[0] <= 0:
+                out.extend(value[len(out):])
+                break
+            budget[0] -= 1
+            out.append(_as_sent(v, budget))
+        return type(value)(out) if isinstance(value, list) else tuple(out)
+    if isinstance(value, dict):
+        return {k: _as_sent(v, budget) for k, v in value.items()}
+    return value
+
+
 def shown(value) -> str:
     """``repr(value)`` for an error message, at most :data:`SHOWN_CHARS`
     characters and then how long the whole was: ``"... (N chars)"`` for a
     str (or a number's digits), ``"... (N items)"`` for a list, tuple or
-    dict."""
+    dict. A request object inside is shown as the fields the client sent
+    (``{'role': 'user', 'content': 'a'}``), not as this server's class."""
+    value = _as_sent(value)
     text = repr(value)
     if len(text) <= SHOWN_CHARS:
         return text

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from experiments.kernels import compile_kernels
 from experiments.lib import aot, aot_step
 from models.presets import PRESETS
 from pallas_kernels import chips, paged_attention_tpu, tuning
@@ -155,6 +156,57 @@ def test_chips_by_name_target_and_device():
     assert chips.current() is None
     with pytest.raises(ValueError, match="a GPU has a compute capability"):
         chips.Chip(name="x", platform="cuda", description="x", hbm_bytes=1)
+
+
+def test_an_unlisted_gpu_is_tuned_as_cautiously_as_its_generation_not_as_an_h100():
+    class Device:  # an A10 (compute capability 8.6: 99 KiB of shared memory a block, no float8)
+        platform, compute_capability = "gpu", "8.6"
+
+    chip = chips.from_device(Device())
+    assert chip.smem_per_block == 99 * 1024 and not chip.fp8 and chip.name == "sm86"
+    with chips.target(chip):
+        with pytest.raises(ValueError, match="has no float8"):
+            tuning.check_gpu_dtype("float8_e4m3fn")
+        fitted = tuning.fit_gpu_tiling(tuning.GPUTiling(block_q=16, pages_per_compute_block=4, num_stages=2),
+                                       group_pad_for=lambda bq: 8, page_size=64, head_dim=256, itemsize=4)
+    assert tuning.gpu_smem_bytes(rows=fitted.block_q * 8, keys=fitted.pages_per_compute_block * 64
+                                 // fitted.page_splits, head_dim=256, itemsize=4,
+                                 num_stages=fitted.num_stages) <= chip.smem_per_block
+    assert chips.generic_gpu("8.9").fp8
+    with pytest.raises(ValueError, match="compute_capability must be"):
+        chips.generic_gpu("ampere")
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: chips.target(123).__enter__(), "chip must be a pallas_kernels.chips.Chip"),
+    (lambda: tuning.fit_gpu_tiling(tuning.GPUTiling(block_q=1, pages_per_compute_block=1, num_stages=1),
+                                   group_pad_for=lambda bq: 16, page_size=16, head_dim=64, itemsize=2,
+                                   chip=chips.CHIPS["v5e"]), "chip must be a GPU"),
+    (lambda: tuning.fit_gpu_tiling(tuning.GPUTiling(block_q=1, pages_per_compute_block=1, num_stages=1),
+                                   group_pad_for=lambda bq: 16, page_size=0, head_dim=64, itemsize=2), "page_size"),
+    (lambda: tuning.GPUTiling(block_q=1, pages_per_compute_block=1, num_stages=1, page_splits=0), "page_splits"),
+    (lambda: tuning.check_gpu_dtype("float8_e4m3fn", "sm80"), "chip must be a pallas_kernels.chips.Chip"),
+    (lambda: aot.Case(kernel="flat_ragged_gpu", model="llama-3-8b", page_size=0, kv_dtype="float32", chip="sm90"),
+     "page_size must be a power of two"),
+    (lambda: aot.Case(kernel="flat_ragged_gpu", model="llama-3-8b", page_size=16, kv_dtype="float13", chip="sm90"),
+     "kv_dtype must be one of"),
+    (lambda: aot.matrix(chips="sm90"), "chips must be a tuple"),
+    (lambda: aot.run_cases(aot.matrix()[:1], jobs=0), "jobs must be an int >= 1"),
+    (lambda: aot_step.StepCase(chip="v7"), "chip must be one of"),
+    (lambda: aot_step.StepCase(decodes=-1), "decodes must be an int >= 0"),
+    (lambda: aot_step.StepCase(headroom_bytes=-(100 << 30)), "headroom_bytes"),
+    (lambda: aot_step.StepCase(decodes=64), "must fit max_seqs"),
+])
+def test_bad_arguments_are_refused_by_name(call, words):
+    with pytest.raises(ValueError, match=words):
+        call()
+
+
+def test_compile_kernels_checks_its_output_folder_before_compiling(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit):
+        compile_kernels.parse_args(["--out", str(tmp_path / "file")])
+    assert "--out" in capsys.readouterr().err
 
 
 def test_vmem_is_counted_from_the_pallas_call():

@@ -696,6 +696,19 @@ def test_echo_text_offsets_index_the_returned_text_with_split_characters(echo_cl
         assert c.text[at: at + len(t)] == t, (t, at, c.text)
 
 
+def test_echo_of_ids_that_end_inside_a_character_has_no_replacement_character(llm, echo_client):
+    """The prompt's last bytes begin a character the output completes: the echo leaves it to the output,
+    which starts with it whole ('Fire 🔥' + '🔥...', was 'Fire 🔥�' + '🔥...'); with max_tokens 0 nothing
+    completes it and its bytes are dropped."""
+    ids = llm.tokenizer.encode("Fire \U0001f525\U0001f525")[:-2]
+    whole = llm.tokenizer.decode(ids)
+    assert whole.endswith("\ufffd")  # the ids do end inside a character
+    for max_tokens in (3, 0):
+        r = echo_client.completions.create(model=MODEL, prompt=ids, max_tokens=max_tokens, **ECHO)
+        text = r.choices[0].text
+        assert text.startswith("Fire \U0001f525") and "\ufffd" not in text, (max_tokens, text)
+
+
 # ------------------------------- error messages (on the fresh server: a good request must follow them)
 
 
@@ -758,6 +771,7 @@ def test_error_messages_are_bounded_and_name_the_value(echo_client, path, body, 
         error = r.json()["error"]
         assert r.status_code == status and error["param"] == param, r.text[:500]
         assert words in error["message"] and len(error["message"]) < 2 * SHOWN_CHARS + 200, error["message"][:500]
+        assert "ChatMessage(" not in error["message"]  # the client's fields, not the server's classes
         good = _raw(http, "/v1/completions", {"prompt": [1, 2], "max_tokens": 1, "temperature": 0})
         assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 1
 

@@ -3,8 +3,9 @@
 device: ``results/kernel_compile.{md,csv}`` and
 ``results/engine_step_compile.csv``.
 
-Usage: ``python -m experiments.kernels.compile_kernels [--full] [--jobs 2]
-[--no-step]`` (needs ``.venv-aot``, which ``make setup`` builds; see
+Usage: ``python -m experiments.kernels.compile_kernels [--full]
+[--chips v5e sm90] [--jobs 2] [--no-step | --step-only] [--out DIR]``
+(needs ``.venv-aot``, which ``make setup`` builds; see
 :mod:`experiments.lib.aot`). Default: the test suite's kernel matrix (116
 cases, about 2 minutes on 2 cores) and the step for v5e, v6e and sm90
 (about 5 minutes); ``--full``: the kernels' product (960 cases, about 12
@@ -20,6 +21,7 @@ import pathlib
 import sys
 
 from experiments.lib import aot, aot_step, provenance
+from experiments.lib.cli import add_flag, check_outputs
 
 
 def summary(results: list[aot.Result]) -> list[str]:
@@ -65,17 +67,42 @@ def step_summary(results: list[aot_step.StepResult]) -> list[str]:
     return lines
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, checked before any compile (``--chips`` narrows both the kernels and the step)."""
+    from pallas_kernels.chips import CHIPS
+
+    parser = argparse.ArgumentParser(prog="python -m experiments.kernels.compile_kernels", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--full", action="store_true", help="every kernel x chip x preset x page size x dtype")
+    parser.add_argument("--chips", nargs="+", choices=sorted(CHIPS), default=sorted(CHIPS),
+                        help="the chips to compile for (default: all of them)")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
-    parser.add_argument("--no-step", action="store_true", help="the kernels only, not the engine's step")
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
+    steps = parser.add_mutually_exclusive_group()
+    steps.add_argument("--no-step", action="store_true", help="the kernels only, not the engine's step")
+    steps.add_argument("--step-only", action="store_true", help="the engine's step only, not the kernels")
+    add_flag(parser, "out")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
-    results = aot.run_cases(aot.matrix(full=args.full), jobs=args.jobs, timeout=3600)
-    steps = [] if args.no_step else [aot_step.run_step(case) for case in STEP_CASES]
+    check_outputs(parser, args)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cases = [] if args.step_only else [c for c in aot.matrix(full=args.full) if c.chip in args.chips]
+    step_cases = [] if args.no_step else [c for c in STEP_CASES if c.chip in args.chips]
+    print(f"compiling {len(cases)} kernel cases in {args.jobs} worker processes and the engine's step for "
+          f"{len(step_cases)} chips; tables at the end", flush=True)
+    try:
+        results = aot.run_cases(cases, jobs=args.jobs, timeout=3600) if cases else []
+        print(f"kernels: {collections.Counter(r.status for r in results)}", flush=True)
+        steps = []
+        for case in step_cases:
+            steps.append(aot_step.run_step(case))
+            print(f"step for {case.chip}: {steps[-1].status}", flush=True)
+    except FileNotFoundError as e:  # no .venv-aot
+        sys.exit(f"python -m experiments.kernels.compile_kernels: error: {e}")
     step_notes = sorted({f"{r.case.chip}: {r.message}" for r in steps if r.message})
     rows = [r.row() for r in results]
     refused = sorted({r.message for r in results if r.status == "refused"})
@@ -88,11 +115,11 @@ def main(argv=None) -> int:
         "kernel compiled to PTX for the compute capability; on-chip bytes are Triton's shared memory per block "
         "against the architecture's limit. Static sizes: `experiments/lib/aot.py`.",
         "",
-        *summary(results),
+        *(summary(results) if results else ["(no kernel compiled: --step-only)"]),
         "",
         *(f"Refused by name: {m}" for m in refused),
         "",
-        "Per case: `kernel_compile.csv`.",
+        *(["Per case: `kernel_compile.csv`."] if results else []),
         *(["", "## The engine's whole step", "",
             "`paged_jax.engine.step.device_step` (page-state updates, the forward with the flat kernel writing K/V, "
             "sampling) at Llama-3-8B in bfloat16, pages of 16, a bfloat16 pool of the rest of the chip's usable "
@@ -106,7 +133,8 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     record = provenance.collect("experiments.kernels.compile_kernels", argv)
     provenance.write_markdown(args.out / "kernel_compile.md", text, record)
-    provenance.write_csv(args.out / "kernel_compile.csv", rows, list(rows[0]), record)
+    if rows:
+        provenance.write_csv(args.out / "kernel_compile.csv", rows, list(rows[0]), record)
     if steps:
         step_rows = [r.row() for r in steps]
         provenance.write_csv(args.out / "engine_step_compile.csv", step_rows, list(step_rows[0]), record)

@@ -96,6 +96,10 @@ class Case:
             raise ValueError(f"model must be one of {sorted(HEADS)}, got model={self.model!r}")
         if chips.get(self.chip).platform != PLATFORM[self.kernel]:
             raise ValueError(f"{self.kernel} runs on {PLATFORM[self.kernel]}, got chip={self.chip!r}")
+        if not isinstance(self.page_size, int) or self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two (an int), got page_size={self.page_size!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got kv_dtype={self.kv_dtype!r}")
 
     @property
     def name(self) -> str:
@@ -146,6 +150,8 @@ def matrix(*, full: bool = False, chips: tuple[str, ...] = ("v5e", "v6e", "sm80"
     """
     from pallas_kernels import chips as chip_table
 
+    if isinstance(chips, str):
+        raise ValueError(f"chips must be a tuple of chip names, got chips={chips!r}")
     page_sizes = (8, 16, 32, 64, 128, 256) if full else PAGE_SIZES
     cases = set()
     for kernel in KERNELS:
@@ -387,7 +393,9 @@ def run_cases(cases: list[Case], *, jobs: int = 2, python: Path | str = AOT_PYTH
       FileNotFoundError: ``python`` does not exist (run ``make setup``).
       TimeoutError: the cases took longer than ``timeout`` seconds.
     """
-    if not Path(python).exists():
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be an int >= 1, got jobs={jobs!r}")
+    if not Path(python).is_file():
         raise FileNotFoundError(f"no compilers' interpreter at {python}: run `make setup` (it builds .venv-aot)")
     deadline = time.monotonic() + timeout
     results: dict[Case, Result] = {}

@@ -52,6 +52,23 @@ class StepCase:
     decodes: int = 63
     headroom_bytes: int = 64 << 20
 
+    def __post_init__(self):
+        from models.presets import PRESETS
+        from pallas_kernels import chips
+
+        if self.model not in PRESETS:
+            raise ValueError(f"model must be one of {sorted(PRESETS)}, got model={self.model!r}")
+        chips.get(self.chip)  # names the known chips
+        if not isinstance(self.page_size, int) or self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two (an int), got page_size={self.page_size!r}")
+        for name, least in (("max_seqs", 1), ("prefill_tokens", 0), ("decodes", 0), ("headroom_bytes", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {name}={value!r}")
+        if self.decodes + (self.prefill_tokens > 0) > self.max_seqs:
+            raise ValueError(f"decodes plus the prefill sequence must fit max_seqs, got decodes={self.decodes} "
+                             f"prefill_tokens={self.prefill_tokens} max_seqs={self.max_seqs}")
+
     @property
     def name(self) -> str:
         return f"step/{self.model}/L{self.page_size}/{self.chip}"

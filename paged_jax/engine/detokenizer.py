@@ -69,6 +69,22 @@ def as_tokenizer(tokenizer) -> tokenizers.Tokenizer:
                      f".backend_tokenizer, got {tokenizer!r} of type {type(tokenizer).__name__}")
 
 
+def prompt_text(tokenizer: tokenizers.Tokenizer, prompt_ids: Sequence[int], *,
+                skip_special_tokens: bool = False) -> str:
+    """The prompt's text as it reads before its output (``echo``): a
+    character its last bytes begin is left out, since the output that
+    completes it starts with it whole (:class:`IncrementalDetokenizer`), and
+    bytes nothing completes are dropped, so the prompt's text followed by
+    the output's never holds a U+FFFD the whole text would not have.
+
+    Args:
+      tokenizer: a ``tokenizers.Tokenizer``.
+      prompt_ids: the prompt's ids, int[prompt_len].
+      skip_special_tokens: leave special tokens out of the text.
+    """
+    return tokenizer.decode([int(i) for i in prompt_ids], skip_special_tokens=skip_special_tokens).rstrip(REPLACEMENT)
+
+
 class IncrementalDetokenizer:
     """Text of one sequence's generated tokens, pushed one at a time.
 
