@@ -127,8 +127,8 @@ def test_chunked_prefill_gives_what_one_chunk_gives(model, engine):
     req = Request(request_id=0, prompt_ids=prompt, max_new_tokens=3, sampling=sp(prompt_logprobs=3))
     chunked_engine, whole_engine = engine(max_num_batched_tokens=6), engine()
     chunked, whole = with_companion(chunked_engine, req), with_companion(whole_engine, req)
-    assert [c.tokens for c in chunked_engine.stats.calls[:3]] == [2 + 4, 1 + 5, 1 + 5]
-    assert [c.tokens for c in whole_engine.stats.calls[:1]] == [2 + 14]
+    assert [c.tokens for c in list(chunked_engine.stats.calls)[:3]] == [2 + 4, 1 + 5, 1 + 5]
+    assert [c.tokens for c in list(whole_engine.stats.calls)[:1]] == [2 + 14]
     assert sum(c.shape.num_prompt_logits > 0 for c in chunked_engine.stats.calls) == 3
     check_against_oracle(model, prompt, chunked.prompt_logprobs, 3)
     assert_close(chunked.prompt_logprobs, whole.prompt_logprobs)
@@ -208,7 +208,7 @@ def test_preemption_neither_repeats_nor_loses_them(model, engine, mode):
     while e.has_unfinished():
         step()
     assert deltas[-1].finished and deltas[-1].num_preemptions == e.stats.preemptions == preemptions
-    assert all(c.shape.num_prompt_logits == 0 for c in e.stats.calls[calls_before:])  # nothing scored again
+    assert all(c.shape.num_prompt_logits == 0 for c in list(e.stats.calls)[calls_before:])  # nothing scored again
     reported = [d.prompt_logprobs for d in deltas]
     assert reported[1:] == [[]] * (len(deltas) - 1)  # all in the first report, with the first token
     check_against_oracle(model, prompt, reported[0], 3)

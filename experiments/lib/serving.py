@@ -319,7 +319,6 @@ def serve(
     st = merged_stats(engine)
     floor_s = 0.0 if floor is False else (floor or MatmulFloor(model)).seconds(st)
     generated = sum(len(o.output_ids) for o in outputs)
-    rows = sum(c.shape.num_tokens for c in st.calls)
     result = ServeResult(
         mode=f"{mode}, streamed" if stream else mode,
         requests=len(outputs),
@@ -335,7 +334,7 @@ def serve(
         model_s=round(st.model_s, 2),
         floor_s=round(floor_s, 2),
         model_over_floor=round(st.model_s / floor_s, 2) if floor_s else float("nan"),
-        padding=round(1 - sum(c.tokens for c in st.calls) / rows, 3) if rows else 0.0,
+        padding=round(st.padding, 3),
         host_s=round(st.host_s, 2),
         compile_s=round(compiles.seconds, 1),
         programs=st.num_programs,
@@ -377,8 +376,8 @@ class MatmulFloor:
         return self._cache[key]
 
     def seconds(self, stats: EngineStats) -> float:
-        """The floor summed over an engine's model calls."""
-        return sum(self.time(c.shape.num_tokens, c.shape.num_logits) for c in stats.calls)
+        """The floor summed over an engine's model calls (every call, counted by shape)."""
+        return sum(n * self.time(shape.num_tokens, shape.num_logits) for shape, n in stats.calls_by_shape.items())
 
 
 def load_model(spec: str, dtype=jnp.float32):

@@ -29,6 +29,7 @@ while shard ``d``'s call runs on its own devices.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable, Sequence
 
 from paged_jax.checks import check_int
@@ -171,7 +172,8 @@ def merged_stats(engine: "DataParallelEngine | Engine"):
     shards' peaks need not coincide). Time-weighted means are per shard, so
     they are combined as such: ``mean_concurrency`` is the sum of the
     shards' (sequences running on the mesh), ``kv_token_fraction`` their
-    mean. Programs are united and call records concatenated.
+    mean. Programs are united, per-shape call counts added and call records
+    concatenated.
     """
     import dataclasses
 
@@ -185,8 +187,10 @@ def merged_stats(engine: "DataParallelEngine | Engine"):
         values = [getattr(p, field.name) for p in parts]
         if field.name == "programs":
             value = set().union(*values)
+        elif field.name == "calls_by_shape":
+            value = sum(values, collections.Counter())
         elif field.name == "calls":
-            value = [c for v in values for c in v]
+            value = collections.deque((c for v in values for c in v), maxlen=None)
         else:
             value = sum(values)
         setattr(merged, field.name, value)

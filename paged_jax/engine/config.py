@@ -29,6 +29,7 @@ import dataclasses
 
 from paged_jax.attention.batch import Tiling
 from paged_jax.checks import check_bool, check_choice, check_instance, check_int
+from paged_jax.engine.stats import DEFAULT_CALL_RECORDS
 
 RESERVATIONS = ("paged", "max", "pow2", "oracle")
 """The values of ``EngineConfig.reservation``."""
@@ -106,6 +107,11 @@ class EngineConfig:
         the pool while the sequence runs (:mod:`paged_jax.paging.sliding_window`);
         False keeps every page until the sequence ends (the same outputs,
         more memory; a hybrid model then needs a pool of every layer).
+      call_records: how many of the latest model calls keep a
+        :class:`paged_jax.engine.stats.CallRecord` in ``engine.stats.calls``
+        (default 1,024, a window, so a long-lived engine's statistics stay
+        bounded); None keeps every call's, for a benchmark that needs each.
+        The counters and per-shape call counts cover every call either way.
     """
 
     max_seqs: int = 64
@@ -118,6 +124,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     swap_space_pages: int | None = None
     drop_out_of_window_pages: bool = True
+    call_records: int | None = DEFAULT_CALL_RECORDS
 
     def __post_init__(self):
         for name in ("max_seqs", "max_seq_len", "max_num_batched_tokens"):
@@ -134,6 +141,8 @@ class EngineConfig:
             check_int("swap_space_pages", self.swap_space_pages, 0)
         for name in ("async_scheduling", "enable_prefix_caching", "drop_out_of_window_pages"):
             check_bool(name, getattr(self, name))
+        if self.call_records is not None:
+            check_int("call_records", self.call_records, 0)
 
     @property
     def pages_by_layer_group(self) -> bool:

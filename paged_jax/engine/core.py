@@ -148,6 +148,7 @@ class Engine:
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.page_size = kv_pool.page_size
         self.stats = EngineStats()
+        self.stats.keep_call_records(config.call_records)
         swap_pages = config.swap_space_pages if config.swap_space_pages is not None else kv_pool.num_pages - 1
         self.kv_manager = KVCacheManager(
             kv_pool, max_seqs=config.max_seqs, max_seq_len=config.max_seq_len, reservation=config.reservation,

@@ -1,13 +1,24 @@
-"""What the engine counts: per-call records and counters over its life
-(the columns of the serving tables).
+"""What the engine counts: counters over its life (the columns of the
+serving tables) and a window of recent per-call records.
+
+Everything here is bounded, so an engine that serves for weeks holds the
+same few kilobytes of statistics after a million calls as after a thousand:
+counters, one count per distinct call shape (a handful: shapes are
+bucketed, :func:`paged_jax.attention.batch.batch_shape`), and the last
+``EngineConfig.call_records`` :class:`CallRecord` s. A benchmark that needs
+every call's record asks for it (``call_records=None``).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 from paged_jax.attention.batch import BatchShape
 from paged_jax.jit_stats import CompileMonitor
+
+DEFAULT_CALL_RECORDS = 1024
+"""Call records an engine keeps by default (``EngineConfig.call_records``)."""
 
 
 @dataclasses.dataclass
@@ -85,8 +96,13 @@ class EngineStats:
     compile_s: float = 0.0
     concurrency_s: float = 0.0  # integral of running sequences over time
     token_fraction_s: float = 0.0  # integral of used/allocated over time
+    call_tokens: int = 0  # real tokens over every model call
+    call_rows: int = 0  # token rows over every model call, padding included (the shapes' token counts)
     programs: set = dataclasses.field(default_factory=set)  # (BatchShape, StepOptions): one compiled program each
-    calls: list = dataclasses.field(default_factory=list)  # CallRecord per model call
+    calls_by_shape: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # BatchShape -> calls
+    calls: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=DEFAULT_CALL_RECORDS))
+    """The most recent :class:`CallRecord` s, oldest first: a window of
+    ``EngineConfig.call_records`` (every call with ``None``)."""
 
     def record_call(self, rec: CallRecord) -> None:
         """Counts one model call whose results the host has read."""
@@ -94,7 +110,20 @@ class EngineStats:
         self.model_s += rec.seconds
         self.decode_tokens += rec.decode_tokens
         self.prefill_tokens += rec.tokens - rec.decode_tokens
+        self.call_tokens += rec.tokens
+        self.call_rows += rec.shape.num_tokens
+        self.calls_by_shape[rec.shape] += 1
         self.calls.append(rec)
+
+    def keep_call_records(self, n: int | None) -> None:
+        """Keeps the last ``n`` call records from now on (``None``: every one)."""
+        self.calls = collections.deque(self.calls, maxlen=n)
+
+    @property
+    def padding(self) -> float:
+        """Share of the model calls' token rows that were padding (calls run
+        at bucketed token counts)."""
+        return 1 - self.call_tokens / self.call_rows if self.call_rows else 0.0
 
     def record_iteration(self, *, seconds: float, compile_s: float, held_pages: int, used_pages: int,
                          concurrency: int, token_slots: float | None) -> None:
