@@ -87,6 +87,7 @@ class EngineStats:
     pages_saved: int = 0
     recomputed_tokens: int = 0
     window_dropped_pages: int = 0
+    nonfinite_kv: int = 0  # sequences a call wrote non-finite K/V for (their pages never cached)
     seq_pages_sum: int = 0
     used_pages_sum: int = 0
     peak_pages_used: int = 0
