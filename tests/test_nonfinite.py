@@ -106,6 +106,21 @@ def test_nan_in_a_seen_value_reaches_the_row(impl):
     assert_rows(out, base, nan_rows=set())
 
 
+def test_nan_in_a_value_after_a_row_stays_out_of_it():
+    """Row 1's value at position 8 is seen by its query at 8 (flat row 5) only: the queries at 4-7 share its
+    block but are masked from it, and 0 * NaN must not reach them (the engine's XLA path; the Pallas kernels
+    zero values by ownership only, docs/limits.md)."""
+    run = attention_fn("xla")
+    q, k, v = make_case(2)
+    base = run(q, k, v)
+    page, off = slot(1, 8)
+    v[0, 0, page, off, 5] = np.nan
+    out = run(q, k, v)
+    assert np.isnan(out[5, :, 5]).all()
+    out[5, :, 5] = base[5, :, 5]
+    assert_rows(out, base, nan_rows=set())
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_a_row_whose_every_logit_is_minus_inf_is_nan_not_zeros(impl):
     """A softmax over logits that are all -inf is undefined: the row sees
