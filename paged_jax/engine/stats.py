@@ -67,6 +67,10 @@ class EngineStats:
     returned to the pool while their sequence ran because a sliding window
     no longer saw them (:mod:`paged_jax.paging.sliding_window`), every layer group
     counted (:mod:`paged_jax.paging.kv_groups`).
+
+    Poison: ``nonfinite_kv`` counts sequences a call wrote non-finite K/V
+    for (a running one stops the engine by name; an aborted one's pages are
+    only kept out of the prefix cache).
     """
 
     iterations: int = 0
