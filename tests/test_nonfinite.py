@@ -106,6 +106,21 @@ def test_nan_in_a_seen_value_reaches_the_row(impl):
     assert_rows(out, base, nan_rows=set())
 
 
+def test_nan_in_a_value_after_a_row_stays_out_of_it():
+    """Row 1's value at position 8 is seen by its query at 8 (flat row 5) only: the queries at 4-7 share its
+    block but are masked from it, and 0 * NaN must not reach them (the engine's XLA path; the Pallas kernels
+    zero values by ownership only, docs/limits.md)."""
+    run = attention_fn("xla")
+    q, k, v = make_case(2)
+    base = run(q, k, v)
+    page, off = slot(1, 8)
+    v[0, 0, page, off, 5] = np.nan
+    out = run(q, k, v)
+    assert np.isnan(out[5, :, 5]).all()
+    out[5, :, 5] = base[5, :, 5]
+    assert_rows(out, base, nan_rows=set())
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_a_row_whose_every_logit_is_minus_inf_is_nan_not_zeros(impl):
     """A softmax over logits that are all -inf is undefined: the row sees
@@ -188,3 +203,58 @@ def test_a_nan_embedding_row_stops_only_the_requests_that_read_it():
     with pytest.raises(FloatingPointError) as info:
         serve(poison("embedding"))
     assert "'bad'" in str(info.value) and "'good'" not in str(info.value)
+
+
+# ------------------------------------------ poison that would outlive its request (issue 34)
+
+
+def _engine(rm, **config):
+    return Engine(rm, rm.config.make_kv_pool(40, PAGE), EngineConfig(max_seqs=4, max_seq_len=64,
+                                                                      max_num_batched_tokens=16, **config))
+
+
+def _cached_pages_are_finite(engine) -> bool:
+    kv = jax.device_get(engine.kv)
+    return all(np.isfinite(kv.k[:, :, p]).all() and np.isfinite(kv.v[:, :, p]).all()
+               for p in engine.kv_manager.prefix_cache.pages)
+
+
+def test_an_aborted_requests_nonfinite_pages_are_never_cached():
+    """A request aborted before it samples: its first chunk (16 clean tokens) and its second (the poisoned
+    token and what follows: NaN K/V) were computed, and the second's pages were offered to the prefix cache
+    when dispatched. When the call is read they leave it (they stayed, for the next request with these tokens
+    to be blamed), the clean pages stay, and the engine serves on."""
+    rm = shared_model()
+    clean, rm.params = rm.params, poison("embedding")
+    try:
+        engine = _engine(rm)
+        prefix = list(range(21, 37))  # 16 clean tokens: four pages
+        engine.add_request(Request(request_id="bad", prompt_ids=prefix + [POISON_TOKEN] + list(range(40, 51)),
+                                   max_new_tokens=4))
+        engine.step()  # dispatches the first chunk
+        engine.step()  # dispatches the second (the poison), reads the first
+        engine.abort("bad")
+        while engine.has_unfinished() or engine._inflight is not None:
+            engine.step()
+        engine.step()  # reads the last call in flight, if any
+        assert engine.stats.nonfinite_kv == 1
+        assert len(engine.kv_manager.prefix_cache) == 4 and _cached_pages_are_finite(engine)
+        [out] = engine.run([Request(request_id="good", prompt_ids=prefix + [60, 61, 62], max_new_tokens=3)])
+        assert out.num_cached_tokens == 16 and len(out.output_ids) == 3
+    finally:
+        rm.params = clean
+
+
+def test_nan_that_no_sampled_row_sees_still_stops_its_request():
+    """A sliding window of 4 over 2 layers: the poisoned token at position 1 reaches positions up to 7, and
+    the prompt's last row (position 19) never sees it, so its logits are finite; the K/V of positions 1-7 are
+    not, and the request that computed them is stopped by name, its pages kept out of the prefix cache."""
+    model = Llama(LlamaConfig(**{**TINY, "sliding_window": 4}), rngs=nnx.Rngs(0))
+    model.embed.set_value(model.embed[...].at[POISON_TOKEN, 4].set(jnp.nan))
+    engine = Engine(RaggedModel(model), model.config.make_kv_pool(40, PAGE),
+                    EngineConfig(max_seqs=4, max_seq_len=64, max_num_batched_tokens=32))
+    prompt = [21, POISON_TOKEN] + list(range(22, 40))  # 20 tokens, one call
+    with pytest.raises(FloatingPointError, match=r"non-finite K/V .* requests \['window'\]"):
+        engine.run([Request(request_id="window", prompt_ids=prompt, max_new_tokens=2),
+                    Request(request_id="clean", prompt_ids=list(range(41, 61)), max_new_tokens=2)])
+    assert _cached_pages_are_finite(engine)

@@ -238,7 +238,21 @@ def unchecked_ragged_paged_attention(q, k_pool, v_pool, layer, block_tables, q_s
         m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
         p = jnp.where(mask, jnp.exp(logits - m_safe[..., None]), 0.0)
         v = jnp.where(k_ok.reshape(work_chunk, pages_per_block, 1, page_size, 1), v, 0.0)  # 0 * NaN is NaN
-        o = jnp.einsum("WKMJL,WJKLH->WKMH", p.reshape(*p.shape[:3], pages_per_block, page_size), v)
+        p_pages = p.reshape(*p.shape[:3], pages_per_block, page_size)  # [W, K, M, J, L]
+
+        def exact(p, v):
+            # A non-finite value in a slot the sequence owns reaches exactly the rows that see its key: zeroed
+            # in the sum (a key masked for a row, after it or out of its window, would leak: 0 * NaN is NaN),
+            # then put back where a row sees it, dimension by dimension as a plain sum would.
+            finite = jnp.isfinite(v)
+            o = jnp.einsum("WKMJL,WJKLH->WKMH", p, jnp.where(finite, v, 0.0))
+            seen = mask[:, 0].reshape(work_chunk, rows_m, pages_per_block, page_size).astype(jnp.float32)
+            seen_bad = jnp.einsum("WMJL,WJKLH->WKMH", seen, (~finite).astype(jnp.float32))
+            return jnp.where(seen_bad > 0, jnp.nan, o)
+
+        # Only a corrupt cache pays for it: the plain product otherwise.
+        o = jax.lax.cond(jnp.all(jnp.isfinite(v)), lambda p, v: jnp.einsum("WKMJL,WJKLH->WKMH", p, v), exact,
+                         p_pages, v)
         # Merge into the tiles' accumulators; padding items go nowhere.
         seg = jnp.where(w_real, w_tile, num_tiles)
         m_new = jnp.maximum(m_acc, jax.ops.segment_max(m, seg, num_segments=num_tiles, indices_are_sorted=True))

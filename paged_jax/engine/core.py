@@ -87,6 +87,8 @@ class _InFlight:
     sampler_slots: list[int]  # their rows at dispatch
     expected_free: int  # the host's free-page count right after it
     record: CallRecord
+    kv_ok: jax.Array  # bool[S] per slot: every K/V value the call wrote for it is finite (device)
+    wrote: list[tuple[Sequence, int, list[int]]]  # (sequence, its slot, the pages its tokens were written to)
 
 
 class Engine:
@@ -454,7 +456,8 @@ class Engine:
         expected_free = kvm.plan_call(call.inputs.fork_pre, call.inputs.num_new, call.inputs.fork_src)
         self.stats.programs.add((call.shape, call.options))
         c0, t0 = compile_seconds(), time.perf_counter()
-        kvm.state, kvm.kv, new, top, sampled_lp, prompt, ok, num_free = device_step(
+        wrote = [(e.seq, e.seq.slot, kvm.pages_written(e.seq, e.seq.num_computed, e.num_tokens)) for e in scheduled]
+        kvm.state, kvm.kv, new, top, sampled_lp, prompt, ok, num_free, kv_ok = device_step(
             self.model, self.params, kvm.state, kvm.kv, self._no_prev if prev is None else prev.sampled,
             call.inputs, shape=call.shape, **dataclasses.asdict(call.options))
         compile_s = compile_seconds() - c0
@@ -480,6 +483,7 @@ class Engine:
             sampler_slots=[seq.slot for seq in call.samplers], expected_free=expected_free,
             record=CallRecord(shape=call.shape, tokens=sum(e.num_tokens for e in scheduled), decode_tokens=decode,
                               seconds=time.perf_counter() - t0 - compile_s, compile_s=compile_s),
+            kv_ok=kv_ok, wrote=wrote,
         )
 
     def _complete(self, call: _InFlight, finished: list[Sequence], touched: dict[SequenceGroup, None]) -> None:
@@ -488,8 +492,8 @@ class Engine:
         (their times, log-probs and text) and prompt log-probs; ``touched``
         gets the groups that got tokens."""
         t0 = time.perf_counter()
-        sampled, (top_ids, top_lps), sampled_lp, prompt, ok, num_free = jax.device_get(
-            (call.sampled, call.top, call.sampled_lp, call.prompt, call.ok, call.num_free))
+        sampled, (top_ids, top_lps), sampled_lp, prompt, ok, num_free, kv_ok = jax.device_get(
+            (call.sampled, call.top, call.sampled_lp, call.prompt, call.ok, call.num_free, call.kv_ok))
         rec = call.record
         rec.seconds += time.perf_counter() - t0
         if not ok or int(num_free) != call.expected_free:  # the host plan is exact, so this is a bug
@@ -498,6 +502,8 @@ class Engine:
                 f"host {call.expected_free}"
             )
         self.stats.record_call(rec)
+        if not kv_ok.all():
+            self._refuse_poison(call, kv_ok)
         self._prompt_lps.record(call.prompt_rows, prompt)
         now = self.clock()
         bad = [seq.request.request_id for seq, slot in zip(call.samplers, call.sampler_slots)
@@ -544,6 +550,26 @@ class Engine:
                     group.first_token_s = now
                 group.step_times.append(now)
                 self._advance_beams(group, live, finished)
+
+    def _refuse_poison(self, call: _InFlight, kv_ok: np.ndarray) -> None:
+        """A call wrote non-finite K/V for some sequences: their pages leave
+        the prefix cache (a later request must never hit them), and a
+        request still running is stopped by name; one already aborted or
+        finished is only counted (``EngineStats.nonfinite_kv``).
+
+        Raises:
+          FloatingPointError: naming the running requests that computed it
+            (the engine is then failed, as for non-finite logits).
+        """
+        poisoned = [(seq, pages) for seq, slot, pages in call.wrote if not kv_ok[slot]]
+        for _, pages in poisoned:
+            self.kv_manager.forget_cached(pages)
+        self.stats.nonfinite_kv += len(poisoned)
+        live = list(dict.fromkeys(seq.request.request_id for seq, _ in poisoned if not seq.done))
+        if live:
+            raise FloatingPointError(
+                f"the model computed non-finite K/V (NaN or inf) for requests {live}: a corrupt KV pool, weights "
+                "or inputs; their pages are kept out of the prefix cache")
 
     def _advance_beams(self, group: SequenceGroup, live: list[Sequence], finished: list[Sequence]) -> None:
         """Chooses the group's next beams (:func:`paged_jax.engine.beam_search.advance`)

@@ -567,6 +567,21 @@ class KVCacheManager:
                                              windowed=window is not None)
         seq.num_keyed = full
 
+    def pages_written(self, seq: Sequence, first: int, n: int) -> list[int]:
+        """The pages positions ``first .. first + n - 1`` of ``seq`` are
+        written to, every layer group's, as the plan of the call being
+        dispatched holds them."""
+        L = self.page_size
+        cols = range(first // L, (first + n - 1) // L + 1)
+        return [int(self.pool.block_tables[row][j]) for row in self.rows(seq) for j in cols]
+
+    def forget_cached(self, pages: list[int]) -> None:
+        """Takes ``pages`` out of the prefix cache (their K/V are not what
+        their tokens give: non-finite); pages not cached are skipped."""
+        if self.prefix_cache is not None:
+            for page in pages:
+                self.prefix_cache.evict(page)
+
     # -------------------------------------------------------------- calls
 
     def call_pages(self) -> CallPages:

@@ -67,6 +67,10 @@ class EngineStats:
     returned to the pool while their sequence ran because a sliding window
     no longer saw them (:mod:`paged_jax.paging.sliding_window`), every layer group
     counted (:mod:`paged_jax.paging.kv_groups`).
+
+    Poison: ``nonfinite_kv`` counts sequences a call wrote non-finite K/V
+    for (a running one stops the engine by name; an aborted one's pages are
+    only kept out of the prefix cache).
     """
 
     iterations: int = 0
@@ -87,6 +91,7 @@ class EngineStats:
     pages_saved: int = 0
     recomputed_tokens: int = 0
     window_dropped_pages: int = 0
+    nonfinite_kv: int = 0  # sequences a call wrote non-finite K/V for (their pages never cached)
     seq_pages_sum: int = 0
     used_pages_sum: int = 0
     peak_pages_used: int = 0

@@ -203,9 +203,18 @@ def device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array,
     rows (``inp.prompt_rows``), computed by the same forward; a call
     without any (P = 0) traces none of it.
 
+    Every K/V value the call writes is checked: ``kv_ok`` says, per
+    sequence slot, whether all of them (every layer, every KV head, and a
+    quantized pool's scales) are finite. A non-finite one is poison that
+    outlives its request once its page is cached, and that no sampled row
+    need ever see (a prefill chunk that does not end its prompt; a position
+    out of every later row's sliding window): the host stops the request
+    and keeps its pages out of the prefix cache.
+
     Returns:
       ``(state, kv, sampled, (top_ids, top_logprobs), sampled_logprob,
-      prompt, ok, num_free_pages)``: ``sampled`` i32[S] per row; the ``k =
+      prompt, ok, num_free_pages, kv_ok)``: ``kv_ok`` bool[S] per sequence
+      slot (True for a slot with no token in the call); ``sampled`` i32[S] per row; the ``k =
       min(top_k, V)`` most likely tokens per row, i32[S, k] and f32[S, k]
       (beam search and ``SamplingParams.logprobs``); ``sampled_logprob``
       f32[S] the sampled token's log-probability per row (zeros unless
@@ -248,6 +257,7 @@ def device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array,
         shape=shape,
     )
     logits, kv = model.apply(params, batch, kv)  # [R + P, V]
+    kv_ok = _finite_writes(kv, slots, rows, G, S)  # [S]
     prompt = None
     if P:  # the prompt rows come after the sampling rows
         R = inp.logits_rows.shape[0]
@@ -276,9 +286,28 @@ def device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array,
     if logprobs:
         lp = jnp.take_along_axis(log_probs, jnp.clip(new, 0)[:, None], axis=-1)[:, 0]
         sampled_lp = sampled_lp.at[dest].set(jnp.where(finite, lp, jnp.nan), mode="drop")
-    return state, kv, by_row, top, sampled_lp, prompt, ok, state.num_free_pages
+    return state, kv, by_row, top, sampled_lp, prompt, ok, state.num_free_pages, kv_ok
 
 
+def _finite_writes(kv: KVPool, slots: jax.Array, rows: jax.Array, G: int, S: int) -> jax.Array:
+    """bool[S]: for each sequence slot, whether every value the call wrote
+    to the pool for its tokens is finite. ``slots`` i32[G * T] (-1:
+    padding), ``rows`` i32[T] each token's slot (-1: padding). Reads
+    ``layers * K * G * T * H`` values per leaf: a few MB at SmolLM2's
+    shapes and a 256-token call, against the forward's hundreds."""
+    num_tokens = rows.shape[0]
+    at = jnp.clip(slots, 0)
+    ok = slots < 0  # [G * T]: padding is fine
+    written = jnp.ones_like(ok)
+    for leaf in (kv.k, kv.v, kv.k_scale, kv.v_scale):
+        if leaf is None or not jnp.issubdtype(leaf.dtype, jnp.floating):
+            continue  # int8 pages hold no NaN: their scales do
+        flat = leaf.reshape(leaf.shape[0], leaf.shape[1], -1, *leaf.shape[4:])  # [layers, K, P * L(, H)]
+        got = jnp.take(flat, at, axis=2)  # [layers, K, G * T(, H)]
+        written &= jnp.all(jnp.isfinite(got), axis=tuple(i for i in range(got.ndim) if i != 2))
+    per_token = (ok | written).reshape(G, num_tokens).all(axis=0)  # [T]
+    dest = jnp.where(rows < 0, S, rows)
+    return jnp.ones((S,), jnp.int32).at[dest].min(per_token.astype(jnp.int32), mode="drop") > 0
 def _group_rows(slots: jax.Array, G: int, S: int) -> jax.Array:
     """i32[n] slots (-1: none) -> i32[G * n] the page-state rows of each
     group, group after group (row ``group * S + slot``); -1 stays -1."""
