@@ -40,7 +40,7 @@ def layer_kv_groups(config: LlamaConfig) -> KVGroups:
 
 
 def forward_ragged(model: Llama, batch: RaggedBatch, kv: KVPool, *, impl: str = "auto",
-                   reduce=None) -> tuple[jax.Array, KVPool]:
+                   reduce=None) -> tuple[jax.Array, KVPool, jax.Array]:
     """Runs the decoder over a flat ragged batch (mixed prefill chunks and
     decode tokens, :mod:`paged_jax.attention.batch`), writing its K/V into the pool.
 
@@ -61,7 +61,10 @@ def forward_ragged(model: Llama, batch: RaggedBatch, kv: KVPool, *, impl: str = 
       reduce: as in :func:`forward` (tensor parallelism).
 
     Returns:
-      ``(logits f32[R, V] at batch.logits_rows, kv)``.
+      ``(logits f32[R, V] at batch.logits_rows, kv, finite bool[T])``:
+      ``finite`` says whether each token's final hidden state is finite
+      (False for one a non-finite K or V reached at any layer: the engine
+      stops its request and keeps its pages out of the prefix cache).
 
     Raises:
       ValueError: a pool that does not fit the model; an unknown ``impl``;
@@ -115,7 +118,10 @@ def forward_ragged(model: Llama, batch: RaggedBatch, kv: KVPool, *, impl: str = 
     # A flat kernel writes the K/V in its call, but not under mixed layers' cond (the pool would pass through both).
     writes = ragged_attention.kernel_writes_kv(impl) and not config.mixed_layers
     x, kv = run_layers(model, x, batch.positions[None, :], kv, write_attend if writes else write_then_attend, reduce)
-    return final_logits(model, x[0, batch.logits_rows]), kv  # [R, V]
+    # A token whose final hidden state is not finite: a non-finite K or V at any layer reached it (it attends
+    # to itself, and the residual stream carries it on), or a later layer made one (the engine's poison check).
+    finite = jnp.all(jnp.isfinite(x[0]), axis=-1)  # [T]
+    return final_logits(model, x[0, batch.logits_rows]), kv, finite  # [R, V]
 
 
 class RaggedModel:
@@ -184,7 +190,7 @@ class RaggedModel:
         groups = self.kv_groups
         return self.make_kv_pool((num_pages - 1) * groups.num_layers // groups.group_size + 1, page_size, dtype)
 
-    def apply(self, params, batch: RaggedBatch, kv: KVPool) -> tuple[jax.Array, KVPool]:
+    def apply(self, params, batch: RaggedBatch, kv: KVPool) -> tuple[jax.Array, KVPool, jax.Array]:
         return forward_ragged(nnx.merge(self._graphdef, params), batch, kv, impl=self.impl)
 
     def check_kv_pool(self, kv: KVPool) -> None:

@@ -308,7 +308,7 @@ class ShardedRaggedModel:
 
         # One shard_map per pool kind: a quantized pool's spec tree has its scales.
         self._apply = {quantized: jax.shard_map(local, mesh=mesh, in_specs=(self.sharded.param_specs, P(), specs),
-                                                out_specs=(P(), specs), check_vma=False)
+                                                out_specs=(P(), specs, P()), check_vma=False)
                        for quantized, specs in ((q, kv_pool_specs(q)) for q in (False, True))}
 
     def apply(self, params, batch: RaggedBatch, kv: KVPool):

@@ -77,7 +77,7 @@ def mixed_calls(model: Llama, schedule, *, page_size=PAGE_SIZE, num_pages=64, ma
                             block_tables=state.block_tables, q_starts=jnp.asarray(starts),
                             q_lens=jnp.asarray(num_new), kv_lens=state.seq_lens, logits_rows=jnp.asarray(last),
                             shape=shape)
-        logits, kv = apply(rm.params, batch, kv)
+        logits, kv, _ = apply(rm.params, batch, kv)
         logits = np.asarray(logits)
         out.append({row: logits[i] for i, (row, _) in enumerate(call)})
     return out

@@ -611,7 +611,7 @@ def test_decoder_through_the_flat_kernel_equals_xla(impl):
     """A decoder call with the kernel writing the layer's K/V: logits equal
     the XLA path's, the pool its scatter's bit for bit (NaN pool: nothing
     unwritten is read)."""
-    (logits, kv), (want, want_kv) = _tiny_call(impl), _tiny_call("xla")
+    (logits, kv, _), (want, want_kv, _) = _tiny_call(impl), _tiny_call("xla")
     assert np.all(np.isfinite(np.asarray(logits)))
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want), atol=1e-4, rtol=1e-4)
     assert_pool_bits(kv, want_kv)
@@ -624,7 +624,7 @@ def test_decoder_with_mixed_sliding_and_global_layers_through_the_flat_kernel():
     layer 0's K/V bit for bit (layer 1's come from layer 0's outputs, which
     differ in the last bits)."""
     mixed = dict(num_layers=2, sliding_window=3, layer_types=("sliding_attention", "full_attention"))
-    (logits, kv), (want, want_kv) = _tiny_call("pallas_gpu", **mixed), _tiny_call("xla", **mixed)
+    (logits, kv, _), (want, want_kv, _) = _tiny_call("pallas_gpu", **mixed), _tiny_call("xla", **mixed)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want), atol=1e-4, rtol=1e-4)
     assert_pool_bits(KVPool(k=kv.k[:1], v=kv.v[:1]), KVPool(k=want_kv.k[:1], v=want_kv.v[:1]))
 

@@ -396,7 +396,7 @@ def test_forward_ragged_checks_the_attention_once(monkeypatch, impl):
     model = tiny_model()
     batch = small_mixed_batch()  # row 0: a 5-token prompt; row 1: decodes its third token
     kv = model.config.make_kv_pool(8, PAGE_SIZE)
-    logits, _ = jax.eval_shape(lambda b, kv: forward_ragged(model, b, kv, impl=impl), batch, kv)
+    logits, _, _ = jax.eval_shape(lambda b, kv: forward_ragged(model, b, kv, impl=impl), batch, kv)
     assert logits.shape == (2, TINY["vocab_size"])
     assert counts == {"validate_options": 1, "checked_lengths": 1, "checked_layer": 1}
 

@@ -258,3 +258,17 @@ def test_nan_that_no_sampled_row_sees_still_stops_its_request():
         engine.run([Request(request_id="window", prompt_ids=prompt, max_new_tokens=2),
                     Request(request_id="clean", prompt_ids=list(range(41, 61)), max_new_tokens=2)])
     assert _cached_pages_are_finite(engine)
+
+
+def test_a_model_that_does_not_report_finiteness_is_checked_from_the_pool():
+    """The toy model's ``apply`` returns ``(logits, kv)`` only: the engine reads the K/V the call wrote back
+    from the pool and stops the request whose token has a NaN embedding, by name."""
+    from engine_helpers import VOCAB, make_toy_step, toy_params, toy_pool
+
+    params = toy_params()
+    params["emb"] = params["emb"].at[5, 0].set(jnp.nan)
+    engine = Engine(make_toy_step(params), toy_pool(40), EngineConfig(max_seqs=4, max_seq_len=64,
+                                                                      max_num_batched_tokens=16), vocab_size=VOCAB)
+    with pytest.raises(FloatingPointError, match=r"non-finite K/V .* requests \['toy'\]"):
+        engine.run([Request(request_id="toy", prompt_ids=[1, 5, 2, 3], max_new_tokens=2),
+                    Request(request_id="fine", prompt_ids=[1, 2, 3, 4], max_new_tokens=2)])

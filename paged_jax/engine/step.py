@@ -50,12 +50,18 @@ class PagedModel(Protocol):
       apply: ``apply(params, batch: RaggedBatch, kv: KVPool) -> (logits, kv)``,
         logits ``f32[R + P, V]`` at ``batch.logits_rows``; pure and jittable, writing
         the batch's K/V at ``batch.slots`` (``models.ragged.RaggedModel``).
+        It may return ``(logits, kv, finite)`` with ``finite`` bool[T]
+        whether each token's forward stayed finite (the decoder does: its
+        final hidden state, which any non-finite K or V of the token
+        reaches); without it the engine reads the K/V the call wrote back
+        from the pool's last layer, which a TPU may have to relayout the
+        whole pool for (:func:`_finite_writes`).
     """
 
     params: Any
     vocab_size: int
 
-    def apply(self, params, batch: RaggedBatch, kv: KVPool) -> tuple[jax.Array, KVPool]: ...
+    def apply(self, params, batch: RaggedBatch, kv: KVPool) -> tuple: ...
 
 
 def check_model(model, kv_pool: KVPool, vocab_size: int | None) -> int | None:
@@ -203,13 +209,14 @@ def device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array,
     rows (``inp.prompt_rows``), computed by the same forward; a call
     without any (P = 0) traces none of it.
 
-    Every K/V value the call writes is checked: ``kv_ok`` says, per
-    sequence slot, whether all of them (every layer, every KV head, and a
-    quantized pool's scales) are finite. A non-finite one is poison that
-    outlives its request once its page is cached, and that no sampled row
-    need ever see (a prefill chunk that does not end its prompt; a position
-    out of every later row's sliding window): the host stops the request
-    and keeps its pages out of the prefix cache.
+    Every token the call computes is checked: ``kv_ok`` says, per sequence
+    slot, whether all of its tokens' forwards stayed finite (the model's
+    report, else the K/V read back from the pool, :class:`PagedModel`). A
+    non-finite K or V is poison that outlives its request once its page is
+    cached, and that no sampled row need ever see (a prefill chunk that
+    does not end its prompt; a position out of every later row's sliding
+    window): the host stops the request and keeps its pages out of the
+    prefix cache.
 
     Returns:
       ``(state, kv, sampled, (top_ids, top_logprobs), sampled_logprob,
@@ -256,8 +263,13 @@ def device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array,
         logits_rows=jnp.concatenate([inp.logits_rows, inp.prompt_rows]) if P else inp.logits_rows,
         shape=shape,
     )
-    logits, kv = model.apply(params, batch, kv)  # [R + P, V]
-    kv_ok = _finite_writes(kv, slots, rows, G, S)  # [S]
+    out = model.apply(params, batch, kv)  # logits [R + P, V], kv(, finite [T])
+    if len(out) == 3:
+        logits, kv, finite_tokens = out
+        kv_ok = _per_slot(finite_tokens | (rows < 0), rows, S)
+    else:
+        logits, kv = out
+        kv_ok = _finite_writes(kv, slots, rows, G, S)  # [S]
     prompt = None
     if P:  # the prompt rows come after the sampling rows
         R = inp.logits_rows.shape[0]
@@ -290,22 +302,36 @@ def device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array,
 
 
 def _finite_writes(kv: KVPool, slots: jax.Array, rows: jax.Array, G: int, S: int) -> jax.Array:
-    """bool[S]: for each sequence slot, whether every value the call wrote
-    to the pool for its tokens is finite. ``slots`` i32[G * T] (-1:
-    padding), ``rows`` i32[T] each token's slot (-1: padding). Reads
-    ``layers * K * G * T * H`` values per leaf: a few MB at SmolLM2's
-    shapes and a 256-token call, against the forward's hundreds."""
+    """bool[S]: for each sequence slot, whether the K/V the call wrote for
+    its tokens are finite, read back from the pool (for a model whose
+    ``apply`` does not report it). ``slots`` i32[G * T] (-1: padding),
+    ``rows`` i32[T] each token's slot (-1: padding).
+
+    Only the pool's last layer is read, each layer group's (its pages, its
+    last layer): a non-finite K or V at any layer reaches the token's own
+    residual stream (it attends to itself), which carries it to every later
+    layer's K and V, so the last layer's hold it whenever any layer's do. It
+    costs ``K * G * T * H`` values a leaf, but on a TPU the gather can
+    make XLA copy the whole pool out of the kernel's tiling (the step at
+    Llama-3-8B then runs out of HBM, ``experiments.lib.aot_step``): the
+    decoder reports finiteness itself instead."""
     num_tokens = rows.shape[0]
     at = jnp.clip(slots, 0)
+    page, offset = at // kv.page_size, at % kv.page_size
     ok = slots < 0  # [G * T]: padding is fine
     written = jnp.ones_like(ok)
     for leaf in (kv.k, kv.v, kv.k_scale, kv.v_scale):
         if leaf is None or not jnp.issubdtype(leaf.dtype, jnp.floating):
             continue  # int8 pages hold no NaN: their scales do
-        flat = leaf.reshape(leaf.shape[0], leaf.shape[1], -1, *leaf.shape[4:])  # [layers, K, P * L(, H)]
-        got = jnp.take(flat, at, axis=2)  # [layers, K, G * T(, H)]
-        written &= jnp.all(jnp.isfinite(got), axis=tuple(i for i in range(got.ndim) if i != 2))
-    per_token = (ok | written).reshape(G, num_tokens).all(axis=0)  # [T]
+        # Indexed by (page, offset), never reshaped: merging the pool's page and offset axes could make a
+        # TPU copy the whole pool into another tiling.
+        got = leaf[-1][:, page, offset]  # [K, G * T(, H)]
+        written &= jnp.all(jnp.isfinite(got), axis=tuple(i for i in range(got.ndim) if i != 1))
+    return _per_slot((ok | written).reshape(G, num_tokens).all(axis=0), rows, S)
+
+
+def _per_slot(per_token: jax.Array, rows: jax.Array, S: int) -> jax.Array:
+    """bool[T] per token -> bool[S] per sequence slot: all of its tokens (True for a slot without one)."""
     dest = jnp.where(rows < 0, S, rows)
     return jnp.ones((S,), jnp.int32).at[dest].min(per_token.astype(jnp.int32), mode="drop") > 0
 def _group_rows(slots: jax.Array, G: int, S: int) -> jax.Array:
