@@ -254,7 +254,7 @@ def test_nan_that_no_sampled_row_sees_still_stops_its_request():
     engine = Engine(RaggedModel(model), model.config.make_kv_pool(40, PAGE),
                     EngineConfig(max_seqs=4, max_seq_len=64, max_num_batched_tokens=32))
     prompt = [21, POISON_TOKEN] + list(range(22, 40))  # 20 tokens, one call
-    with pytest.raises(FloatingPointError, match=r"non-finite K/V .* requests \['window'\]"):
+    with pytest.raises(FloatingPointError, match=r"non-finite values .* requests \['window'\]"):
         engine.run([Request(request_id="window", prompt_ids=prompt, max_new_tokens=2),
                     Request(request_id="clean", prompt_ids=list(range(41, 61)), max_new_tokens=2)])
     assert _cached_pages_are_finite(engine)
@@ -269,6 +269,6 @@ def test_a_model_that_does_not_report_finiteness_is_checked_from_the_pool():
     params["emb"] = params["emb"].at[5, 0].set(jnp.nan)
     engine = Engine(make_toy_step(params), toy_pool(40), EngineConfig(max_seqs=4, max_seq_len=64,
                                                                       max_num_batched_tokens=16), vocab_size=VOCAB)
-    with pytest.raises(FloatingPointError, match=r"non-finite K/V .* requests \['toy'\]"):
+    with pytest.raises(FloatingPointError, match=r"non-finite values .* requests \['toy'\]"):
         engine.run([Request(request_id="toy", prompt_ids=[1, 5, 2, 3], max_new_tokens=2),
                     Request(request_id="fine", prompt_ids=[1, 2, 3, 4], max_new_tokens=2)])

@@ -87,7 +87,7 @@ class _InFlight:
     sampler_slots: list[int]  # their rows at dispatch
     expected_free: int  # the host's free-page count right after it
     record: CallRecord
-    kv_ok: jax.Array  # bool[S] per slot: every K/V value the call wrote for it is finite (device)
+    kv_ok: jax.Array  # bool[S] per slot: its tokens' forwards stayed finite, K/V included (device)
     wrote: list[tuple[Sequence, int, list[int]]]  # (sequence, its slot, the pages its tokens were written to)
 
 
@@ -552,7 +552,8 @@ class Engine:
                 self._advance_beams(group, live, finished)
 
     def _refuse_poison(self, call: _InFlight, kv_ok: np.ndarray) -> None:
-        """A call wrote non-finite K/V for some sequences: their pages leave
+        """A call computed non-finite values for some sequences' tokens (their
+        K/V, or what they reach): their pages leave
         the prefix cache (a later request must never hit them), and a
         request still running is stopped by name; one already aborted or
         finished is only counted (``EngineStats.nonfinite_kv``).
@@ -568,8 +569,8 @@ class Engine:
         live = list(dict.fromkeys(seq.request.request_id for seq, _ in poisoned if not seq.done))
         if live:
             raise FloatingPointError(
-                f"the model computed non-finite K/V (NaN or inf) for requests {live}: a corrupt KV pool, weights "
-                "or inputs; their pages are kept out of the prefix cache")
+                f"the model computed non-finite values (NaN or inf) for tokens of requests {live}, whose K/V would "
+                "poison the prefix cache: a corrupt KV pool, weights or inputs; their pages are kept out of it")
 
     def _advance_beams(self, group: SequenceGroup, live: list[Sequence], finished: list[Sequence]) -> None:
         """Chooses the group's next beams (:func:`paged_jax.engine.beam_search.advance`)
