@@ -78,9 +78,9 @@ page's key and held as long as the request (a tenant id or a random token
 takes tens of characters)."""
 
 MAX_INT_DIGITS = 20
-"""The most digits of an integer in a body: the widest any field takes is a
-64-bit seed (20 digits). A longer one is refused naming where it is, before
-any arithmetic: a bound at Python's int-string conversion limit (4,300
+"""The most digits of an integer in a body: no field takes a wider one (a
+seed is below 2**32, 10 digits; a 64-bit integer has at most 20). A
+longer one is refused naming where it is, before any arithmetic: a bound at Python's int-string conversion limit (4,300
 digits) let ``len(prompt) + max_tokens`` reach 4,301 digits, which no error
 message could then print (a 500)."""
 

@@ -251,9 +251,9 @@ def test_the_engines_ragged_call_on_quantized_pages_equals_one_device(model, dty
     order than on all heads (measured: scales 1 ulp apart, pages equal)."""
     batch = small_mixed_batch()
     one_model, sharded = RaggedModel(model), ShardedRaggedModel(model, mesh_of(1, 4))
-    f32_logits, _ = jax.jit(one_model.apply)(one_model.params, batch, TINY_GQA.make_kv_pool(17, 4, jnp.float32))
-    want, one = jax.jit(one_model.apply)(one_model.params, batch, TINY_GQA.make_kv_pool(17, 4, dtype))
-    got, mesh = jax.jit(sharded.apply)(sharded.params, batch, sharded.make_kv_pool(17, 4, dtype))
+    f32_logits, _, _ = jax.jit(one_model.apply)(one_model.params, batch, TINY_GQA.make_kv_pool(17, 4, jnp.float32))
+    want, one, _ = jax.jit(one_model.apply)(one_model.params, batch, TINY_GQA.make_kv_pool(17, 4, dtype))
+    got, mesh, _ = jax.jit(sharded.apply)(sharded.params, batch, sharded.make_kv_pool(17, 4, dtype))
     assert mesh.k.dtype == jnp.dtype(dtype)
     assert mesh.k_scale.sharding.is_equivalent_to(NamedSharding(sharded.mesh, SCALE_SPEC), 4)
     check_logits(np.asarray(got), np.asarray(want), np.asarray(f32_logits))

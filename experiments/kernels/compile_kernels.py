@@ -85,6 +85,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
     check_outputs(parser, args)
+    step_chips = sorted({c.chip for c in STEP_CASES} & set(args.chips))
+    if args.step_only and not step_chips:
+        parser.error(f"--step-only compiles the engine's step for {sorted(c.chip for c in STEP_CASES)} only, "
+                     f"got --chips {' '.join(args.chips)}")
     return args
 
 

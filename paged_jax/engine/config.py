@@ -141,8 +141,8 @@ class EngineConfig:
             check_int("swap_space_pages", self.swap_space_pages, 0)
         for name in ("async_scheduling", "enable_prefix_caching", "drop_out_of_window_pages"):
             check_bool(name, getattr(self, name))
-        if self.call_records is not None:
-            check_int("call_records", self.call_records, 0)
+        if self.call_records is not None:  # a plain int, as deque(maxlen=...) needs
+            object.__setattr__(self, "call_records", check_int("call_records", self.call_records, 0, 1 << 30))
 
     @property
     def pages_by_layer_group(self) -> bool:
