@@ -50,23 +50,14 @@ def clip(text: str, limit: int = SHOWN_CHARS) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
 
 
-def _as_sent(value, budget: list | None = None):
-    """``value`` with every pydantic model replaced by the fields the client set, as far as
-    :data:`SHOWN_CHARS` items reach (the rest of a long list is never shown, so never converted)."""
-    budget = [SHOWN_CHARS] if budget is None else budget
+def _as_sent(value):
+    """``value`` with pydantic models replaced by the fields the client set: the model itself, or the
+    items of a list of them as far as :data:`SHOWN_CHARS` items reach (the rest is never shown)."""
     if isinstance(value, BaseModel):
-        value = value.model_dump(exclude_unset=True)
-    if isinstance(value, (list, tuple)) and any(isinstance(v, (BaseModel, list, tuple, dict)) for v in value[:1]):
-        out = []
-        for v in value:
-            if budget[0] <= 0:
-                out.extend(value[len(out):])
-                break
-            budget[0] -= 1
-            out.append(_as_sent(v, budget))
-        return type(value)(out) if isinstance(value, list) else tuple(out)
-    if isinstance(value, dict):
-        return {k: _as_sent(v, budget) for k, v in value.items()}
+        return value.model_dump(exclude_unset=True)
+    if isinstance(value, (list, tuple)) and any(isinstance(v, BaseModel) for v in value[:1]):
+        head = [_as_sent(v) for v in value[:SHOWN_CHARS]]
+        return head + list(value[SHOWN_CHARS:])
     return value
 
 
