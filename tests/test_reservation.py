@@ -7,6 +7,10 @@ unless a test says otherwise. A prompt of 5 tokens with 25 new ones
 reserves, from admission on: max 80 tokens (20 pages), pow2 5 + 32 = 37
 (10 pages), oracle 5 + 25 = 30 (8 pages); paged holds 2 pages for the
 prompt and takes one more each time the last fills.
+
+These tests count pages, so their engines take a reservation as a count of
+pages (``allocator="pages"``); where the runs of a contiguous allocator
+change what is admitted, ``tests/test_contiguous.py`` tests it.
 """
 
 import functools
@@ -20,9 +24,24 @@ from paged_jax.engine.core import Request
 from paged_jax.engine.sampling import SamplingParams
 from paged_jax.paging.block_pool import BlockPool
 from paged_jax.paging.page_state import pages_for_tokens
-from tests.engine_helpers import PAGE, VOCAB, check_accounting, make_engine, serve, toy_requests
+from tests import engine_helpers
+from tests.engine_helpers import PAGE, VOCAB, check_accounting, toy_requests
 
 assert PAGE == 4
+
+
+def _pages_allocator(kw):
+    return {**kw, "allocator": None if kw.get("reservation", "paged") == "paged" else "pages"}
+
+
+def make_engine(*args, **kw):
+    """``engine_helpers.make_engine``, reservations counted in pages."""
+    return engine_helpers.make_engine(*args, **_pages_allocator(kw))
+
+
+def serve(requests, *args, **kw):
+    """``engine_helpers.serve``, reservations counted in pages."""
+    return engine_helpers.serve(requests, *args, **_pages_allocator(kw))
 
 
 def _prompt(n, seed=0):

@@ -1,23 +1,12 @@
-"""The memory-waste simulation: hand-worked cases, bounds and the first-fit space."""
+"""The memory-waste simulation: hand-worked cases and bounds (its first-fit space is
+:class:`paged_jax.paging.contiguous.FirstFitAllocator`, tested in ``tests/test_contiguous.py``)."""
 
 import numpy as np
 import pytest
 
-from experiments.lib.waste_sim import SCHEMES, FirstFit, SimConfig, simulate
+from experiments.lib.waste_sim import SCHEMES, SimConfig, simulate
 
 ALL_AT_ONCE = 1e9  # arrivals per iteration: every request arrives at iteration 0
-
-
-def test_first_fit_places_and_merges():
-    space = FirstFit(12)
-    assert [space.alloc(4), space.alloc(6)] == [0, 4]
-    assert space.alloc(3) is None and space.free_total == 2
-    space.free(0, 4)
-    assert list(zip(space.starts, space.sizes)) == [(0, 4), (10, 2)]
-    assert space.alloc(6) is None and space.free_total == 6  # fragmented
-    space.free(4, 6)
-    assert list(zip(space.starts, space.sizes)) == [(0, 12)]
-    assert space.alloc(12) == 0 and space.largest() == 0
 
 
 def test_one_request_contiguous_max_by_hand():

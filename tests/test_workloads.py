@@ -83,6 +83,15 @@ def test_policy_names_split_into_reservation_and_caching():
     assert policies.POLICY_LABELS["paged-nocache"] == "paged (vLLM), no prefix cache"
     with pytest.raises(ValueError, match="policy"):
         policies.split_policy("paged-cache")
+    assert policies.engine_options("max-firstfit-nocache") == dict(reservation="max", allocator="first_fit",
+                                                                   enable_prefix_caching=False)
+    assert policies.engine_options("oracle") == dict(reservation="oracle", allocator="buddy",
+                                                     enable_prefix_caching=True)
+    assert policies.engine_options("pow2-pages")["allocator"] == "pages"
+    assert policies.POLICY_LABELS["oracle-pages"] == "Orca (Oracle), page-backed"
+    for bad in ("paged-pages", "oracle-nocache-pages", "oracle-buddy"):  # paging places no run; the order is fixed
+        with pytest.raises(ValueError, match=f"got policy='{bad}'"):
+            policies.engine_options(bad)
     model = Llama(LlamaConfig(vocab_size=64, model_dim=16, mlp_dim=32, num_layers=1, num_q_heads=2, num_kv_heads=1,
                               head_dim=8), rngs=nnx.Rngs(0))
     spec = online.EngineSpec(model=model, paged_model=RaggedModel(model), kv_tokens=4096, page_size=16, max_seqs=4,

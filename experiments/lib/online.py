@@ -80,7 +80,7 @@ from experiments.lib.latency import (  # noqa: E402
     check_rate,
     compute_metrics,
 )
-from experiments.lib.policies import ALL_POLICIES, POLICIES, POLICY_LABELS, split_policy  # noqa: E402, F401
+from experiments.lib.policies import ALL_POLICIES, POLICIES, POLICY_LABELS, engine_options, split_policy  # noqa: E402, F401
 from experiments.lib.sharegpt import MAX_SEQ_LEN, PACKAGED_LIMIT  # noqa: E402
 from experiments.lib.workloads import Workload, describe, workload  # noqa: E402, F401  (re-exported: bench_serving)
 from models.config import LlamaConfig  # noqa: E402
@@ -273,16 +273,17 @@ class EngineSpec:
 
     def build(self, policy: str) -> Engine:
         """An engine of ``policy`` (:data:`experiments.lib.policies.ALL_POLICIES`:
-        a reservation, ``-nocache`` turning prefix caching off).
+        a reservation, its allocator, ``-nocache`` turning prefix caching
+        off).
 
         Raises:
           ValueError: an unknown policy.
         """
-        reservation, caching = split_policy(policy)
+        options = engine_options(policy)
+        options["enable_prefix_caching"] = self.prefix_caching and options["enable_prefix_caching"]
         return serving.make_engine(self.model, kv_tokens=self.kv_tokens, page_size=self.page_size,
                                    max_seqs=self.max_seqs, max_batched_tokens=self.max_batched_tokens,
-                                   paged_model=self.paged_model, kv_dtype=self.kv_dtype,
-                                   enable_prefix_caching=self.prefix_caching and caching, reservation=reservation)
+                                   paged_model=self.paged_model, kv_dtype=self.kv_dtype, **options)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

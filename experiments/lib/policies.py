@@ -1,15 +1,23 @@
 """The serving comparison's policies: a KV reservation policy
-(``EngineConfig.reservation``, paper section 6.1), optionally with
+(``EngineConfig.reservation``, paper section 6.1), the allocator that
+places its reservations (``EngineConfig.allocator``), and optionally
 automatic prefix caching turned off.
 
-A policy name is a reservation (:data:`POLICIES`: ``paged`` is vLLM,
-``max``, ``pow2`` and ``oracle`` the paper's Orca baselines), which keeps
-the comparison's prefix-caching setting (on unless ``--no-prefix-caching``),
-or a reservation with :data:`NO_CACHE` appended (``paged-nocache``), which
-always serves without the prefix cache. The paper's Figure 16 needs both in
-one sweep: vLLM sharing the few-shot prefix against Orca-Oracle, which
-shares nothing; ``paged-nocache`` separates what paging gains from what
-sharing gains.
+A policy name is ``<reservation>[-<allocator>][-nocache]``:
+
+- the reservation (:data:`POLICIES`): ``paged`` is vLLM; ``max``, ``pow2``
+  and ``oracle`` the paper's Orca baselines, each reservation one run
+  placed by the buddy allocator, as the paper built them;
+- an allocator suffix, for the Orca policies only (:data:`ALLOCATOR_SUFFIXES`):
+  ``-firstfit`` places exact runs first fit; ``-pages`` makes a reservation
+  a count of pages (no external fragmentation, no rounding: the kinder
+  Orca this project ran before it had the paper's allocator);
+- :data:`NO_CACHE`: always serves without the prefix cache (otherwise the
+  comparison's prefix-caching setting holds: on unless
+  ``--no-prefix-caching``). The paper's Figure 16 needs both in one sweep:
+  vLLM sharing the few-shot prefix against Orca-Oracle, which shares
+  nothing; ``paged-nocache`` separates what paging gains from what sharing
+  gains.
 """
 
 from __future__ import annotations
@@ -23,11 +31,18 @@ from paged_jax.paging.page_state import pages_for_tokens
 POLICIES = RESERVATIONS
 """The reservation policies: ``paged``, ``max``, ``pow2``, ``oracle``."""
 NO_CACHE = "-nocache"
-"""Appended to a reservation policy: the same policy without prefix caching."""
-ALL_POLICIES = POLICIES + tuple(p + NO_CACHE for p in POLICIES)
-"""Every policy name a comparison accepts."""
+"""Appended to a policy: the same policy without prefix caching."""
+ALLOCATOR_SUFFIXES = {"": "buddy", "-firstfit": "first_fit", "-pages": "pages"}
+"""A policy name's allocator suffix -> ``EngineConfig.allocator`` (Orca only)."""
 _BASE_LABELS = {"paged": "paged (vLLM)", "max": "Orca (Max)", "pow2": "Orca (Pow2)", "oracle": "Orca (Oracle)"}
-POLICY_LABELS = {**_BASE_LABELS, **{p + NO_CACHE: f"{_BASE_LABELS[p]}, no prefix cache" for p in POLICIES}}
+_ALLOCATOR_LABELS = {"": "", "-firstfit": ", first fit", "-pages": ", page-backed"}
+_BASES = {"paged": ("paged", None, _BASE_LABELS["paged"]), **{
+    r + suffix: (r, allocator, _BASE_LABELS[r] + _ALLOCATOR_LABELS[suffix])
+    for r in POLICIES if r != "paged" for suffix, allocator in ALLOCATOR_SUFFIXES.items()}}
+ALL_POLICIES = tuple(_BASES) + tuple(p + NO_CACHE for p in _BASES)
+"""Every policy name a comparison accepts."""
+POLICY_LABELS = {**{p: label for p, (_, _, label) in _BASES.items()},
+                 **{p + NO_CACHE: f"{label}, no prefix cache" for p, (_, _, label) in _BASES.items()}}
 """Each policy's name in tables and plots (the paper's names for the
 reservation policies)."""
 
@@ -35,17 +50,30 @@ reservation policies)."""
 def split_policy(policy: str) -> tuple[str, bool]:
     """``(reservation, prefix caching allowed)`` of a policy name:
     ``"oracle-nocache"`` -> ``("oracle", False)``, ``"paged"`` ->
-    ``("paged", True)``.
+    ``("paged", True)``, ``"max-pages"`` -> ``("max", True)``.
+
+    Raises:
+      ValueError: ``policy`` is not one of :data:`ALL_POLICIES`.
+    """
+    options = engine_options(policy)
+    return options["reservation"], options["enable_prefix_caching"]
+
+
+def engine_options(policy: str) -> dict:
+    """The ``EngineConfig`` fields of a policy name: ``reservation``,
+    ``allocator`` and ``enable_prefix_caching`` (False for ``-nocache``;
+    True means the comparison's own setting holds).
 
     Raises:
       ValueError: ``policy`` is not one of :data:`ALL_POLICIES`.
     """
     if not isinstance(policy, str) or policy not in ALL_POLICIES:
-        raise ValueError(f"policy must be a reservation policy (one of {list(POLICIES)}), optionally followed by "
-                         f"{NO_CACHE!r}, got policy={policy!r}")
-    if policy.endswith(NO_CACHE):
-        return policy[: -len(NO_CACHE)], False
-    return policy, True
+        raise ValueError(f"policy must be a reservation policy (one of {list(POLICIES)}), for Orca optionally "
+                         f"followed by an allocator ({', '.join(repr(s) for s in ALLOCATOR_SUFFIXES if s)}), then "
+                         f"optionally by {NO_CACHE!r}, got policy={policy!r}")
+    caching = not policy.endswith(NO_CACHE)
+    reservation, allocator, _ = _BASES[policy if caching else policy[: -len(NO_CACHE)]]
+    return dict(reservation=reservation, allocator=allocator, enable_prefix_caching=caching)
 
 
 def paging_gain(lengths: Iterable[tuple[int, int]], *, page_size: int = 16, max_seq_len: int = 2048,

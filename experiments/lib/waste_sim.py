@@ -31,8 +31,9 @@ has as many rows as requests ever ran at once. The slot counts measured from
 the allocator's state must equal the host's exactly, or the run fails.
 
 The contiguous layouts also need an address space: a request's reservation is
-one run of slots, placed first-fit in ``[0, pool_tokens)``, so holes left by
-finished requests fragment it.
+one run of slots, placed first-fit in ``[0, pool_tokens)``
+(:class:`paged_jax.paging.contiguous.FirstFitAllocator`, the engine's), so
+holes left by finished requests fragment it.
 
 Categories. At each iteration every slot of the pool is in exactly one bucket
 (then summed over iterations, i.e. time-averaged):
@@ -55,7 +56,6 @@ external`` (the paper's bars sum to 100%), and the unused share separately.
 
 from __future__ import annotations
 
-import bisect
 import collections
 import dataclasses
 import functools
@@ -70,6 +70,7 @@ import numpy as np
 from paged_jax.checks import check_choice, check_float, check_int
 from paged_jax.memory import pow2_reservation
 from paged_jax.paging import page_state
+from paged_jax.paging.contiguous import FirstFitAllocator
 
 SCHEMES = ("contiguous-max", "contiguous-pow2", "contiguous-oracle", "paged")
 
@@ -198,50 +199,6 @@ class SimResult:
     @property
     def unused_share(self) -> float:
         return self.unused_slot_iters / (self.iterations * self.config.pool_tokens)
-
-
-class FirstFit:
-    """A first-fit allocator over the address space ``[0, size)`` (slots).
-
-    Holes are kept sorted by start and merged with their neighbours on free.
-    """
-
-    def __init__(self, size: int):
-        self.size = size
-        self.starts = [0]  # sorted hole starts
-        self.sizes = [size]  # hole sizes, same order
-        self.free_total = size
-
-    def alloc(self, n: int) -> int | None:
-        """Start of the first hole that holds ``n`` slots (taken), or None."""
-        for i, hole in enumerate(self.sizes):
-            if hole >= n:
-                start = self.starts[i]
-                if hole == n:
-                    del self.starts[i], self.sizes[i]
-                else:
-                    self.starts[i] += n
-                    self.sizes[i] -= n
-                self.free_total -= n
-                return start
-        return None
-
-    def free(self, start: int, n: int) -> None:
-        """Returns ``[start, start + n)``, merging with adjacent holes."""
-        i = bisect.bisect_left(self.starts, start)
-        if i > 0 and self.starts[i - 1] + self.sizes[i - 1] == start:
-            i -= 1
-            self.sizes[i] += n
-        else:
-            self.starts.insert(i, start)
-            self.sizes.insert(i, n)
-        if i + 1 < len(self.starts) and self.starts[i] + self.sizes[i] == self.starts[i + 1]:
-            self.sizes[i] += self.sizes[i + 1]
-            del self.starts[i + 1], self.sizes[i + 1]
-        self.free_total += n
-
-    def largest(self) -> int:
-        return max(self.sizes, default=0)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -411,7 +368,7 @@ def simulate(prompt_lens, output_lens, config: SimConfig) -> SimResult:
     empty_slots = list(range(max_seqs))
     heapq.heapify(empty_slots)
     free_pages = num_pages
-    space = FirstFit(config.pool_tokens)
+    space = FirstFitAllocator(config.pool_tokens)
     queue: collections.deque[int] = collections.deque()
     resume_len = prompt.copy()  # tokens a request holds on (re)admission
 
@@ -451,9 +408,9 @@ def simulate(prompt_lens, output_lens, config: SimConfig) -> SimResult:
                 addr = 0
             else:
                 need = int(declared[r])
-                addr = space.alloc(need)
+                addr = space.allocate(need)
                 if addr is None:
-                    blocked_by_layout = space.free_total >= need
+                    blocked_by_layout = space.num_free >= need
                     break
             flush()
             seq = heapq.heappop(empty_slots)
@@ -497,7 +454,7 @@ def simulate(prompt_lens, output_lens, config: SimConfig) -> SimResult:
         reserved = int((np.minimum(held, fin) - lens).sum())
         internal = int(np.maximum(held - fin, 0).sum())
         held_total = int(held.sum())
-        external = space.free_total if blocked_by_layout else 0
+        external = space.num_free if blocked_by_layout else 0
         host += (token, reserved, internal, held_total, external,
                  config.pool_tokens - held_total - external)
 
@@ -509,7 +466,7 @@ def simulate(prompt_lens, output_lens, config: SimConfig) -> SimResult:
                 if config.paged:
                     free_pages += held[seq] // ps
                 else:
-                    space.free(int(start[seq]), int(held[seq]))
+                    space.free(int(start[seq]))
                     free_pages += held[seq]
                 heapq.heappush(empty_slots, int(seq))
             slot_req[finished], lens[finished], fin[finished], held[finished] = -1, 0, 0, 0

@@ -99,9 +99,10 @@ def parse_args(argv=None):
     online.add_serving_flags(p, num_requests=32, max_output_len=48)
     p.add_argument("--request-rate", type=float, nargs="+", default=[1.0],
                    help="requests per second, one run each; inf sends all at once (default 1)")
-    p.add_argument("--policy", nargs="+", choices=online.POLICIES, default=["paged"],
+    p.add_argument("--policy", nargs="+", choices=online.ALL_POLICIES, default=["paged"],
                    help="KV reservation policies to compare (default paged): paged (vLLM), max, pow2, oracle "
-                        "(the paper's Orca baselines)")
+                        "(the paper's Orca baselines, buddy-allocated; '-firstfit' or '-pages' for another "
+                        "allocator, '-nocache' without prefix caching)", metavar="POLICY")
     p.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",
                    help="SLOs for goodput, e.g. ttft:2000 tpot:200 e2el:20000 (milliseconds)")
     p.add_argument("--workload", default="basic",

@@ -233,8 +233,9 @@ def parse_args(argv=None):
                    help=f"a smoke run: {QUICK['num_requests']} requests, outputs <= {QUICK['max_output_len']}, "
                         f"max {QUICK['max_seqs']} running, {QUICK['max_batched_tokens']} tokens per call, loads "
                         f"{' '.join(map(str, QUICK['loads']))} (each unless given); files named *_quick")
-    p.add_argument("--policy", nargs="+", choices=online.ALL_POLICIES, default=None,
-                   help="policies to compare: a reservation (paged, max, pow2, oracle), '-nocache' appended for "
+    p.add_argument("--policy", nargs="+", choices=online.ALL_POLICIES, default=None, metavar="POLICY",
+                   help="policies to compare: a reservation (paged, max, pow2, oracle; Orca buddy-allocated, "
+                        "'-firstfit' or '-pages' appended for another allocator), '-nocache' appended for "
                         "no prefix caching (default the workload's: all four reservations, or for prefix-K "
                         "paged, paged-nocache, oracle-nocache; paged is always run, first)")
     p.add_argument("--loads", type=float, nargs="+", default=None,

@@ -17,10 +17,24 @@ The true output length is the request's ``max_new_tokens``. Serving
 benchmarks run with ``ignore_eos=True``, where that is exactly how long the
 output is; with EOS allowed a sequence may stop sooner, and ``"oracle"``
 then reserves the cap the request declared, not the length it turns out to
-have. The reservation is backed by pages, which removes external
-fragmentation, so the baselines *understate* what paging gains over a
-truly contiguous allocator. Attention work is the same under every policy:
-it is bounded by each sequence's length, not by its reservation.
+have. Attention work is the same under every policy: it is bounded by
+each sequence's length, not by its reservation.
+
+Allocators. Where a reservation is placed (``EngineConfig.allocator``,
+:mod:`paged_jax.paging.contiguous`):
+
+- ``"buddy"`` (the default under a reservation policy): one contiguous run
+  per sequence, rounded up to a power of two of pages and placed by the
+  buddy allocator, as the paper's Orca (section 6.1). An admission waits
+  when no run fits though enough pages are free (external fragmentation,
+  counted in :class:`paged_jax.engine.stats.EngineStats`);
+- ``"first_fit"``: one contiguous run of exactly the reservation, first fit;
+- ``"pages"``: a reservation is only a count of pages, which removes
+  external fragmentation and the buddy's rounding: a kinder Orca than the
+  paper's, which *understates* what paging gains.
+
+The device pages underneath under every allocator, so every policy runs the
+same programs; the runs decide only what is admitted when.
 """
 
 from __future__ import annotations
@@ -30,9 +44,13 @@ import dataclasses
 from paged_jax.attention.batch import Tiling
 from paged_jax.checks import check_bool, check_choice, check_instance, check_int
 from paged_jax.engine.stats import DEFAULT_CALL_RECORDS
+from paged_jax.paging.contiguous import ALLOCATORS
 
 RESERVATIONS = ("paged", "max", "pow2", "oracle")
 """The values of ``EngineConfig.reservation``."""
+
+RESERVATION_ALLOCATORS = (*ALLOCATORS, "pages")
+"""The values of ``EngineConfig.allocator`` (under a reservation policy)."""
 
 
 def reserved_tokens(policy: str, prompt_len: int, max_new_tokens: int, max_seq_len: int) -> int:
@@ -82,6 +100,12 @@ class EngineConfig:
         admission on: "paged" (none: pages on demand), "max", "pow2" or
         "oracle" (the paper's Orca baselines; see the module docstring and
         :func:`reserved_tokens`).
+      allocator: where a reservation is placed, under a reservation policy:
+        "buddy" (one power-of-two run per sequence, the paper's Orca),
+        "first_fit" (one exact run) or "pages" (a count of pages, no
+        external fragmentation); see the module docstring. None (the
+        default): "buddy" under a reservation policy; paging on demand
+        takes None only.
       tiling: how attention cuts a call into work, and how many prefill
         chunks one call carries (:class:`paged_jax.attention.batch.Tiling`).
       async_scheduling: schedule and dispatch iteration ``i + 1`` before
@@ -118,6 +142,7 @@ class EngineConfig:
     max_seq_len: int = 2048
     max_num_batched_tokens: int = 256
     reservation: str = "paged"
+    allocator: str | None = None
     tiling: Tiling = Tiling()
     async_scheduling: bool = True
     enable_prefix_caching: bool = True
@@ -137,6 +162,14 @@ class EngineConfig:
             )
         check_choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
         check_choice("reservation", self.reservation, RESERVATIONS)
+        if self.reservation == "paged":
+            if self.allocator is not None:
+                raise ValueError(f"allocator={self.allocator!r} with reservation='paged': paging on demand places "
+                                 "no reservation; pass allocator=None, or a reservation policy")
+        else:
+            if self.allocator is None:
+                object.__setattr__(self, "allocator", "buddy")
+            check_choice("allocator", self.allocator, RESERVATION_ALLOCATORS)
         if self.swap_space_pages is not None:
             check_int("swap_space_pages", self.swap_space_pages, 0)
         for name in ("async_scheduling", "enable_prefix_caching", "drop_out_of_window_pages"):

@@ -37,7 +37,8 @@ of ``max_seq_len`` tokens, and at admission a group whose sequences could
 not all fit in the pool, so the oldest running group can always proceed.
 
 The paper's Orca baselines are ``EngineConfig(reservation="max")``,
-``"pow2"`` and ``"oracle"`` (:mod:`paged_jax.engine.config`).
+``"pow2"`` and ``"oracle"``, each reservation one buddy-allocated run
+(:mod:`paged_jax.engine.config`).
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ class Engine:
         self.kv_manager = KVCacheManager(
             kv_pool, max_seqs=config.max_seqs, max_seq_len=config.max_seq_len, reservation=config.reservation,
             enable_prefix_caching=config.enable_prefix_caching, swap_space_pages=swap_pages, stats=self.stats,
-            groups=groups, max_num_batched_tokens=config.max_num_batched_tokens)
+            groups=groups, max_num_batched_tokens=config.max_num_batched_tokens, allocator=config.allocator)
         self.scheduler = Scheduler(
             max_seqs=config.max_seqs, max_num_batched_tokens=config.max_num_batched_tokens, tiling=config.tiling,
             preemption_mode=config.preemption_mode, kv=self.kv_manager, stats=self.stats)
@@ -163,6 +164,7 @@ class Engine:
         self.limits = RequestLimits(
             vocab_size=vocab_size, max_seq_len=config.max_seq_len, max_seqs=config.max_seqs,
             page_size=self.page_size, usable_pages=kv_pool.num_pages - 1, reservation=config.reservation,
+            allocator=config.allocator,
             windows=groups.windows, max_num_batched_tokens=config.max_num_batched_tokens)
         self._live: dict = {}  # request_id -> group, while unfinished: ids need only be unique among these
         self._prompt_lps = PromptLogprobsBook()
@@ -416,6 +418,7 @@ class Engine:
                     self._complete(current, finished, touched)
 
         held, used = self.kv_manager.usage()
+        free, longest = self.kv_manager.external_fragmentation()
         tokens = sum(s.num_computed for s in self.running)
         outputs = []
         for s in finished:
@@ -430,7 +433,8 @@ class Engine:
             self.kv_manager.flush_frees()
         self.stats.record_iteration(seconds=time.perf_counter() - t_start, compile_s=compile_seconds() - c_start,
                                     held_pages=held, used_pages=used, concurrency=len(self.running) + len(finished),
-                                    token_slots=tokens / (held * self.page_size) if held else None)
+                                    token_slots=tokens / (held * self.page_size) if held else None,
+                                    unusable_free=(free - longest) / self.limits.usable_pages)
         return outputs
 
     # ------------------------------------------------------------- device

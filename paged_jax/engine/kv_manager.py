@@ -75,7 +75,11 @@ free pages the scheduler sees count every sequence's pages as its own
 parent's pages (the same programs run under every policy), but the
 scheduler counts a copy of each page for each extra holder, and a
 request's samples and beams still to come hold their reservations from
-the request's admission on.
+the request's admission on. With a contiguous allocator
+(``EngineConfig.allocator``, :mod:`paged_jax.paging.contiguous`) each of
+those reservations is also one run in the allocator, placed at the group's
+admission (an admission whose runs do not fit waits, though the pages
+would) and given back with its row.
 """
 
 from __future__ import annotations
@@ -91,6 +95,7 @@ from paged_jax.engine.sequence import Sequence, SequenceGroup
 from paged_jax.engine.stats import EngineStats
 from paged_jax.paging import page_state as ps
 from paged_jax.paging.block_pool import BlockPool
+from paged_jax.paging.contiguous import ALLOCATORS, HeldRuns, make_allocator
 from paged_jax.paging.kv_cache import KVPool
 from paged_jax.paging.kv_groups import KVGroups, single_group
 from paged_jax.paging.prefix_cache import PrefixCache, chain_keys
@@ -178,6 +183,9 @@ class KVCacheManager:
       max_num_batched_tokens: tokens one call computes at most (a first
         chunk's bound, for admission costs with several groups); default
         ``max_seq_len``.
+      allocator: under a reservation policy, "buddy" or "first_fit" places
+        each reservation as one contiguous run too
+        (:mod:`paged_jax.paging.contiguous`); None or "pages": none.
 
     Raises:
       ValueError: ``groups`` whose ``group_size`` is not the pool's layer
@@ -187,7 +195,7 @@ class KVCacheManager:
     def __init__(self, kv_pool: KVPool, *, max_seqs: int, max_seq_len: int, reservation: str,
                  enable_prefix_caching: bool, swap_space_pages: int, stats: EngineStats,
                  sliding_window: int | None = None, groups: KVGroups | None = None,
-                 max_num_batched_tokens: int | None = None):
+                 max_num_batched_tokens: int | None = None, allocator: str | None = None):
         self.kv = kv_pool
         self.max_num_batched_tokens = max_seq_len if max_num_batched_tokens is None else check_int(
             "max_num_batched_tokens", max_num_batched_tokens)
@@ -221,6 +229,8 @@ class KVCacheManager:
         self._first_kept = np.zeros(rows, np.int32)  # columns each row drops below in the next call
         self._hits: dict[int, tuple[list[int], int, int]] = {}  # row -> (pages, tokens, tokens ahead), next call
         self._reserving: dict[SequenceGroup, int] = {}  # reservation policies: admitted group -> pages per sequence
+        self.runs = (HeldRuns(make_allocator(allocator, kv_pool.num_pages - 1))
+                     if reservation != "paged" and allocator in ALLOCATORS else None)
 
     def rows(self, seq: Sequence) -> list[int]:
         """``seq``'s page-state rows, one per layer group."""
@@ -280,6 +290,24 @@ class KVCacheManager:
             cost = new_pages + sum(1 for p in taken if self.pool.ref_counts[p] == 0)
         return Admission(cost=cost, hits=hits, swapped=None, members=members,
                          computed=[len(h[0]) * self.page_size for h in hits])
+
+    def runs_fit(self, group: SequenceGroup, members: list[Sequence]) -> bool:
+        """Whether admitting ``members`` could place its runs now (always,
+        without a contiguous allocator)."""
+        return self.runs is None or self.runs.fits(self._run_sizes(group, members))
+
+    def _run_sizes(self, group: SequenceGroup, members: list[Sequence]) -> list[int]:
+        """Pages of each run admitting ``members`` places: each member's, then
+        each sample's or beam's to come."""
+        return ([self.pages_for(s, s.num_tokens) for s in members]
+                + [self.reserved_pages(members[0])] * group.spare_slots)
+
+    def external_fragmentation(self) -> tuple[int, int]:
+        """(pages free in the contiguous allocator, pages of its longest free
+        run); (0, 0) without one."""
+        if self.runs is None:
+            return 0, 0
+        return self.runs.allocator.num_free, self.runs.allocator.largest_free()
 
     def _children_pages(self, group: SequenceGroup, members: list[Sequence]) -> int:
         """Under a reservation policy, the pages a group's samples and beams
@@ -384,6 +412,8 @@ class KVCacheManager:
         chunk fills (same-step sharing); then plans ``chunks[i]`` tokens for
         member ``i``."""
         members = adm.members
+        if self.runs is not None:
+            self.runs.place(group, self._run_sizes(group, members))
         if self.reservation != "paged":  # the samples and beams to come hold their reservations from now on
             self._reserving[group] = self.reserved_pages(members[0])
             self.num_free -= self._children_pages(group, members)
@@ -512,10 +542,13 @@ class KVCacheManager:
         if group in self.swap:
             self.swap.pop(group)
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence, *, keep_run: bool = False) -> None:
         """``seq``'s pages lose a reference (freed on device by the next
         call, or by :meth:`flush_frees`); a page another sequence shares
-        stays held."""
+        stays held. Its run goes back to the allocator, unless
+        ``keep_run`` (a pruned beam's row stays with its group)."""
+        if self.runs is not None and not keep_run:
+            self.runs.free(seq.group)
         for row in self.rows(seq):
             if row in self._hits:  # given pages this round, but no call has taken them yet
                 raise RuntimeError(f"internal: slot {seq.slot} released before the call that shares its pages")
@@ -531,6 +564,8 @@ class KVCacheManager:
         (:meth:`paged_jax.engine.scheduler.Scheduler.return_child_slots`): under a
         reservation policy their reservations count as free again now, not
         only at the next call (an idle engine has none)."""
+        if self.runs is not None:
+            self.runs.free(group, len(group.child_slots))
         pages = self._reserving.get(group)
         if pages is None:
             return

@@ -13,6 +13,7 @@ import numpy as np
 from paged_jax.checks import check_bool, check_instance, check_int, is_int
 from paged_jax.engine.config import reserved_tokens
 from paged_jax.engine.sampling import SamplingParams
+from paged_jax.paging.contiguous import ALLOCATORS, make_allocator
 from paged_jax.paging.page_state import pages_for_tokens
 
 INT32_TOKENS = 2**31 - 1
@@ -33,6 +34,9 @@ class RequestLimits:
       reservation: the engine's reservation policy
         (``EngineConfig.reservation``): each sequence holds pages for
         :func:`paged_jax.engine.config.reserved_tokens` tokens from admission on.
+      allocator: the contiguous allocator placing each reservation as one
+        run (``EngineConfig.allocator``): a group's runs must fit in an
+        empty one; None or "pages": none.
       windows: per layer group (a block table each,
         :mod:`paged_jax.paging.kv_groups`), the sliding window whose pages it
         returns while a sequence runs, or None (it keeps every page).
@@ -46,6 +50,7 @@ class RequestLimits:
     page_size: int
     usable_pages: int
     reservation: str = "paged"
+    allocator: str | None = None
     windows: tuple[int | None, ...] = (None,)
     max_num_batched_tokens: int | None = None
 
@@ -157,6 +162,13 @@ class Request:
                 f"request {rid!r}: {k} sequences holding {held} tokens each (reservation={limits.reservation!r}) "
                 f"need up to {group_pages} pages{groups}, more than the pool's {limits.usable_pages}; after a "
                 f"preemption they could never be resumed together")
+        if limits.reservation != "paged" and limits.allocator in ALLOCATORS:
+            empty = make_allocator(limits.allocator, limits.usable_pages)
+            if not empty.fits([limits.seq_pages(held)] * k):
+                raise ValueError(
+                    f"request {rid!r}: {k} runs of {empty.run_pages(limits.seq_pages(held))} contiguous pages "
+                    f"(reservation={limits.reservation!r}, allocator={limits.allocator!r}) do not fit in the "
+                    f"pool's {limits.usable_pages} pages even when it is empty")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError(f"request {rid!r}: cache_salt must be a str or None, got {self.cache_salt!r}")
 

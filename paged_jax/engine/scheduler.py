@@ -112,6 +112,12 @@ class Scheduler:
             adm = self.kv.admission(group, members)
             if (min(adm.first_chunk, budget) > 1 and not chunks) or adm.cost + watermark > self.kv.num_free:
                 break
+            if not self.kv.runs_fit(group, members):  # pages enough, but no run fits: external fragmentation
+                self.stats.fragmentation_blocked_steps += 1
+                if not group.blocked_by_fragmentation:
+                    group.blocked_by_fragmentation = True
+                    self.stats.fragmentation_blocked_requests += 1
+                break
             for seq in members:
                 self.waiting.popleft()
                 seq.slot = self.free_slots.pop()
@@ -164,10 +170,11 @@ class Scheduler:
         self.stats.preemptions += 1
         self.waiting.extendleft(reversed(members))
 
-    def release(self, seq: Sequence) -> None:
-        """Takes running ``seq`` out: its row back, its pages released."""
+    def release(self, seq: Sequence, *, keep_run: bool = False) -> None:
+        """Takes running ``seq`` out: its row back, its pages released (its
+        contiguous run too, unless ``keep_run``)."""
         self.running.remove(seq)
-        self.kv.release(seq)
+        self.kv.release(seq, keep_run=keep_run)
         self.free_slots.append(seq.slot)
         seq.slot = NO_SLOT
 
@@ -190,7 +197,7 @@ class Scheduler:
         """A beam with no continuation leaves; a running one's row stays
         with its group for the beams to come."""
         if seq.running:
-            self.release(seq)
+            self.release(seq, keep_run=True)  # the row's run stays with the group, for a beam to come
             seq.group.child_slots.append(self.free_slots.pop())
             self.kv.keep_for_beams(seq.group, seq.group.child_slots[-1])
         else:

@@ -157,6 +157,9 @@ class SequenceGroup:
       arrival_s: engine-clock seconds when it was added.
       step_times: beam search: engine-clock seconds of each beam step (its
         hypotheses' token times).
+      blocked_by_fragmentation: its admission waited at least once with
+        pages enough but no contiguous run to hold them
+        (``EngineConfig.allocator``).
     """
 
     request: Request
@@ -171,6 +174,7 @@ class SequenceGroup:
     reported: bool = False
     arrival_s: float = 0.0
     step_times: list[float] = dataclasses.field(default_factory=list)
+    blocked_by_fragmentation: bool = False
 
     @classmethod
     def from_request(cls, request: Request, *, arrival_s: float = 0.0) -> SequenceGroup:

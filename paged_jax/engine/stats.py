@@ -68,6 +68,14 @@ class EngineStats:
     no longer saw them (:mod:`paged_jax.paging.sliding_window`), every layer group
     counted (:mod:`paged_jax.paging.kv_groups`).
 
+    External fragmentation (a contiguous allocator under a reservation
+    policy, ``EngineConfig.allocator``): ``fragmentation_blocked_steps``
+    counts schedule rounds whose next admission waited with pages enough
+    but no run to hold them, ``fragmentation_blocked_requests`` the requests
+    that ever waited so, and ``unusable_free_s`` integrates over time the
+    share of the pool free but outside the longest free run
+    (``external_fragmentation`` is its time average).
+
     Poison: ``nonfinite_kv`` counts sequences a call wrote non-finite K/V
     for (a running one stops the engine by name; an aborted one's pages are
     only kept out of the prefix cache).
@@ -92,6 +100,9 @@ class EngineStats:
     recomputed_tokens: int = 0
     window_dropped_pages: int = 0
     nonfinite_kv: int = 0  # sequences a call wrote non-finite K/V for (their pages never cached)
+    fragmentation_blocked_steps: int = 0
+    fragmentation_blocked_requests: int = 0
+    unusable_free_s: float = 0.0  # integral of (free - longest free run) / pool over time
     seq_pages_sum: int = 0
     used_pages_sum: int = 0
     peak_pages_used: int = 0
@@ -131,12 +142,14 @@ class EngineStats:
         return 1 - self.call_tokens / self.call_rows if self.call_rows else 0.0
 
     def record_iteration(self, *, seconds: float, compile_s: float, held_pages: int, used_pages: int,
-                         concurrency: int, token_slots: float | None) -> None:
+                         concurrency: int, token_slots: float | None, unusable_free: float = 0.0) -> None:
         """Counts one engine iteration of ``seconds`` (``compile_s`` of them
         compiling, in a model call or not), with ``held_pages`` pages held
         summed over sequences, ``used_pages`` distinct pages in use,
         ``concurrency`` sequences running, and ``token_slots`` the share of
-        held slots holding tokens (None when no page is held)."""
+        held slots holding tokens (None when no page is held);
+        ``unusable_free`` the pool's share free but outside a contiguous
+        allocator's longest free run."""
         self.iterations += 1
         self.seq_pages_sum += held_pages
         self.used_pages_sum += used_pages
@@ -147,6 +160,7 @@ class EngineStats:
         self.concurrency_s += concurrency * seconds
         if token_slots is not None:
             self.token_fraction_s += token_slots * seconds
+        self.unusable_free_s += unusable_free * seconds
 
     @property
     def sharing_saving(self) -> float:
@@ -170,6 +184,12 @@ class EngineStats:
     @property
     def kv_token_fraction(self) -> float:
         return self.token_fraction_s / self.busy_s if self.busy_s else 0.0
+
+    @property
+    def external_fragmentation(self) -> float:
+        """Time-averaged share of the pool free but unusable: outside the
+        contiguous allocator's longest free run (0 without one)."""
+        return self.unusable_free_s / self.busy_s if self.busy_s else 0.0
 
     @property
     def num_programs(self) -> int:
