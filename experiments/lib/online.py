@@ -91,6 +91,7 @@ from paged_jax.checks import check_bool, check_choice  # noqa: E402
 from paged_jax.engine.core import Engine  # noqa: E402
 from paged_jax.engine.requests import Request, RequestOutput  # noqa: E402
 from paged_jax.jit_stats import CompileCounts, CompileMonitor  # noqa: E402
+from paged_jax.simulator.engine import SimulatedEngine, TimedEngine  # noqa: E402
 
 TOY_CONFIG = LlamaConfig(vocab_size=49152, model_dim=64, mlp_dim=128, num_layers=2, num_q_heads=4,
                          num_kv_heads=2, head_dim=16)
@@ -132,7 +133,7 @@ class OnlineRun:
 
 
 def run_online(engine: Engine, requests: Sequence[Request], arrivals: Sequence[float], *, progress: bool = False,
-               sleep: Callable[[float], None] = time.sleep) -> OnlineRun:
+               sleep: Callable[[float], None] | None = None) -> OnlineRun:
     """Serves ``requests[i]`` arriving ``arrivals[i]`` seconds after the
     start, on ``engine``'s clock, until all have finished.
 
@@ -145,6 +146,9 @@ def run_online(engine: Engine, requests: Sequence[Request], arrivals: Sequence[f
         (:func:`arrival_times`).
       progress: a bar of finished requests (none when stderr is not a
         terminal).
+      sleep: waits that many seconds of the engine's clock; default
+        ``time.sleep``, or a virtual clock's own
+        (:meth:`paged_jax.simulator.engine.TimedEngine.sleep`).
 
     Raises:
       ValueError: lengths differ, arrivals decrease or are negative, the
@@ -157,6 +161,8 @@ def run_online(engine: Engine, requests: Sequence[Request], arrivals: Sequence[f
         raise ValueError("arrivals must be non-negative and non-decreasing")
     if engine.has_unfinished():
         raise ValueError("the engine already has unfinished requests")
+    if sleep is None:
+        sleep = engine.sleep if isinstance(engine, TimedEngine) else time.sleep
     taken: set = set()
     for r in requests:  # all or nothing: a bad request fails before the clock starts
         engine.check_request(r, taken)
@@ -271,19 +277,33 @@ class EngineSpec:
     prefix_caching: bool = True
     kv_dtype: object = None
 
-    def build(self, policy: str) -> Engine:
+    def build(self, policy: str, **config) -> Engine:
         """An engine of ``policy`` (:data:`experiments.lib.policies.ALL_POLICIES`:
         a reservation, its allocator, ``-nocache`` turning prefix caching
-        off).
+        off); ``config``: further ``EngineConfig`` fields
+        (``call_records``).
 
         Raises:
           ValueError: an unknown policy.
         """
-        options = engine_options(policy)
-        options["enable_prefix_caching"] = self.prefix_caching and options["enable_prefix_caching"]
         return serving.make_engine(self.model, kv_tokens=self.kv_tokens, page_size=self.page_size,
                                    max_seqs=self.max_seqs, max_batched_tokens=self.max_batched_tokens,
-                                   paged_model=self.paged_model, kv_dtype=self.kv_dtype, **options)
+                                   paged_model=self.paged_model, kv_dtype=self.kv_dtype,
+                                   **self._options(policy), **config)
+
+    def simulate(self, policy: str, step_time, **config) -> SimulatedEngine:
+        """What :meth:`build` builds, simulated: the same configuration and
+        pool size, its calls timed by ``step_time``
+        (:mod:`paged_jax.simulator`)."""
+        engine_config = serving.engine_config(max_seqs=self.max_seqs, max_batched_tokens=self.max_batched_tokens,
+                                              **self._options(policy), **config)
+        return SimulatedEngine(step_time, engine_config, num_pages=serving.pool_pages(self.kv_tokens, self.page_size),
+                               page_size=self.page_size, vocab_size=self.model.config.vocab_size)
+
+    def _options(self, policy: str) -> dict:
+        options = engine_options(policy)
+        options["enable_prefix_caching"] = self.prefix_caching and options["enable_prefix_caching"]
+        return options
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -396,6 +416,8 @@ def serve_online(make_engine: Callable[[str], Engine], requests: Sequence[Reques
         engine = make_engine(policy)
         with CompileMonitor() as monitor:
             run = run_online(engine, requests, arrivals, progress=progress)
+        if isinstance(engine, TimedEngine):  # a virtual clock: compiling took none of its time
+            break
         if not (repeat_if_compiled and monitor.counts.requests and not discarded):
             break
         discarded = monitor.counts.requests

@@ -90,6 +90,19 @@ def pool_pages(kv_tokens: int, page_size: int) -> int:
     return kv_tokens // page_size + 1
 
 
+def engine_config(*, max_seqs: int, max_batched_tokens: int, max_seq_len: int = MAX_SEQ_LEN,
+                  **config) -> EngineConfig:
+    """The ``EngineConfig`` :func:`make_engine` builds: ``max_batched_tokens``
+    raised to ``max_seqs`` (every running sequence decodes in each call),
+    ``config`` its further fields.
+
+    Raises:
+      ValueError: from ``EngineConfig``.
+    """
+    return EngineConfig(max_seqs=max_seqs, max_seq_len=max_seq_len,
+                        max_num_batched_tokens=max(max_batched_tokens, max_seqs), **config)
+
+
 def make_engine(model, *, kv_tokens: int, page_size: int, max_seqs: int, max_seq_len: int = MAX_SEQ_LEN,
                 max_batched_tokens: int = 256, paged_model=None, mesh=None, stop_ids=(), kv_dtype=None,
                 tokenizer=None, **config) -> Engine | DataParallelEngine:
@@ -129,18 +142,18 @@ def make_engine(model, *, kv_tokens: int, page_size: int, max_seqs: int, max_seq
     check_int("max_seqs", max_seqs)
     check_int("max_batched_tokens", max_batched_tokens)
     kv_dtype = jnp.dtype(kv_dtype or default_kv_dtype())
-    engine_config = EngineConfig(max_seqs=max_seqs, max_seq_len=max_seq_len,
-                                 max_num_batched_tokens=max(max_batched_tokens, max_seqs), **config)
+    engine_config_ = engine_config(max_seqs=max_seqs, max_seq_len=max_seq_len, max_batched_tokens=max_batched_tokens,
+                                   **config)
     vocab_size = model.config.vocab_size
     if mesh is not None:
         if tokenizer is not None:
             raise ValueError("tokenizer: the data-parallel engine (mesh) does not detokenize; pass tokenizer=None")
-        return make_data_parallel_engine(model, mesh, engine_config, pages_per_shard=num_pages, page_size=page_size,
+        return make_data_parallel_engine(model, mesh, engine_config_, pages_per_shard=num_pages, page_size=page_size,
                                          stop_ids=stop_ids, vocab_size=vocab_size, kv_dtype=kv_dtype)
     paged_model = paged_model or RaggedModel(model)
     pool = paged_model.make_budget_kv_pool(num_pages, page_size, kv_dtype,
-                                           grouped=engine_config.pages_by_layer_group)
-    return Engine(paged_model, pool, engine_config, stop_ids=stop_ids, vocab_size=vocab_size, tokenizer=tokenizer)
+                                           grouped=engine_config_.pages_by_layer_group)
+    return Engine(paged_model, pool, engine_config_, stop_ids=stop_ids, vocab_size=vocab_size, tokenizer=tokenizer)
 
 
 def run_timed(engine: Engine | DataParallelEngine, requests: list[Request], *, progress: bool = False,

@@ -172,6 +172,7 @@ class Engine:
         self._no_prev = jnp.zeros(config.max_seqs, jnp.int32)  # per slot
         self._failed: BaseException | None = None
         self._t0: float | None = None
+        self._busy_since: float | None = None  # the last iteration's end, if it left work
 
     # ------------------------------------------------------------ views
 
@@ -398,14 +399,15 @@ class Engine:
     def _step(self) -> list[RequestOutput]:
         if not self.has_unfinished():
             return []
-        self.clock()  # starts it
-        t_start, c_start = time.perf_counter(), compile_seconds()
+        t_start, c_start = self.clock(), self._compile_clock()  # starts the clock
+        # Busy since the last iteration's end if it left work (the time between is the caller's loop).
+        busy_from = t_start if self._busy_since is None else self._busy_since
         # Named phases for a profiler's trace (paged_jax.profiling): nearly free when none runs.
         with jax.profiler.TraceAnnotation("schedule"):
             scheduled = self.scheduler.schedule()
         prev, self._inflight = self._inflight, None
         with jax.profiler.TraceAnnotation("dispatch"):
-            current = self._dispatch(scheduled, prev) if scheduled else None
+            current = self._dispatch(scheduled, prev, busy_from) if scheduled else None
         finished: list[Sequence] = []
         touched: dict[SequenceGroup, None] = {}  # groups that got tokens, in order
         with jax.profiler.TraceAnnotation("complete"):
@@ -431,7 +433,12 @@ class Engine:
                 outputs.append(request_output(group, now=now, finished=False, prompt_book=self._prompt_lps))
         if not self.has_unfinished():
             self.kv_manager.flush_frees()
-        self.stats.record_iteration(seconds=time.perf_counter() - t_start, compile_s=compile_seconds() - c_start,
+        end = self.clock()
+        for call in (prev, None if self._inflight is current else current):
+            if call is not None:  # read in this iteration
+                call.record.done_s = end
+        self._busy_since = end if self.has_unfinished() else None
+        self.stats.record_iteration(seconds=end - t_start, compile_s=self._compile_clock() - c_start,
                                     held_pages=held, used_pages=used, concurrency=len(self.running) + len(finished),
                                     token_slots=tokens / (held * self.page_size) if held else None,
                                     unusable_free=(free - longest) / self.limits.usable_pages)
@@ -439,10 +446,12 @@ class Engine:
 
     # ------------------------------------------------------------- device
 
-    def _dispatch(self, scheduled: list[ScheduledSeq], prev: _InFlight | None) -> _InFlight:
+    def _dispatch(self, scheduled: list[ScheduledSeq], prev: _InFlight | None, start_s: float) -> _InFlight:
         """Builds and launches one call (JAX dispatch returns before the
-        device is done). Sequences that sample in it hold a token in flight
-        until :meth:`_complete` reads it."""
+        device is done) in the iteration that began at ``start_s`` (or the
+        end of the one before, when that left work).
+        Sequences that sample in it hold a token in flight until
+        :meth:`_complete` reads it."""
         kvm = self.kv_manager
         children = {e.seq.slot: e.seq.group.spawn_children(e.seq) for e in scheduled
                     if samples_in_call(e.seq, e.num_tokens) and e.seq.group.wants_children(e.seq)}
@@ -459,15 +468,19 @@ class Engine:
         # (beams), extend, fork (parallel samples).
         expected_free = kvm.plan_call(call.inputs.fork_pre, call.inputs.num_new, call.inputs.fork_src)
         self.stats.programs.add((call.shape, call.options))
-        c0, t0 = compile_seconds(), time.perf_counter()
+        c0, t0 = self._compile_clock(), self.clock()
         wrote = [(e.seq, e.seq.slot, kvm.pages_written(e.seq, e.seq.num_computed, e.num_tokens)) for e in scheduled]
-        kvm.state, kvm.kv, new, top, sampled_lp, prompt, ok, num_free, kv_ok = device_step(
-            self.model, self.params, kvm.state, kvm.kv, self._no_prev if prev is None else prev.sampled,
-            call.inputs, shape=call.shape, **dataclasses.asdict(call.options))
-        compile_s = compile_seconds() - c0
+        record = CallRecord(
+            shape=call.shape, tokens=sum(e.num_tokens for e in scheduled), compile_s=0.0, seconds=0.0,
+            decode_tokens=sum(1 for e in scheduled if e.num_tokens == 1 and e.seq.num_computed >= e.seq.num_prompt),
+            rows=len(scheduled), context_tokens=sum(e.seq.num_computed + e.num_tokens for e in scheduled),
+            attention_pairs=sum(e.num_tokens * e.seq.num_computed + e.num_tokens * (e.num_tokens + 1) // 2
+                                for e in scheduled), start_s=start_s)
+        new, top, sampled_lp, prompt, ok, num_free, kv_ok = self._launch(call, prev, record)
+        record.compile_s = self._compile_clock() - c0
+        record.seconds = self.clock() - t0 - record.compile_s  # dispatch; the read adds its wait
         if self.check_page_state:
             kvm.pool.check(kvm.state)
-        decode = sum(1 for e in scheduled if e.num_tokens == 1 and e.seq.num_computed >= e.seq.num_prompt)
         for e in scheduled:
             e.seq.num_computed += e.num_tokens
             if e.seq.slot in children:  # they join the group, right after its first sequence
@@ -485,21 +498,45 @@ class Engine:
             sampled=new, top=top, sampled_lp=sampled_lp, prompt=prompt, prompt_rows=call.prompt_rows, ok=ok,
             num_free=num_free, samplers=call.samplers,
             sampler_slots=[seq.slot for seq in call.samplers], expected_free=expected_free,
-            record=CallRecord(shape=call.shape, tokens=sum(e.num_tokens for e in scheduled), decode_tokens=decode,
-                              seconds=time.perf_counter() - t0 - compile_s, compile_s=compile_s),
+            record=record,
             kv_ok=kv_ok, wrote=wrote,
         )
+
+    def _compile_clock(self) -> float:
+        """Seconds JAX has spent compiling in this process (none on a
+        simulated engine's clock)."""
+        return compile_seconds()
+
+    def _launch(self, call, prev: _InFlight | None, record: CallRecord) -> tuple:
+        """Dispatches the jitted step for ``call`` (a
+        :class:`paged_jax.engine.input_builder.StepCall`; ``record`` holds
+        its work), updating the page state and the KV pool; returns its
+        device outputs ``(sampled, top, sampled_logprob, prompt, ok,
+        num_free, kv_ok)`` (:func:`paged_jax.engine.step.device_step`). A
+        simulated engine replaces this and :meth:`_read` only."""
+        kvm = self.kv_manager
+        kvm.state, kvm.kv, *out = device_step(
+            self.model, self.params, kvm.state, kvm.kv, self._no_prev if prev is None else prev.sampled,
+            call.inputs, shape=call.shape, **dataclasses.asdict(call.options))
+        return tuple(out)
+
+    def _read(self, call: _InFlight) -> tuple:
+        """A dispatched call's outputs on the host (the one transfer):
+        ``(sampled, (top_ids, top_logprobs), sampled_logprob, prompt, ok,
+        num_free, kv_ok)`` as numpy."""
+        return jax.device_get((call.sampled, call.top, call.sampled_lp, call.prompt, call.ok, call.num_free,
+                               call.kv_ok))
 
     def _complete(self, call: _InFlight, finished: list[Sequence], touched: dict[SequenceGroup, None]) -> None:
         """Reads a call's sampled tokens (the one transfer), checks the
         device's page state against the host's plan, and records tokens
         (their times, log-probs and text) and prompt log-probs; ``touched``
         gets the groups that got tokens."""
-        t0 = time.perf_counter()
-        sampled, (top_ids, top_lps), sampled_lp, prompt, ok, num_free, kv_ok = jax.device_get(
-            (call.sampled, call.top, call.sampled_lp, call.prompt, call.ok, call.num_free, call.kv_ok))
+        t0 = self.clock()
+        sampled, (top_ids, top_lps), sampled_lp, prompt, ok, num_free, kv_ok = self._read(call)
         rec = call.record
-        rec.seconds += time.perf_counter() - t0
+        rec.read_s = self.clock()
+        rec.seconds += rec.read_s - t0
         if not ok or int(num_free) != call.expected_free:  # the host plan is exact, so this is a bug
             raise RuntimeError(
                 f"page state disagrees with the scheduler: ok={bool(ok)}, device free pages {int(num_free)}, "

@@ -23,15 +23,38 @@ DEFAULT_CALL_RECORDS = 1024
 
 @dataclasses.dataclass
 class CallRecord:
-    """One model call: its static shape, real tokens, and seconds from
+    """One model call: its static shape, its work, and seconds from
     dispatch to results on the host, less ``compile_s`` spent compiling (or
-    loading from the persistent cache) inside it."""
+    loading from the persistent cache) inside it.
+
+    The work (what a step-time model, :mod:`paged_jax.simulator.step_time`,
+    predicts from): ``tokens`` real query tokens, ``decode_tokens`` of them
+    one-token decodes; ``rows`` sequences in the call; ``context_tokens``
+    the K/V tokens its attention reads, each sequence's once (its computed
+    tokens plus the call's); ``attention_pairs`` the (query, key) pairs it
+    scores, causal within a chunk (``n * c + n * (n + 1) / 2`` for ``n``
+    tokens after ``c`` computed ones).
+
+    On the engine's clock: ``start_s`` the start of the iteration that
+    dispatched it (the end of the iteration before when that one left work:
+    the caller's loop between them counts as busy), ``read_s`` when its results reached the host, ``done_s``
+    the end of the iteration that read them. ``done_s - max(start_s,
+    previous call's done_s)`` is the time the call added to the engine's
+    clock (:func:`paged_jax.simulator.step_time.call_seconds`; what a
+    simulated engine advances by).
+    """
 
     shape: BatchShape
     tokens: int
     decode_tokens: int
     seconds: float
     compile_s: float
+    rows: int = 0
+    context_tokens: int = 0
+    attention_pairs: int = 0
+    start_s: float = 0.0
+    read_s: float = 0.0
+    done_s: float = 0.0
 
 
 @dataclasses.dataclass

@@ -1,0 +1,189 @@
+"""The simulated accelerator (:mod:`paged_jax.simulator`): the engine with its
+model call and clock replaced makes the real engine's decisions, and the
+step-time models compute what they say."""
+
+import numpy as np
+import pytest
+
+from experiments.lib.latency import arrival_times
+from experiments.lib.online import run_online
+from paged_jax.engine.core import Request
+from paged_jax.engine.sampling import SamplingParams
+from paged_jax.simulator.engine import SimulatedEngine, TimedEngine
+from paged_jax.simulator.hardware import get_device, get_model
+from paged_jax.simulator.step_time import (
+    FEATURES,
+    ProfiledStepTime,
+    ReplayStepTime,
+    RooflineStepTime,
+    StepWork,
+    call_seconds,
+    features,
+    mape,
+)
+from tests.engine_helpers import PAGE, VOCAB, make_engine, shared_step, toy_pool
+
+
+def _requests(n=16, seed=0, **kw):
+    rng = np.random.default_rng(seed)
+    return [Request(request_id=i, prompt_ids=rng.integers(0, VOCAB, size=int(rng.integers(3, 30))).tolist(),
+                    max_new_tokens=int(rng.integers(2, 24)), ignore_eos=True, **kw) for i in range(n)]
+
+
+def _decisions(engine, run):
+    """What the scheduler decided, call by call, and when each request ended."""
+    calls = [(c.shape, c.tokens, c.rows, c.context_tokens, c.attention_pairs, c.start_s, c.done_s)
+             for c in engine.stats.calls]
+    ends = [(r.first_token_s, r.finish_s) for r in run.records]
+    order = [o.request_id for o in sorted(run.outputs, key=lambda o: (run.records[o.request_id].finish_s,
+                                                                      o.request_id))]
+    return calls, ends, order, engine.stats.preemptions, engine.stats.swap_outs
+
+
+@pytest.mark.parametrize("config", [
+    dict(overlap=False),
+    dict(overlap=True),
+    dict(overlap=True, reservation="oracle"),  # buddy runs: admissions wait on fragmentation
+    dict(overlap=False, preemption_mode="swap"),
+], ids=["sync", "async", "orca-buddy", "swap"])
+def test_the_simulated_engine_replays_a_real_run_into_the_same_decisions(config):
+    """A real run's measured call times, replayed into the real engine on a
+    virtual clock and into the simulated engine: the same calls (shapes,
+    work, start and end times), preemptions, swaps, first-token and finish
+    times, to the bit; the real run itself lies within the machine's
+    scheduling noise of both."""
+    reqs = _requests()
+    arrivals = arrival_times(len(reqs), 30.0, seed=1)
+    kw = dict(num_pages=31, max_seqs=6, call_records=None, check=False, **config)
+    real = make_engine(**kw)
+    real_run = run_online(real, reqs, arrivals)
+    times = call_seconds(list(real.stats.calls))
+    assert len(times) == real.stats.model_calls and min(times) > 0
+
+    e = make_engine(**kw)
+    timed = TimedEngine(shared_step(), toy_pool(31, PAGE), e.config, vocab_size=VOCAB,
+                        step_time=ReplayStepTime(times + [1e-3] * 200))
+    timed_run = run_online(timed, reqs, arrivals, sleep=timed.sleep)
+    sim = SimulatedEngine(ReplayStepTime(times + [1e-3] * 200), e.config, num_pages=31, page_size=PAGE,
+                          vocab_size=VOCAB)
+    sim_run = run_online(sim, reqs, arrivals, sleep=sim.sleep)
+    assert _decisions(sim, sim_run) == _decisions(timed, timed_run)
+    assert [len(o.outputs[0].output_ids) for o in sim_run.outputs] == [r.max_new_tokens for r in reqs]
+    # Against the real clock: the same work within the noise of a shared machine's loop and sleeps.
+    assert abs(sim_run.duration_s - real_run.duration_s) < 0.1 * real_run.duration_s
+    assert sim.kv_manager.accounting()["used"] == 0 and sim.accounting() == timed.accounting()
+
+
+def test_simulated_tokens_never_stop_and_pages_come_back_for_samples_and_beams():
+    reqs = [Request(request_id=i, prompt_ids=list(range(1, 6 + i)), max_new_tokens=9,
+                    sampling=SamplingParams(**s)) for i, s in
+            enumerate([dict(n=3, seed=0, temperature=1.0), dict(beam_width=3), {}, dict(logprobs=2)])]
+    sim = SimulatedEngine(ReplayStepTime([0.01] * 500), make_engine(41).config, num_pages=41, page_size=PAGE,
+                          vocab_size=VOCAB, stop_ids=list(range(0, VOCAB, 2)))
+    outs = {o.request_id: o for o in sim.run(reqs)}
+    for i in (0, 2, 3):
+        for c in outs[i].outputs:
+            assert len(c.output_ids) == 9 and all(t % 2 == 1 for t in c.output_ids)  # stop ids never drawn
+    assert len(outs[1].outputs) == 3
+    assert sim.clock() == pytest.approx(0.01 * sim.stats.model_calls)
+    assert sim.accounting()["used"] == 0
+
+
+def test_simulated_engine_arguments_are_checked():
+    config = make_engine(41).config
+    with pytest.raises(ValueError, match="step_time must have seconds"):
+        SimulatedEngine(0.01, config, num_pages=41, page_size=PAGE, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="num_pages"):
+        SimulatedEngine(ReplayStepTime([]), config, num_pages=1, page_size=PAGE, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="fewer than one sequence"):
+        SimulatedEngine(ReplayStepTime([]), config, num_pages=5, page_size=PAGE, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="stop_ids cover the whole vocabulary"):
+        SimulatedEngine(ReplayStepTime([]), config, num_pages=41, page_size=PAGE, vocab_size=4, stop_ids=[0, 1, 2, 3])
+    sim = SimulatedEngine(ReplayStepTime([]), config, num_pages=41, page_size=PAGE, vocab_size=VOCAB)
+    sim.add_request(Request(request_id=0, prompt_ids=[1, 2], max_new_tokens=2))
+    with pytest.raises(RuntimeError, match="the replay has 0 call times"):
+        sim.step()
+
+
+# ----------------------------------------------------------- step times
+
+
+def test_roofline_of_one_hand_worked_decode_step():
+    """OPT-13B on an A100-40GB, bf16, ten decodes at 499 cached tokens in a
+    16-row program.
+
+    Weights one layer multiplies by: 5120 x (4 x 5120) + 2 x 5120 x 20480 =
+    314,572,800. FLOPs: 2 x 16 x 314,572,800 x 40 = 402,653,184,000 (layers)
+    + 2 x 16 x 5120 x 50272 = 8,236,564,480 (LM head) + 4 x 40 x 128 x
+    5,000 x 40 = 4,096,000,000 (attention over 10 x 500 pairs) =
+    414,985,748,480. Bytes: 12,853,000,000 x 2 = 25,706,000,000 (weights) +
+    819,200 x (5,000 + 10) = 4,104,192,000 (K/V read and written; 2 x 40 x
+    40 x 128 x 2 bytes a token) + 2 x 16 x 40 x (4 x 5120 + 2 x 20480) x 2 =
+    157,286,400 (activations) = 29,967,478,400. Memory-bound:
+    29,967,478,400 / (1,555e9 x 0.8) = 24.09 ms, against 414,985,748,480 /
+    (312e12 x 0.6) = 2.22 ms of compute; plus 2 ms overhead: 26.09 ms."""
+    roof = RooflineStepTime(model=get_model("opt-13b"), device=get_device("a100-40gb"))
+    work = StepWork(padded_tokens=16, logit_rows=16, tokens=10, decode_tokens=10, rows=10, context_tokens=5000,
+                    attention_pairs=5000)
+    assert get_model("opt-13b").layer_matmul_params == 314_572_800
+    assert roof.flops(work) == 414_985_748_480
+    assert roof.bytes(work) == 29_967_478_400
+    assert roof.seconds(work) == pytest.approx(0.002 + 29_967_478_400 / (1555e9 * 0.8))
+    assert roof.name == "roofline on a100-40gb"
+
+
+def test_roofline_arguments_are_checked():
+    with pytest.raises(ValueError, match="device must be one of"):
+        get_device("a200")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        RooflineStepTime(model=get_model("opt-13b"), device=get_device("tpu-v5e"), dtype="float8")
+    with pytest.raises(ValueError, match="flops_efficiency"):
+        RooflineStepTime(model=get_model("opt-13b"), device=get_device("h100"), flops_efficiency=0.0)
+
+
+def _works(n=40, seed=0):
+    rng = np.random.default_rng(seed)
+    return [StepWork(padded_tokens=int(t), logit_rows=int(g), tokens=int(t), decode_tokens=int(r),
+                     rows=int(r), context_tokens=int(c), attention_pairs=int(c + t * t))
+            for t, r, g, c in zip(rng.choice([16, 32, 64, 128, 256], n), rng.integers(1, 16, n),
+                                  rng.choice([1, 2, 4, 8, 16], n), rng.integers(10, 4000, n))]
+
+
+def test_a_profiled_step_time_recovers_a_linear_truth_and_stays_non_negative():
+    works = _works()
+    truth = np.array([3e-3, 2e-5, 1e-5, 1e-4, 2e-6, 1e-8])
+    y = np.stack([features(w) for w in works]) @ truth
+    fit = ProfiledStepTime.fit(works, y, device="cpu")
+    np.testing.assert_allclose(fit.coef, truth, rtol=1e-6)
+    assert fit.fit_mape < 1e-6 and fit.name == "profiled on cpu" and fit.num_calls == 40
+    assert [r["feature"] for r in fit.table()] == list(FEATURES)
+    y2 = 0.01 - 1e-6 * np.array([w.context_tokens for w in works])  # faster with more work: clipped to 0
+    assert (ProfiledStepTime.fit(works, y2, device="cpu").coef >= 0).all()
+    with pytest.raises(ValueError, match="at least 6 calls"):
+        ProfiledStepTime.fit(works[:3], y[:3], device="cpu")
+
+
+def test_a_fitted_roofline_finds_the_efficiencies_it_was_given():
+    roof = RooflineStepTime(model=get_model("smollm2-135m"), device=get_device("h100"), flops_efficiency=0.25,
+                            bandwidth_efficiency=0.5, overhead_s=0.001)
+    works = _works()
+    fitted = RooflineStepTime(model=get_model("smollm2-135m"), device=get_device("h100")).fitted(
+        works, [roof.seconds(w) for w in works], source="test")
+    assert mape([fitted.seconds(w) for w in works], [roof.seconds(w) for w in works]) < 2
+    assert fitted.efficiency_source == "test"
+
+
+def test_mape_and_call_seconds():
+    assert mape([1.1, 0.9], [1.0, 1.0]) == pytest.approx(10.0)
+    with pytest.raises(ValueError, match="must be > 0"):
+        mape([1.0], [0.0])
+    with pytest.raises(ValueError, match="equally long"):
+        mape([1.0], [])
+    from paged_jax.attention.batch import BatchShape
+    from paged_jax.engine.stats import CallRecord
+
+    def rec(start, done):
+        return CallRecord(shape=BatchShape(num_tokens=16, num_logits=16), tokens=1, decode_tokens=1, seconds=0,
+                          compile_s=0, start_s=start, done_s=done)
+    # busy: each from the previous end; after an idle gap, from its own start
+    assert call_seconds([rec(0.0, 1.0), rec(0.5, 1.5), rec(3.0, 3.25)]) == [1.0, 0.5, 0.25]
