@@ -47,6 +47,14 @@ POLICY_LABELS = {**{p: label for p, (_, _, label) in _BASES.items()},
 reservation policies)."""
 
 
+PAPER_FIG12 = {"oracle": "1.7-2.7x", "max": "2.7-8x", "pow2": "-"}
+"""Paper section 6.2, ShareGPT: how much higher a request rate vLLM sustains
+than each baseline at similar latency (the text gives no Pow2 range)."""
+PAPER_FIG13 = {"max": 7.00, "pow2": 9.81, "oracle": 13.62, "paged": 30.42}
+"""Paper Figure 13, ShareGPT at 2 requests/s with OPT-13B: mean batched
+requests per policy, as read from the figure's bars."""
+
+
 def split_policy(policy: str) -> tuple[str, bool]:
     """``(reservation, prefix caching allowed)`` of a policy name:
     ``"oracle-nocache"`` -> ``("oracle", False)``, ``"paged"`` ->

@@ -70,17 +70,11 @@ import time
 
 from experiments.lib import online, provenance, workloads
 from experiments.lib.cli import add_compile_cache_args, add_flag, check_outputs, setup_compile_cache
-from experiments.lib.policies import split_policy
+from experiments.lib.policies import PAPER_FIG12, PAPER_FIG13, split_policy
 from experiments.lib.sharegpt import MAX_SEQ_LEN
 from experiments.lib.tables import markdown_table, write_table
 from paged_jax.engine.config import reserved_tokens
 
-PAPER_FIG12 = {"oracle": "1.7-2.7x", "max": "2.7-8x", "pow2": "-"}
-"""Paper section 6.2, ShareGPT: how much higher a request rate vLLM sustains
-than each baseline at similar latency (the text gives no Pow2 range)."""
-PAPER_FIG13 = {"max": 7.00, "pow2": 9.81, "oracle": 13.62, "paged": 30.42}
-"""Paper Figure 13, ShareGPT at 2 requests/s with OPT-13B: mean batched
-requests per policy, as read from the figure's bars."""
 PAPER_FIG16 = {1: "1.67x", 5: "3.58x"}
 """Paper section 6.4 (LLaMA-13B, WMT16 translation): vLLM's throughput over
 Orca-Oracle's with a one-shot and a five-shot prefix shared."""

@@ -65,8 +65,8 @@ def parse_args(argv=None):
                    help="prompt tokens of the grid's requests (default 32 256 1024)")
     p.add_argument("--decode-steps", type=int, default=12, help="tokens each grid request decodes (default 12)")
     p.add_argument("--mixed-requests", type=int, default=32, help="requests of each mixed run (default 32)")
-    p.add_argument("--mixed-rates", type=float, nargs="+", default=[2.0, 8.0],
-                   help="request rates of the mixed runs, requests per second (default 2 8)")
+    p.add_argument("--mixed-rates", type=float, nargs="+", default=[0.5, 2.0],
+                   help="request rates of the mixed runs, requests per second (default 0.5 2)")
     add_flag(p, "out")
     add_compile_cache_args(p)
     args = p.parse_args(argv)
@@ -147,7 +147,8 @@ def main(argv=None) -> dict:
     if key is not None and shape is not None:
         roofline = RooflineStepTime(
             model=get_model(shape), device=get_device(key), dtype=resolve_dtype(args.dtype).name,
-            kv_dtype=resolve_kv_dtype(args.kv_dtype).name).fitted(works, seconds, source=f"fitted to {PROG} on {device}")
+            kv_dtype=resolve_kv_dtype(args.kv_dtype).name,
+        ).fitted(works, seconds, source=f"fitted to {PROG} on {device}")
         err = 100 * np.mean([abs(roofline.seconds(w) - s) / s for w, s in zip(works, seconds)])
         text.append(f"Roofline on {key} fitted to the same calls: {roofline.flops_efficiency:.3g} of peak FLOP/s, "
                     f"{roofline.bandwidth_efficiency:.3g} of HBM bandwidth, {roofline.overhead_s * 1e3:.2f} ms "
