@@ -35,7 +35,6 @@ import pathlib
 import sys
 import time
 
-
 from experiments.lib import online, provenance
 from experiments.lib.cli import add_flag, add_flags, check_flags, check_outputs
 from experiments.lib.latency import arrival_times
