@@ -11,7 +11,7 @@ AOT_STAMP := $(AOT_VENV)/.installed
 JAX_VERSION := $(shell sed -n 's/.*"jax==\([0-9.]*\)".*/\1/p' pyproject.toml)
 FLAX_VERSION := $(shell sed -n 's/.*"flax==\([0-9.]*\)".*/\1/p' pyproject.toml)
 
-.PHONY: setup compile-kernels browser diagram docs demo test test-all tables check-tables serving-figures serving-figures-14 serving-figures-quick bench-serving serve clean
+.PHONY: setup compile-kernels browser diagram docs demo test test-all tables check-tables serving-figures serving-figures-14 serving-figures-quick bench-serving simulate serve clean
 
 setup: $(STAMP) $(AOT_STAMP)
 
@@ -85,6 +85,15 @@ serving-figures-quick: setup
 
 bench-serving: setup
 	$(PY) -m experiments.serving.bench_serving --request-rate 0.5 1 2 inf --policy paged max pow2 oracle
+
+# The simulated accelerator: profile the real step here, validate the simulation against real runs, then Figure 12 at
+# the paper's scale on its three servers (docs/simulator.md).
+simulate: setup
+	$(PY) -m experiments.simulator.profile_steps --out results
+	$(PY) -m experiments.simulator.validate --out results
+	$(PY) -m experiments.simulator.paper_fig12 --setup 13b --out results
+	$(PY) -m experiments.simulator.paper_fig12 --setup 66b --out results
+	$(PY) -m experiments.simulator.paper_fig12 --setup 175b --out results
 
 # The OpenAI-compatible server on SmolLM2 at http://127.0.0.1:8000 (python -m server --help for the flags).
 PORT ?= 8000

@@ -10,7 +10,10 @@
 #      needed: the packaged ShareGPT request lengths) at SmolLM2 shapes
 #      (512 requests, outputs <= 256) and at Llama-3-8B shapes in bf16
 #      (128 requests);
-#   4. a short summary, printed last, whatever failed before it.
+#   4. the step profile for the simulated accelerator (SmolLM2 shapes, random
+#      weights), with the roofline's efficiencies fitted to it
+#      (docs/simulator.md);
+#   5. a short summary, printed last, whatever failed before it.
 # Results go to $OUT/device_<backend>/ when $OUT is set (the device tool's
 # folder that comes back), else results/device_<backend>/. Exits non-zero
 # when a step failed.
@@ -46,6 +49,8 @@ cache="$dest/.jax_cache"
 if [ "$smoke" = 1 ]; then
   step timeout 600 "$PY" -m experiments.kernels.kernel_bench --batches 2 --contexts 64 --ragged-batches 4 \
     --heads smollm2 llama-3-8b --peak-copy-gb 0.01 --out "$dest/kernel_bench"
+  step timeout 300 "$PY" -m experiments.simulator.profile_steps --model toy --contexts 16 --decode-steps 2 \
+    --staggered-requests 4 --staggered 1 --max-seqs 4 --kv-budget-tokens 2048 --compile-cache "$cache" --out "$dest"
   step timeout 600 "$PY" -m experiments.serving.serve_sharegpt --model smollm2-135m --num-requests 4 --max-output-len 2 \
     --kv-budget-tokens 4096 --compile-cache "$cache" --out "$dest/serve_smollm2-135m"
 else
@@ -56,18 +61,22 @@ else
   step timeout 80 "$PY" -m pytest -q -p no:cacheprovider -m '' tests/test_kernels_smollm2.py tests/test_llama.py \
     -k "($native) and (engine_at_smollm2 or pallas_kernels_equals_xla)"
   # 2. The benchmark at the presets' heads, large sizes included (the flat kernel's rows: flat_gpu / flat_tpu).
-  step timeout 140 "$PY" -m experiments.kernels.kernel_bench --heads llama-3-8b qwen2.5-7b smollm2 --sizes large \
+  step timeout 120 "$PY" -m experiments.kernels.kernel_bench --heads llama-3-8b qwen2.5-7b smollm2 --sizes large \
     --batches 64 --contexts 2048 --ragged-batches 128 --min-seconds 0.05 --out "$dest/kernel_bench"
   # 3. Serving with random weights: SmolLM2 shapes (the README's 512-request GPU comparison), then Llama-3-8B in bf16.
-  step timeout 120 "$PY" -m experiments.serving.serve_sharegpt --model smollm2-135m --num-requests 512 --max-output-len 256 \
+  step timeout 100 "$PY" -m experiments.serving.serve_sharegpt --model smollm2-135m --num-requests 512 --max-output-len 256 \
     --kv-budget-tokens 32768 --max-seqs 256 --max-batched-tokens 512 --compile-cache "$cache" \
     --out "$dest/serve_smollm2-135m"
-  step timeout 150 "$PY" -m experiments.serving.serve_sharegpt --model llama-3-8b --dtype bfloat16 --kv-dtype bfloat16 \
+  step timeout 130 "$PY" -m experiments.serving.serve_sharegpt --model llama-3-8b --dtype bfloat16 --kv-dtype bfloat16 \
     --num-requests 128 --max-output-len 128 --kv-budget-tokens 32768 --max-seqs 256 --max-batched-tokens 512 \
     --compile-cache "$cache" --out "$dest/serve_llama-3-8b"
+  # 4. The step profile: its CSV is the simulator's profiled step time on this device (and fits the roofline).
+  step timeout 60 "$PY" -m experiments.simulator.profile_steps --model smollm2-135m --dtype bfloat16 \
+    --kv-dtype bfloat16 --contexts 128 1024 --decode-steps 8 --staggered-requests 16 --staggered 2 \
+    --kv-budget-tokens 32768 --max-seqs 64 --compile-cache "$cache" --out "$dest"
 fi
 rm -rf "$cache"
 
-# 4. The summary.
+# 5. The summary.
 step "$PY" -m experiments.kernels.device_summary "$dest"
 exit "$status"

@@ -2,6 +2,8 @@
 model call and clock replaced makes the real engine's decisions, and the
 step-time models compute what they say."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -187,3 +189,135 @@ def test_mape_and_call_seconds():
                           compile_s=0, start_s=start, done_s=done)
     # busy: each from the previous end; after an idle gap, from its own start
     assert call_seconds([rec(0.0, 1.0), rec(0.5, 1.5), rec(3.0, 3.25)]) == [1.0, 0.5, 0.25]
+
+
+# ------------------------------------------------------------ the scripts
+
+
+def test_paper_fig12_at_a_small_scale_writes_its_table(tmp_path):
+    from experiments.lib import provenance
+    from experiments.simulator import paper_fig12
+
+    out = paper_fig12.main(["--num-requests", "40", "--rates", "1", "8", "--policy", "oracle", "oracle-pages",
+                            "--out", str(tmp_path)])
+    assert [(r["policy"], r["request_rate"]) for r in out["rows"]] == [
+        (p, r) for p in ("paged", "oracle", "oracle-pages") for r in (1.0, 8.0)]
+    _, rows = provenance.read_csv(tmp_path / "paper_fig12_13b.csv")
+    assert len(rows) == 6 and (tmp_path / "paper_fig12_13b.png").exists()
+    text = (tmp_path / "paper_fig12_13b.md").read_text()
+    assert "the paper's Table 1: 12 GiB" in text and "15,728 tokens" in text  # 12 x 2**30 // 819,200
+    assert "roofline on a100-40gb" in text and "1.7-2.7x" in text
+
+
+def test_paper_fig12_sets_up_the_papers_servers():
+    from experiments.simulator import paper_fig12
+
+    big = paper_fig12.parse_args(["--setup", "175b"])
+    assert (big.model, big.device, big.num_devices, big.name) == ("opt-175b", "a100-80gb", 8, "paper_fig12_175b")
+    assert paper_fig12.kv_tokens(big, get_model("opt-175b"), get_device("a100-80gb"))[0] == 60_074
+    mid = paper_fig12.parse_args(["--setup", "66b"])
+    assert paper_fig12.kv_tokens(mid, get_model("opt-66b"), get_device("a100-40gb"))[0] == 9_557
+    custom = paper_fig12.parse_args(["--setup", "66b", "--device", "h100"])
+    assert (custom.model, custom.num_devices, custom.name) == ("opt-66b", 4, "paper_fig12_custom")
+    tokens, source = paper_fig12.kv_tokens(custom, get_model("opt-66b"), get_device("h100"))
+    assert tokens == int((0.9 * 80e9 * 4 - 65.7e9 * 2) // 2_359_296) and "0.9 of memory" in source
+
+
+def test_paper_fig12_flags_are_checked(capsys):
+    from experiments.simulator import paper_fig12
+
+    for argv, needle in ((["--num-requests", "1001"], "--num-requests must be in [1, 1000]"),
+                         (["--rates", "inf"], "--rates must be finite"),
+                         (["--device", "a200"], "invalid choice"),
+                         (["--kv-tokens", "0"], "--kv-tokens must be >= 1"),
+                         (["--num-devices", "0"], "--num-devices must be >= 1"),
+                         (["--setup", "7b"], "invalid choice")):
+        with pytest.raises(SystemExit):
+            paper_fig12.parse_args(argv)
+        assert needle in capsys.readouterr().err
+
+
+@pytest.mark.slow  # two toy warm-ups (about 3 min on 2 cores)
+def test_profile_then_validate_on_the_toy_model(tmp_path):
+    from experiments.simulator import profile_steps, validate
+
+    prof = profile_steps.main(["--model", "toy", "--max-seqs", "4", "--kv-budget-tokens", "2048", "--contexts", "16",
+                               "--decode-steps", "2", "--staggered-requests", "4", "--staggered", "1", "--out",
+                               str(tmp_path)])
+    assert prof["rows"] and prof["fit"].num_calls == len(prof["rows"])
+    out = validate.main(["--model", "toy", "--num-requests", "6", "--max-output-len", "4", "--loads", "1",
+                         "--profile", str(tmp_path / "step_profile_cpu.csv"), "--out", str(tmp_path)])
+    assert [(r["policy"], r["load"]) for r in out["rows"]][1:] == [("paged", 1.0), ("oracle", 1.0)]
+    assert (tmp_path / "simulator_validation.md").exists()
+
+
+def test_the_profile_runs_its_grid_and_staggered_runs_and_keeps_every_call():
+    from paged_jax.simulator.profile import profile_calls, profile_runs
+
+    runs = profile_runs(vocab_size=VOCAB, max_seqs=4, kv_tokens=120, contexts=(8, 40), decode_steps=3,
+                        staggered=(2,), staggered_requests=3, max_seq_len=80)
+    assert all(len(r.prompt_ids) + r.max_new_tokens <= 80 for r in runs[-1].requests)
+    # 1, 2 and 4 requests of 8 tokens; of 40, those whose 43 tokens each fit in 120: 1 and 2
+    assert [r.phase for r in runs] == ["grid 1x8", "grid 1x40", "grid 2x8", "grid 2x40", "grid 4x8",
+                                       "staggered every 2"]
+    assert [len(r.requests) for r in runs] == [1, 1, 2, 2, 4, 3] and runs[-1].every == 2
+    rows = profile_calls(lambda: make_engine(31, max_seqs=4, max_seq_len=80, call_records=None), runs[-2:])
+    assert rows and {r["phase"] for r in rows} == {"grid 4x8", "staggered every 2"}
+    assert all(r["seconds"] > 0 and r["rows"] >= 1 for r in rows)
+    with pytest.raises(ValueError, match="call_records=None"):
+        profile_calls(lambda: make_engine(31), runs[:1])
+    with pytest.raises(ValueError, match="staggered"):
+        profile_runs(vocab_size=VOCAB, max_seqs=4, kv_tokens=120, staggered=(0,))
+
+
+def test_plan_finds_the_rate_by_doubling_and_bisection():
+    from experiments.simulator.plan import Trial, sustained
+
+    seen = []
+
+    def run_at(rate):  # meets the SLOs up to 3.3 req/s
+        seen.append(rate)
+        return Trial(rate, 1.0 if rate <= 3.3 else 0.5, None)
+
+    cap = sustained(run_at, attainment=0.9, tolerance=0.05)
+    assert seen[:3] == [1.0, 2.0, 4.0] and 3.3 * 0.95 <= cap.rate <= 3.3 and cap.simulations == len(seen)
+    assert not cap.at_least
+    none = sustained(lambda r: Trial(r, 0.0, None), attainment=0.9, tolerance=0.05)
+    assert none.rate == 0 and none.trial is None
+    every = sustained(lambda r: Trial(r, 1.0, None), attainment=0.9, tolerance=0.05, ceiling=64)
+    assert every.rate == 64 and every.at_least
+
+
+def test_plan_sizes_a_deployment_and_sweeps_its_two_settings(tmp_path):
+    from experiments.simulator import plan
+
+    out = plan.main(["--model", "opt-13b", "--device", "a100-80gb", "--rate", "10", "--slo", "ttft:3000,tpot:150",
+                     "--num-requests", "60", "--cache-fractions", "0.5", "--page-sizes", "128", "--tolerance", "0.2",
+                     "--out", str(tmp_path)])
+    answer = out["answer"]
+    assert answer["kv_tokens"] == int((0.9 * 80e9 - 12_853_000_000 * 2) // 819_200)
+    assert answer["sustained_rate"] > 0 and answer["replicas"] == math.ceil(10 / answer["sustained_rate"])
+    assert [r["cache_fraction"] for r in out["by_fraction"]] == [0.5, 0.9]
+    assert [r["page_size"] for r in out["by_page"]] == [16, 128]
+    # less memory for the cache: fewer KV tokens, never a higher rate
+    assert out["by_fraction"][0]["kv_tokens"] < answer["kv_tokens"]
+    assert out["by_fraction"][0]["sustained_rate"] <= answer["sustained_rate"] * 1.2
+    text = (tmp_path / "plan_opt-13b_a100-80gb.md").read_text()
+    assert "10 req/s needs" in text and (tmp_path / "plan_opt-13b_a100-80gb.png").exists()
+
+
+def test_plan_flags_are_checked(capsys):
+    from experiments.simulator import plan
+
+    base = ["--model", "opt-13b", "--device", "a100-40gb", "--rate", "1"]
+    for argv, needle in ((base + ["--slo", "ttft"], "expected KEY:MS"),
+                         (base + ["--slo", ","], "give at least one KEY:MS"),
+                         (["--model", "opt-13b", "--device", "a100-40gb", "--rate", "0", "--slo", "ttft:1"],
+                          "--rate must be a finite number > 0"),
+                         (base + ["--slo", "ttft:1", "--attainment", "1.5"], "--attainment must be in (0, 1]"),
+                         (base + ["--slo", "ttft:1", "--cache-fraction", "0.5"], "fewer than one 2048-token"),
+                         (["--model", "opt-175b", "--device", "a100-80gb", "--rate", "1", "--slo", "ttft:1"],
+                          "more devices or a larger fraction")):
+        with pytest.raises(SystemExit):
+            plan.parse_args(argv)
+        assert needle in capsys.readouterr().err

@@ -1,10 +1,12 @@
 """Figures (matplotlib, Agg, PNG): the layout diagram, the declared-maximum sweep,
-the waste breakdown and the block-size curves.
+the waste breakdown, the block-size curves, Figure 14's summary and a
+deployment plan.
 
-``python -m experiments.memory.reproduce`` draws all four; ``python -m
-experiments.memory.figures`` the first two alone. The layout diagram is drawn from the real page allocator: four requests take
-pages from one pool in turn (prompt first, then one token per step), so the
-bottom half shows the interleaving a running server produces.
+``python -m experiments.memory.reproduce`` draws the first four; ``python -m
+experiments.memory.figures`` the first two alone. The layout diagram is drawn
+from the real page allocator: four requests take pages from one pool in turn
+(prompt first, then one token per step), so the bottom half shows the
+interleaving a running server produces.
 """
 
 from __future__ import annotations
@@ -286,6 +288,36 @@ def plot_sharing_workloads(path: pathlib.Path, rows: Sequence[dict], *, paper_ov
     right.legend(fontsize=7)
     right.grid(alpha=0.3)
     right.set_title("KV memory saved by sharing (paper: Figure 15)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def plot_plan(path: pathlib.Path, by_fraction: Sequence[dict], by_page: Sequence[dict], *, title: str) -> None:
+    """A deployment plan (:mod:`experiments.simulator.plan`): the rate one
+    replica sustains under the SLOs against the cache fraction (left) and
+    the page size (right), KV tokens on a second axis.
+
+    Args:
+      by_fraction, by_page: rows with ``cache_fraction``, ``page_size``,
+        ``sustained_rate`` (req/s) and ``kv_tokens``.
+    """
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    for ax, rows, key, label in ((axes[0], by_fraction, "cache_fraction", "cache fraction (share of memory)"),
+                                 (axes[1], by_page, "page_size", "page size (tokens)")):
+        xs = [r[key] for r in rows]
+        ax.plot(xs, [r["sustained_rate"] for r in rows], "o-", color=COLORS[0], label="sustained rate")
+        ax.set_xlabel(label)
+        ax.set_ylabel("sustained rate (req/s)", color=COLORS[0])
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        if key == "page_size":
+            ax.set_xscale("log", base=2)
+        ax2 = ax.twinx()
+        ax2.plot(xs, [r["kv_tokens"] for r in rows], "s:", color=COLORS[1])
+        ax2.set_ylabel("KV tokens", color=COLORS[1])
+        ax2.set_ylim(bottom=0)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)

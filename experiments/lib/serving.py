@@ -30,7 +30,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from experiments.lib.sharegpt import MAX_SEQ_LEN
+from experiments.lib import provenance
+from experiments.lib.sharegpt import MAX_SEQ_LEN, packaged_requests
 from models import llm
 from models.ragged import RaggedModel, weight_matmuls
 from models.sharded import make_data_parallel_engine
@@ -42,6 +43,8 @@ from paged_jax.engine.requests import Request, RequestOutput
 from paged_jax.jit_stats import CompileCounts, CompileMonitor
 from paged_jax.paging.kv_cache import default_kv_dtype
 from paged_jax.profiling import ProfileSpec
+from paged_jax.simulator.hardware import get_device, get_model
+from paged_jax.simulator.step_time import RooflineStepTime, profile_rows
 
 MODE_RESERVATIONS = {"paged": "paged", "contiguous": "max", "contiguous-pow2": "pow2", "contiguous-oracle": "oracle"}
 """Each mode :func:`serve` runs, by the name its result row carries, and the
@@ -398,3 +401,27 @@ def load_model(spec: str, dtype=jnp.float32):
     (:func:`models.llm.load_model`: ``"smollm2"``, a ``.gguf`` file, a
     Hugging Face folder or a random-weight preset), weights in ``dtype``."""
     return llm.load_model(spec, dtype=dtype)
+
+def simulated_setup(args) -> tuple[RooflineStepTime, list[Request]]:
+    """What a simulated-accelerator script serves, from its flags
+    (``args.model``, ``device``, ``num_devices``, ``efficiency_profile``,
+    ``num_requests``, ``seed``): the step time of the model on
+    ``num_devices`` x the device in tensor parallelism
+    (:class:`paged_jax.simulator.step_time.RooflineStepTime`), its
+    efficiencies assumed or fitted to a step profile's CSV of that device
+    (``python -m experiments.simulator.profile_steps``), and the first
+    ``num_requests`` packaged ShareGPT requests at their true lengths, ids
+    drawn in the model's vocabulary with ``seed``.
+
+    Raises:
+      ValueError: an unknown model or device, a CSV without a profile's
+        columns, ``num_requests`` out of range.
+    """
+    step_time = RooflineStepTime(model=get_model(args.model), device=get_device(args.device),
+                                 num_devices=args.num_devices)
+    if args.efficiency_profile is not None:
+        step_time = step_time.fitted(*profile_rows(provenance.read_csv(args.efficiency_profile)[1]),
+                                     source=f"fitted to {args.efficiency_profile}")
+    requests = packaged_requests(args.num_requests, MAX_SEQ_LEN, vocab_size=step_time.model.vocab_size,
+                                 seed=args.seed)
+    return step_time, requests

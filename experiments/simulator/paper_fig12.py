@@ -1,19 +1,24 @@
 """Figure 12 at the paper's scale on the simulated accelerator: OPT-13B on
-an A100-40GB serving ShareGPT (PagedAttention, Kwon et al., SOSP 2023,
-section 6.2, Figure 12a; Figure 13a's batched requests beside it).
+one A100-40GB, OPT-66B on four, OPT-175B on eight A100-80GB, serving
+ShareGPT (PagedAttention, Kwon et al., SOSP 2023, section 6.2, Figure 12a-c;
+Figure 13a's batched requests beside it).
 
 The engine is this project's (:class:`paged_jax.simulator.engine.SimulatedEngine`:
 the same scheduler, KV manager, page state, reservation policies and buddy
 allocator), its model calls timed by a roofline
-(:class:`paged_jax.simulator.step_time.RooflineStepTime`) of ``--model`` on
-``--device``, with efficiencies assumed or fitted to a step profile of that
-device (``--efficiency-profile``). The requests are the 1,000 packaged
+(:class:`paged_jax.simulator.step_time.RooflineStepTime`) of the model on
+its devices in tensor parallelism (``--setup``, the paper's Table 1
+servers; or ``--model``, ``--device``, ``--num-devices``), with efficiencies
+assumed or fitted to a step profile of that device
+(``--efficiency-profile``). The requests are the 1,000 packaged
 ShareGPT requests (vLLM's sampling rules: prompts <= 1,024 tokens, prompt
 plus output <= 2,048), each with its true output length, EOS ignored, as the
 paper's runs; Poisson arrivals, the same trace stretched to each rate.
 
-Defaults follow the paper: the KV pool of its Table 1 for OPT-13B on an
-A100-40GB (12 GB, 15.7K slots), pages of 16 tokens, up to 256 sequences
+Defaults follow the paper: the KV pool is its Table 1's K/V memory for the
+setup (12 GiB for OPT-13B, 21 GiB for OPT-66B, 264 GiB for OPT-175B) over
+the model's K/V bytes per token (15.7K, 9.6K and 60.1K tokens; the paper
+says 15.7K, 9.7K and 60.1K), pages of 16 tokens, up to 256 sequences
 and 2,560 tokens per call (vLLM's defaults of the time), and the four
 policies: paged (vLLM), Orca Max, Pow2 and Oracle with the buddy allocator,
 plus Orca Oracle page-backed (``oracle-pages``: the kinder Orca, without
@@ -22,14 +27,16 @@ allocator adds. Each policy's sustained rate is where its normalized
 latency crosses ``--latency-threshold`` (default 1.5x paged's lowest,
 Figure 12's rule here).
 
-Writes ``paper_fig12.{md,csv,png}`` to ``--out``.
+Writes ``paper_fig12_<setup>.{md,csv,png}`` to ``--out`` (``paper_fig12_custom``
+where ``--model``, ``--device`` or ``--num-devices`` change the setup).
 
-Usage: ``python -m experiments.simulator.paper_fig12 [--device a100-40gb] [--model opt-13b] [--rates ...]``
+Usage: ``python -m experiments.simulator.paper_fig12 [--setup 13b|66b|175b] [--rates ...]``
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import pathlib
 import sys
@@ -39,16 +46,36 @@ from experiments.lib import online, provenance
 from experiments.lib.cli import add_flag, add_flags, check_flags, check_outputs
 from experiments.lib.latency import arrival_times
 from experiments.lib.policies import ALL_POLICIES, PAPER_FIG12, PAPER_FIG13, POLICY_LABELS, engine_options
-from experiments.lib.serving import engine_config
-from experiments.lib.sharegpt import PACKAGED_LIMIT, packaged_requests
+from experiments.lib.serving import engine_config, simulated_setup
+from experiments.lib.sharegpt import PACKAGED_LIMIT
 from experiments.lib.tables import markdown_table, write_table
 from paged_jax.simulator.engine import SimulatedEngine
-from paged_jax.simulator.hardware import DEVICES, MODELS, get_device, get_model
-from paged_jax.simulator.step_time import RooflineStepTime, profile_rows
+from paged_jax.simulator.hardware import DEVICES, MODELS, kv_pool_tokens
 
 PROG = "python -m experiments.simulator.paper_fig12"
-PAPER_KV_TOKENS = {("opt-13b", "a100-40gb"): 15_700}
-"""The paper's Table 1: KV cache slots of its server configurations."""
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class PaperSetup:
+    """One server of the paper's Table 1 and the rates its Figure 12 panel sweeps here."""
+
+    model: str
+    device: str
+    num_devices: int
+    kv_bytes: int
+    paper_kv_tokens: int
+    rates: tuple
+
+
+PAPER_SETUPS = {
+    "13b": PaperSetup("opt-13b", "a100-40gb", 1, 12 * GIB, 15_700,
+                      (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0)),
+    "66b": PaperSetup("opt-66b", "a100-40gb", 4, 21 * GIB, 9_700,
+                      (0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0)),
+    "175b": PaperSetup("opt-175b", "a100-80gb", 8, 264 * GIB, 60_100, (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0)),
+}
+"""The paper's Table 1 (section 6.1): model, GPUs, K/V memory and KV cache slots."""
 MEMORY_UTILIZATION = 0.9
 """Without the paper's figure: the KV pool is this share of device memory
 less the weights (vLLM's ``gpu_memory_utilization``)."""
@@ -59,18 +86,25 @@ COLUMNS = ("policy", "request_rate", "normalized_latency_s", "ttft_p50_s", "tpot
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=sorted(MODELS), default="opt-13b", help="model shape (default opt-13b)")
-    p.add_argument("--device", choices=sorted(DEVICES), default="a100-40gb", help="device (default a100-40gb)")
+    p.add_argument("--setup", choices=sorted(PAPER_SETUPS, key=len), default="13b",
+                   help="the paper's server (Table 1): 13b (OPT-13B, one A100-40GB), 66b (OPT-66B, four), 175b "
+                        "(OPT-175B, eight A100-80GB); default 13b")
+    p.add_argument("--model", choices=sorted(MODELS), default=None, help="model shape (default the setup's)")
+    p.add_argument("--device", choices=sorted(DEVICES), default=None, help="device (default the setup's)")
+    p.add_argument("--num-devices", type=int, default=None,
+                   help="devices in tensor parallelism (default the setup's)")
     p.add_argument("--efficiency-profile", type=pathlib.Path, default=None,
                    help="a step profile's CSV from this device (python -m experiments.simulator.profile_steps) to "
                         "fit the roofline's efficiencies to; default assumed ones (stated in the table)")
     p.add_argument("--kv-tokens", type=int, default=None,
-                   help="KV pool, tokens (default the paper's Table 1 figure where it has one, else "
-                        f"{MEMORY_UTILIZATION:g} of device memory less the weights)")
+                   help="KV pool, tokens (default the setup's K/V memory in the paper's Table 1 over the model's "
+                        f"K/V bytes per token; with --model, --device or --num-devices, {MEMORY_UTILIZATION:g} of "
+                        "the devices' memory less the weights)")
     p.add_argument("--num-requests", type=int, default=PACKAGED_LIMIT,
                    help=f"ShareGPT requests per run (default and at most {PACKAGED_LIMIT})")
-    p.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0],
-                   help="request rates, requests per second (default 0.25 to 5)")
+    p.add_argument("--rates", type=float, nargs="+", default=None,
+                   help="request rates, requests per second (default the setup's: 0.25 to 5 for 13b, 0.5 to 5 for 66b, "
+                        "1 to 12 for 175b)")
     p.add_argument("--policy", nargs="+", choices=ALL_POLICIES, metavar="POLICY",
                    default=["paged", "max", "pow2", "oracle", "oracle-pages"],
                    help="policies (default paged max pow2 oracle oracle-pages); paged is always run, first")
@@ -85,7 +119,15 @@ def parse_args(argv=None):
     check_flags(p, args)
     if not 1 <= args.num_requests <= PACKAGED_LIMIT:
         p.error(f"--num-requests must be in [1, {PACKAGED_LIMIT}], got {args.num_requests}")
-    args.rates = online.check_rates(p, "--rates", args.rates)
+    setup = PAPER_SETUPS[args.setup]
+    args.custom = any(getattr(args, f) is not None for f in ("model", "device", "num_devices"))
+    args.model = args.model or setup.model
+    args.device = args.device or setup.device
+    args.num_devices = setup.num_devices if args.num_devices is None else args.num_devices
+    if args.num_devices < 1:
+        p.error(f"--num-devices must be >= 1, got {args.num_devices}")
+    args.name = "paper_fig12_custom" if args.custom else f"paper_fig12_{args.setup}"
+    args.rates = online.check_rates(p, "--rates", list(setup.rates) if args.rates is None else args.rates)
     if any(math.isinf(r) for r in args.rates):
         p.error("--rates must be finite")
     for flag in ("kv_tokens", "max_batched_tokens"):
@@ -101,32 +143,32 @@ def parse_args(argv=None):
     return args
 
 
-def kv_tokens(model, device, override: int | None) -> tuple[int, str]:
-    """The pool's tokens and where the number comes from."""
-    if override is not None:
-        return override, "--kv-tokens"
-    paper = PAPER_KV_TOKENS.get((model.name, device.name))
-    if paper is not None:
-        return paper, "the paper's Table 1"
-    free = MEMORY_UTILIZATION * device.memory_bytes - model.weight_bytes("bfloat16")
-    if free < 2048 * model.kv_bytes_per_token("bfloat16"):
-        raise ValueError(f"{model.name} on {device.name}: {free / 1e9:.1f} GB left for K/V after the weights, "
-                         "less than one 2,048-token sequence; pick a larger device or pass --kv-tokens")
-    return int(free // model.kv_bytes_per_token("bfloat16")), f"{MEMORY_UTILIZATION:g} of memory less the weights"
+def kv_tokens(args, model, device) -> tuple[int, str]:
+    """The pool's tokens and where the number comes from.
+
+    Raises:
+      ValueError: the weights leave less than one 2,048-token sequence of K/V.
+    """
+    per_token = model.kv_bytes_per_token("bfloat16")
+    if args.kv_tokens is not None:
+        return args.kv_tokens, "--kv-tokens"
+    if not args.custom:
+        setup = PAPER_SETUPS[args.setup]
+        return setup.kv_bytes // per_token, (f"the paper's Table 1: {setup.kv_bytes / GIB:g} GiB of K/V over "
+                                             f"{per_token:,} bytes a token; the paper says "
+                                             f"{setup.paper_kv_tokens:,} slots")
+    return kv_pool_tokens(model, device, args.num_devices, MEMORY_UTILIZATION), \
+        f"{MEMORY_UTILIZATION:g} of memory less the weights"
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    record = provenance.collect(PROG, argv, seeds={"arrivals": args.seed})
-    model, device = get_model(args.model), get_device(args.device)
-    step_time = RooflineStepTime(model=model, device=device)
-    if args.efficiency_profile is not None:
-        step_time = step_time.fitted(*profile_rows(provenance.read_csv(args.efficiency_profile)[1]),
-                                     source=f"fitted to {args.efficiency_profile}")
-    tokens, tokens_source = kv_tokens(model, device, args.kv_tokens)
+    record = provenance.collect("experiments.simulator.paper_fig12", argv, seeds={"arrivals": args.seed})
+    step_time, requests = simulated_setup(args)
+    model, device = step_time.model, step_time.device
+    tokens, tokens_source = kv_tokens(args, model, device)
     num_pages = tokens // args.page_size + 1
-    requests = packaged_requests(args.num_requests, 2048, vocab_size=model.vocab_size, seed=args.seed)
     rows, runs = [], {}
     for policy in args.policy:
         for rate in args.rates:
@@ -151,17 +193,19 @@ def main(argv=None) -> dict:
             print(f"{POLICY_LABELS[policy]:>28} at {rate:5.2f} req/s: normalized latency "
                   f"{m.normalized_latency:.3f} s/token, {m.mean_running:.1f} running; {run.duration_s:.0f} s "
                   f"simulated in {wall:.1f} s", flush=True)
+    where = device.name if args.num_devices == 1 else f"{args.num_devices} x {device.name}"
     threshold = args.latency_threshold or round(1.5 * min(runs["paged", r].normalized_latency for r in args.rates), 4)
     sustained = {p: online.sustained_rate(args.rates, [runs[p, r].normalized_latency for r in args.rates], threshold)
                  for p in args.policy}
     fig13_rate = min(args.rates, key=lambda r: abs(r - 2.0))
+    fig13 = args.name == "paper_fig12_13b"  # the paper's Figure 13a is OPT-13B's
     summary = [{"policy": POLICY_LABELS[p], "sustained": str(sustained[p]),
                 "ratio": "-" if p == "paged" else online.ratio(sustained["paged"], sustained[p]),
                 "paper": "-" if p == "paged" else PAPER_FIG12.get(engine_options(p)["reservation"], "-")
                 if engine_options(p)["allocator"] != "pages" else "-",
                 "running": f"{runs[p, fig13_rate].mean_running:.2f}",
                 "paper_running": f"{PAPER_FIG13[engine_options(p)['reservation']]:.2f}"
-                if engine_options(p)["allocator"] != "pages" else "-",
+                if engine_options(p)["allocator"] != "pages" and fig13 else "-",
                 "blocked": max(r["fragmentation_blocked_requests"] for r in rows if r["policy"] == p)}
                for p in args.policy]
     table = markdown_table(summary, ("policy", "sustained", "ratio", "paper", "running", "paper_running", "blocked"),
@@ -171,14 +215,14 @@ def main(argv=None) -> dict:
     curves = markdown_table(
         [{"request_rate": r, **{p: f"{runs[p, r].normalized_latency:.3f}" for p in args.policy}} for r in args.rates],
         ("request_rate", *args.policy), headers=["request rate (req/s)", *(POLICY_LABELS[p] for p in args.policy)])
-    png = pathlib.Path(args.out) / "paper_fig12.png"
+    png = pathlib.Path(args.out) / f"{args.name}.png"
     online.plot_latency_vs_rate(png, {POLICY_LABELS[p]: (args.rates, [runs[p, r].normalized_latency
                                                                       for r in args.rates]) for p in args.policy},
-                                threshold=threshold, title=f"Figure 12, simulated: {model.name} on {device.name}")
+                                threshold=threshold, title=f"Figure 12, simulated: {model.name} on {where}")
     wall = [r["wall_s"] for r in rows]
     sim_per_wall = sum(r["simulated_s"] for r in rows) / sum(wall)
-    text = (f"# Figure 12 at the paper's scale, simulated: {model.name} on {device.name}, ShareGPT\n\n"
-            f"![normalized latency against request rate](paper_fig12.png)\n\n{table}\n\n"
+    text = (f"# Figure 12 at the paper's scale, simulated: {model.name} on {where}, ShareGPT\n\n"
+            f"![normalized latency against request rate]({png.name})\n\n{table}\n\n"
             f"Normalized latency (s/token) against request rate:\n\n{curves}\n\n"
             f"Step time: {step_time.name} ({model.source}; {device.source}); efficiencies: "
             f"{step_time.flops_efficiency:.3g} of peak FLOP/s, {step_time.bandwidth_efficiency:.3g} of HBM bandwidth, "
@@ -192,7 +236,7 @@ def main(argv=None) -> dict:
             f"Every point ran {len(requests)} requests: {max(wall):.1f} s of wall time at most, "
             f"{sim_per_wall:.0f} simulated seconds per wall second over the run, which took "
             f"{time.perf_counter() - t_start:.0f} s in all. The CSV has every run.")
-    md, csv = write_table(args.out, "paper_fig12", rows, COLUMNS, text, record)
+    md, csv = write_table(args.out, args.name, rows, COLUMNS, text, record)
     print(f"\n{table}\n\nwrote {md}, {csv}, {png} in {time.perf_counter() - t_start:.0f} s")
     return {"rows": rows, "sustained": sustained, "summary": summary}
 

@@ -2,19 +2,13 @@
 of batches, for the simulated accelerator (:mod:`paged_jax.simulator`;
 Vidur's profiling step, Agrawal et al., MLSys 2024).
 
-The engine runs as it serves (the same model object, compiled programs,
-page state and scheduler; after a warm-up, so nothing compiles in the timed
-runs), on synthetic requests of random ids, never ShareGPT's (the
+The engine runs as it serves, after a warm-up (nothing compiles in the
+timed runs), on synthetic requests of random ids, never ShareGPT's (the
 validation serves ShareGPT, so the profile and the check share no data):
-
-1. a grid: ``D`` requests of ``C`` prompt tokens each, all at once, for ``D``
-   in 1, 2, 4, ... ``--max-seqs`` and ``C`` in ``--contexts`` where they fit
-   the pool; each prefills in chunks, then decodes ``--decode-steps`` tokens
-   with ``D`` rows over ``C`` cached tokens;
-2. mixed calls: ``--mixed-requests`` requests of random prompt (16 to 768)
-   and output (8 to 64) lengths arriving as a Poisson process at each of
-   ``--mixed-rates`` requests per second, so prefill chunks share calls with
-   decodes.
+a grid of ``D`` requests of ``C`` prompt tokens (``--contexts``) all at
+once, and staggered runs where a request of random length joins every few
+engine steps (``--staggered``), so prefill chunks share calls with decodes
+(:mod:`paged_jax.simulator.profile`).
 
 Every call the engine reads is a row of the CSV: its work
 (:class:`paged_jax.simulator.step_time.StepWork`) and the seconds it added
@@ -46,11 +40,10 @@ from experiments.lib.cli import (
     resolve_kv_dtype,
     setup_compile_cache,
 )
-from experiments.lib.latency import arrival_times
 from experiments.lib.tables import markdown_table, write_table
-from paged_jax.engine.requests import Request
 from paged_jax.simulator.hardware import device_key, get_device, get_model
-from paged_jax.simulator.step_time import ProfiledStepTime, RooflineStepTime, StepWork, call_seconds, profile_rows
+from paged_jax.simulator.profile import profile_calls, profile_runs
+from paged_jax.simulator.step_time import ProfiledStepTime, RooflineStepTime, StepWork, profile_rows
 
 PROG = "python -m experiments.simulator.profile_steps"
 COLUMNS = (*(f.name for f in dataclasses.fields(StepWork)), "seconds", "phase")
@@ -64,82 +57,58 @@ def parse_args(argv=None):
     p.add_argument("--contexts", type=int, nargs="+", default=[32, 256, 1024],
                    help="prompt tokens of the grid's requests (default 32 256 1024)")
     p.add_argument("--decode-steps", type=int, default=12, help="tokens each grid request decodes (default 12)")
-    p.add_argument("--mixed-requests", type=int, default=32, help="requests of each mixed run (default 32)")
-    p.add_argument("--mixed-rates", type=float, nargs="+", default=[0.5, 2.0],
-                   help="request rates of the mixed runs, requests per second (default 0.5 2)")
+    p.add_argument("--staggered", type=int, nargs="+", default=[8, 2],
+                   help="one staggered run each: a request joins every that many engine steps (default 8 2)")
+    p.add_argument("--staggered-requests", type=int, default=32, help="requests of each staggered run (default 32)")
     add_flag(p, "out")
     add_compile_cache_args(p)
     args = p.parse_args(argv)
     online.check_serving_flags(p, args)
-    for flag in ("decode_steps", "mixed_requests"):
+    for flag in ("decode_steps", "staggered_requests"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    for c in args.contexts:
-        if not 1 <= c <= args.kv_budget_tokens - args.decode_steps:
-            p.error(f"--contexts: each must be in [1, {args.kv_budget_tokens - args.decode_steps}] (the pool less "
-                    f"the decode steps), got {c}")
-    args.mixed_rates = online.check_rates(p, "--mixed-rates", args.mixed_rates)
+    for flag in ("contexts", "staggered"):
+        if any(v < 1 for v in getattr(args, flag)):
+            p.error(f"--{flag}: each must be >= 1, got {getattr(args, flag)}")
     args.workload_ = workloads.workload("basic")
     check_outputs(p, args)
     return args
 
 
-def grid(args, vocab_size: int, rng: np.random.Generator) -> list[list[Request]]:
-    """The grid's runs: ``D`` requests of ``C`` prompt tokens, where they fit."""
-    runs, d = [], 1
-    while d <= args.max_seqs:
-        for c in args.contexts:
-            if d * (c + args.decode_steps) <= args.kv_budget_tokens:
-                runs.append([Request(request_id=i, prompt_ids=rng.integers(0, vocab_size, c).tolist(),
-                                     max_new_tokens=args.decode_steps, ignore_eos=True) for i in range(d)])
-        d *= 2
-    return runs
-
-
-def mixed(args, vocab_size: int, rng: np.random.Generator) -> list[Request]:
-    return [Request(request_id=i, prompt_ids=rng.integers(0, vocab_size, int(rng.integers(16, 769))).tolist(),
-                    max_new_tokens=int(rng.integers(8, 65)), ignore_eos=True) for i in range(args.mixed_requests)]
-
-
-def profile(spec: online.EngineSpec, args, vocab_size: int, *, progress: bool = True) -> list[dict]:
-    """Runs the grid and the mixed runs on fresh engines of ``spec``; one row
-    per call read, its work and seconds (calls that compiled left out)."""
-    rng = np.random.default_rng(args.seed)
-    runs = [("grid", reqs, np.zeros(len(reqs))) for reqs in grid(args, vocab_size, rng)]
-    for rate in args.mixed_rates:
-        reqs = mixed(args, vocab_size, rng)
-        runs.append((f"mixed {rate:g}/s", reqs, arrival_times(len(reqs), rate, seed=args.seed)))
-    rows = []
-    for i, (phase, reqs, arrivals) in enumerate(runs):
-        engine = spec.build("paged", call_records=None)
-        online.run_online(engine, reqs, arrivals)
-        records = list(engine.stats.calls)
-        for rec, seconds in zip(records, call_seconds(records)):
-            if rec.compile_s == 0 and seconds > 0:
-                rows.append({**dataclasses.asdict(StepWork.from_record(rec)), "seconds": seconds, "phase": phase})
-        if progress:
-            print(f"  run {i + 1}/{len(runs)} ({phase}, {len(reqs)} requests): {len(records)} calls", flush=True)
-    return rows
+def profile(spec: online.EngineSpec, args) -> list[dict]:
+    """The profile's rows: every call of the grid and the staggered runs on
+    fresh paged engines of ``spec``."""
+    runs = profile_runs(vocab_size=spec.model.config.vocab_size, max_seqs=spec.max_seqs, kv_tokens=spec.kv_tokens,
+                        contexts=args.contexts, decode_steps=args.decode_steps, staggered=args.staggered,
+                        staggered_requests=args.staggered_requests, seed=args.seed)
+    return profile_calls(lambda: spec.build("paged", call_records=None), runs,
+                         progress=lambda line: print(f"  {line}", flush=True))
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
     backend = jax.default_backend()
-    record = provenance.collect(PROG, argv, seeds={"prompts": args.seed, "arrivals": args.seed})
+    record = provenance.collect("experiments.simulator.profile_steps", argv, seeds={"prompts": args.seed})
     print(setup_compile_cache(args))
     model_name, _, spec, setup = online.load_setup(args)
     print(setup)
     print(online.warm_up_line(spec))
-    rows = profile(spec, args, spec.model.config.vocab_size)
+    rows = profile(spec, args)
     works, seconds = profile_rows(rows)
     device = jax.devices()[0].device_kind
     fit = ProfiledStepTime.fit(works, seconds, device=device)
-    coef = markdown_table(fit.table(), ("feature", "seconds_per_unit"), headers=["feature", "seconds per unit"])
+    buckets = sorted(fit.bucket_coef)
+    coef = markdown_table([{k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in row.items()}
+                           for row in fit.table()],
+                          ("feature", "seconds_per_unit", *(f"bucket_{t}" for t in buckets)),
+                          headers=["feature", "every call", *(f"{t} token rows" for t in buckets)])
     text = [f"# Step profile on {device} ({model_name})",
             f"{len(rows)} calls of the real engine, timed as the seconds each added to the engine's clock "
-            f"({sum(1 for r in rows if r['phase'] == 'grid')} from the grid, the rest mixed). Non-negative "
-            f"least-squares fit (relative error), {fit.name}:", coef,
+            f"({sum(1 for r in rows if r['phase'].startswith('grid'))} from the grid, the rest staggered). "
+            "Non-negative least-squares fits, seconds per unit of each feature, over every call and per "
+            f"padded-token bucket (a call is predicted by its bucket's fit where the profile holds one), "
+            f"{fit.name}:", coef,
             f"**The fit's own error over these calls: {fit.fit_mape:.1f}% MAPE.** Median call "
             f"{np.median(seconds) * 1e3:.1f} ms (from {min(seconds) * 1e3:.1f} to {max(seconds) * 1e3:.1f} ms)."]
     roofline = None

@@ -25,6 +25,9 @@ class DeviceSpec:
       peak_flops: dtype name -> dense peak FLOP/s of its matmuls.
       hbm_bytes_per_s: memory bandwidth, bytes per second.
       memory_bytes: device memory, bytes.
+      link_bytes_per_s: chip-to-chip bandwidth one way, bytes per second
+        (NVLink, ICI: half the bidirectional total the datasheet gives), for
+        tensor parallelism's all-reduces.
       source: where the numbers come from.
     """
 
@@ -32,6 +35,7 @@ class DeviceSpec:
     peak_flops: dict
     hbm_bytes_per_s: float
     memory_bytes: int
+    link_bytes_per_s: float
     source: str
 
     def flops(self, dtype: str) -> float:
@@ -47,27 +51,31 @@ class DeviceSpec:
 DEVICES = {d.name: d for d in (
     DeviceSpec(name="a100-40gb", peak_flops={"bfloat16": 312 * TERA, "float16": 312 * TERA, "int8": 624 * TERA,
                                              "float32": 19.5 * TERA},
-               hbm_bytes_per_s=1555 * GIGA, memory_bytes=40 * GIGA,
-               source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 40 GB: 312 TFLOPS BF16/FP16 dense, 1,555 GB/s)"),
+               hbm_bytes_per_s=1555 * GIGA, memory_bytes=40 * GIGA, link_bytes_per_s=300 * GIGA,
+               source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 40 GB: 312 TFLOPS BF16/FP16 dense, 1,555 GB/s; "
+                      "NVLink 600 GB/s)"),
     DeviceSpec(name="a100-80gb", peak_flops={"bfloat16": 312 * TERA, "float16": 312 * TERA, "int8": 624 * TERA,
                                              "float32": 19.5 * TERA},
-               hbm_bytes_per_s=2039 * GIGA, memory_bytes=80 * GIGA,
-               source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80 GB: 2,039 GB/s)"),
+               hbm_bytes_per_s=2039 * GIGA, memory_bytes=80 * GIGA, link_bytes_per_s=300 * GIGA,
+               source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80 GB: 2,039 GB/s; NVLink 600 GB/s)"),
     DeviceSpec(name="h100", peak_flops={"bfloat16": 989 * TERA, "float16": 989 * TERA, "float8": 1979 * TERA,
                                         "int8": 1979 * TERA, "float32": 67 * TERA},
-               hbm_bytes_per_s=3350 * GIGA, memory_bytes=80 * GIGA,
-               source="NVIDIA H100 Tensor Core GPU datasheet (SXM: 989 TFLOPS BF16 dense, 3.35 TB/s, 80 GB)"),
+               hbm_bytes_per_s=3350 * GIGA, memory_bytes=80 * GIGA, link_bytes_per_s=450 * GIGA,
+               source="NVIDIA H100 Tensor Core GPU datasheet (SXM: 989 TFLOPS BF16 dense, 3.35 TB/s, 80 GB; NVLink "
+                      "900 GB/s)"),
     DeviceSpec(name="h200", peak_flops={"bfloat16": 989 * TERA, "float16": 989 * TERA, "float8": 1979 * TERA,
                                         "int8": 1979 * TERA, "float32": 67 * TERA},
-               hbm_bytes_per_s=4800 * GIGA, memory_bytes=141 * GIGA,
-               source="NVIDIA H200 Tensor Core GPU datasheet (SXM: 989 TFLOPS BF16 dense, 4.8 TB/s, 141 GB)"),
+               hbm_bytes_per_s=4800 * GIGA, memory_bytes=141 * GIGA, link_bytes_per_s=450 * GIGA,
+               source="NVIDIA H200 Tensor Core GPU datasheet (SXM: 989 TFLOPS BF16 dense, 4.8 TB/s, 141 GB; NVLink "
+                      "900 GB/s)"),
     DeviceSpec(name="tpu-v5e", peak_flops={"bfloat16": 197 * TERA, "int8": 394 * TERA},
-               hbm_bytes_per_s=819 * GIGA, memory_bytes=16 * GIGA,
-               source="Google Cloud TPU v5e documentation (197 TFLOPS BF16, 394 INT8, 16 GB HBM2 at 819 GB/s)"),
+               hbm_bytes_per_s=819 * GIGA, memory_bytes=16 * GIGA, link_bytes_per_s=100 * GIGA,
+               source="Google Cloud TPU v5e documentation (197 TFLOPS BF16, 394 INT8, 16 GB HBM2 at 819 GB/s; ICI "
+                      "1,600 Gbps)"),
     DeviceSpec(name="tpu-v6e", peak_flops={"bfloat16": 918 * TERA, "int8": 1836 * TERA},
-               hbm_bytes_per_s=1640 * GIGA, memory_bytes=32 * GIGA,
+               hbm_bytes_per_s=1640 * GIGA, memory_bytes=32 * GIGA, link_bytes_per_s=224 * GIGA,
                source="Google Cloud TPU v6e (Trillium) documentation (918 TFLOPS BF16, 1,836 INT8, 32 GB at "
-                      "1,640 GB/s)"),
+                      "1,640 GB/s; ICI 3,584 Gbps)"),
 )}
 """The device specs by name."""
 
@@ -151,6 +159,15 @@ def get_device(name: str) -> DeviceSpec:
     return DEVICES[check_choice("device", name, DEVICES)]
 
 
+def get_model(name: str) -> ModelShape:
+    """The model shape ``name`` (one of :data:`MODELS`).
+
+    Raises:
+      ValueError: an unknown name, listing the known ones.
+    """
+    return MODELS[check_choice("model", name, MODELS)]
+
+
 _KINDS = (("a100", "80gb", "a100-80gb"), ("a100", "", "a100-40gb"), ("h100", "", "h100"), ("h200", "", "h200"),
           ("v5 lite", "", "tpu-v5e"), ("v5e", "", "tpu-v5e"), ("v6 lite", "", "tpu-v6e"), ("v6e", "", "tpu-v6e"))
 
@@ -166,10 +183,19 @@ def device_key(device_kind: str) -> str | None:
     return None
 
 
-def get_model(name: str) -> ModelShape:
-    """The model shape ``name`` (one of :data:`MODELS`).
+def kv_pool_tokens(model: ModelShape, device: DeviceSpec, num_devices: int, memory_fraction: float, *,
+                   at_least: int = 2048) -> int:
+    """KV tokens a server's pool holds: ``memory_fraction`` of its
+    ``num_devices`` devices' memory (vLLM's ``gpu_memory_utilization``) less
+    the bf16 weights, over the K/V bytes of a token.
 
     Raises:
-      ValueError: an unknown name, listing the known ones.
+      ValueError: fewer than ``at_least`` tokens (one longest request).
     """
-    return MODELS[check_choice("model", name, MODELS)]
+    free = memory_fraction * device.memory_bytes * num_devices - model.weight_bytes("bfloat16")
+    tokens = int(max(free, 0) // model.kv_bytes_per_token("bfloat16"))
+    if tokens < at_least:
+        raise ValueError(f"{model.name} on {num_devices} x {device.name} at {memory_fraction:g} of memory leaves "
+                         f"{max(free, 0) / 1e9:.1f} GB for K/V, {tokens} tokens: fewer than one {at_least}-token "
+                         "request; more devices or a larger fraction")
+    return tokens

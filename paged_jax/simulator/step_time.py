@@ -41,7 +41,7 @@ from typing import Iterable, Protocol, Sequence
 
 import numpy as np
 
-from paged_jax.checks import check_choice, check_float, check_instance
+from paged_jax.checks import check_choice, check_float, check_instance, check_int
 from paged_jax.engine.stats import CallRecord
 from paged_jax.memory import dtype_bytes
 from paged_jax.simulator.hardware import DeviceSpec, ModelShape
@@ -152,14 +152,24 @@ def features(work: StepWork) -> np.ndarray:
 class ProfiledStepTime:
     """A step time fitted to calls the real engine timed (module docstring).
 
+    A call's program is set by its padded token rows (the bucketed shape), so
+    each bucket the profile holds at least :data:`MIN_BUCKET_CALLS` calls of
+    gets a fit of its own over the other features (a table over shapes,
+    interpolated in the work within each); a call of another bucket is
+    predicted by the fit over every call.
+
     Attributes:
-      coef: f64[len(FEATURES)] seconds per unit of each feature, >= 0.
+      coef: f64[len(FEATURES)] seconds per unit of each feature over every
+        call, >= 0.
+      bucket_coef: padded token rows -> f64[len(FEATURES)] that bucket's own
+        fit (its ``padded_tokens`` entry 0: constant within a bucket).
       name: what produced it ("profiled on <device>").
       fit_mape: the fit's own error over the profile, percent.
       num_calls: calls it was fitted to.
     """
 
     coef: np.ndarray
+    bucket_coef: dict
     name: str
     fit_mape: float
     num_calls: int
@@ -174,8 +184,6 @@ class ProfiledStepTime:
         Raises:
           ValueError: fewer calls than features, or a time not > 0.
         """
-        from scipy.optimize import nnls  # scipy comes with jax
-
         y = np.asarray(seconds, np.float64)
         if len(works) != len(y) or len(y) < len(FEATURES):
             raise ValueError(f"need as many times as calls and at least {len(FEATURES)} calls, got "
@@ -183,23 +191,58 @@ class ProfiledStepTime:
         if not (y > 0).all():
             raise ValueError(f"seconds must be > 0, got {y[y <= 0][:3].tolist()}")
         x = np.stack([features(w) for w in works])
-        scale = x.max(axis=0)
-        scale[scale == 0] = 1.0
-        coef, _ = nnls(x / scale, y)
-        coef = coef / scale
-        return cls(coef=coef, name=f"profiled on {device}", fit_mape=mape(x @ coef, y), num_calls=len(y))
+        tokens = x[:, 1]
+        buckets = {}
+        for t in np.unique(tokens):
+            mask = tokens == t
+            if mask.sum() >= MIN_BUCKET_CALLS:
+                xb = x[mask].copy()
+                xb[:, 1] = 0.0
+                buckets[int(t)] = _nnls(xb, y[mask])
+        fitted = cls(coef=_nnls(x, y), bucket_coef=buckets, name=f"profiled on {device}", fit_mape=0.0,
+                     num_calls=len(y))
+        return dataclasses.replace(fitted, fit_mape=mape([fitted.seconds(w) for w in works], y))
 
     def seconds(self, work: StepWork) -> float:
-        return float(features(work) @ self.coef)
+        return float(features(work) @ self.bucket_coef.get(work.padded_tokens, self.coef))
 
     def table(self) -> list[dict]:
-        """One row per feature: its name and seconds per unit."""
-        return [{"feature": f, "seconds_per_unit": float(c)} for f, c in zip(FEATURES, self.coef)]
+        """One row per feature: its name and seconds per unit, over every
+        call and in each bucket (``bucket_<T>``)."""
+        return [{"feature": f, "seconds_per_unit": float(c),
+                 **{f"bucket_{t}": float(b[i]) for t, b in sorted(self.bucket_coef.items())}}
+                for i, (f, c) in enumerate(zip(FEATURES, self.coef))]
+
+
+MIN_BUCKET_CALLS = 3 * len(FEATURES)
+"""Calls of one padded-token bucket a profile needs for the bucket's own fit."""
+
+
+def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares of ``x @ c ~ y``, columns scaled first."""
+    from scipy.optimize import nnls  # scipy comes with jax
+
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    return nnls(x / scale, y)[0] / scale
+
+
+ALLREDUCE_LATENCY_S = 10e-6
+"""Seconds one all-reduce of tensor parallelism costs beyond its bytes
+(assumed: the order of NCCL's small-message all-reduce over NVLink)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RooflineStepTime:
-    """A call's time from its FLOPs and bytes (module docstring).
+    """A call's time from its FLOPs and bytes (module docstring), on
+    ``num_devices`` chips in tensor parallelism (Megatron-LM's split, as the
+    paper's OPT-66B and OPT-175B servers: heads and the MLP divided, so each
+    chip does ``1/n`` of the FLOPs and reads ``1/n`` of the weights and K/V;
+    two all-reduces of the hidden state per layer, not overlapped):
+
+    ``overhead + max(FLOPs / n / (peak x e_flops), bytes / (bandwidth x e_bw))
+    + comm_bytes / (link x e_bw) + 2 L x ALLREDUCE_LATENCY_S`` (the last two
+    only where ``n > 1``).
 
     Args:
       model: the model's shape.
@@ -207,10 +250,15 @@ class RooflineStepTime:
       dtype: weights' and activations' dtype (its peak FLOP/s is used).
       kv_dtype: the K/V pages' dtype.
       flops_efficiency: share of the peak FLOP/s a step's matmuls reach, (0, 1].
-      bandwidth_efficiency: share of the HBM bandwidth it reaches, (0, 1].
+      bandwidth_efficiency: share of the HBM (and link) bandwidth it
+        reaches, (0, 1].
       overhead_s: fixed seconds per call (launches, the host's scheduling
         not hidden), >= 0.
       efficiency_source: where the three numbers come from.
+      num_devices: chips in tensor parallelism, >= 1.
+
+    Raises:
+      ValueError: (at construction) an argument out of its range, naming it.
     """
 
     model: ModelShape
@@ -221,6 +269,7 @@ class RooflineStepTime:
     bandwidth_efficiency: float = 0.8
     overhead_s: float = 0.002
     efficiency_source: str = "assumed (no profile of this device): 60% of peak FLOP/s, 80% of HBM bandwidth, 2 ms"
+    num_devices: int = 1
 
     def __post_init__(self):
         check_instance("model", self.model, ModelShape, what="paged_jax.simulator.hardware.ModelShape")
@@ -230,36 +279,52 @@ class RooflineStepTime:
         check_float("flops_efficiency", self.flops_efficiency, 0, 1, low_open=True)
         check_float("bandwidth_efficiency", self.bandwidth_efficiency, 0, 1, low_open=True)
         check_float("overhead_s", self.overhead_s, 0)
+        check_int("num_devices", self.num_devices)
 
     @property
     def name(self) -> str:
-        return f"roofline on {self.device.name}"
+        n = self.num_devices
+        return f"roofline on {self.device.name}" + (f" x{n} (tensor parallel)" if n > 1 else "")
 
     def flops(self, work: StepWork) -> float:
-        """``2 T P + 2 R h V + 4 H d A L``: the layers' matmuls over the T
-        padded token rows (P weights per layer times L layers, each weight
-        a multiply and an add per token), the LM head over R logit rows,
-        and attention's QK and PV over the A (query, key) pairs of each of
-        the H query heads of width d in each layer."""
+        """``2 T P + 2 R h V + 4 H d A L``, all chips together: the layers'
+        matmuls over the T padded token rows (P weights per layer times L
+        layers, each weight a multiply and an add per token), the LM head
+        over R logit rows, and attention's QK and PV over the A (query, key)
+        pairs of each of the H query heads of width d in each layer."""
         m = self.model
         return (2.0 * work.padded_tokens * m.layer_matmul_params * m.num_layers
                 + 2.0 * work.logit_rows * m.hidden * m.vocab_size
                 + 4.0 * m.num_q_heads * m.head_dim * work.attention_pairs * m.num_layers)
 
     def bytes(self, work: StepWork) -> float:
-        """Every weight once, the K/V the attention reads (``context_tokens``)
-        and writes (``tokens``), and the activations: each layer reads and
-        writes its hidden state and MLP intermediate once per padded token
-        row, ``2 T L (4 h + 2 m)`` elements."""
-        m = self.model
+        """HBM bytes one chip moves: its share of every weight once and of
+        the K/V the attention reads (``context_tokens``) and writes
+        (``tokens``), and the activations: each layer reads and writes its
+        hidden state (whole on every chip) and its share of the MLP
+        intermediate once per padded token row, ``2 T L (4 h + 2 m / n)``
+        elements."""
+        m, n = self.model, self.num_devices
         kv = m.kv_bytes_per_token(self.kv_dtype)
-        act = 2.0 * work.padded_tokens * m.num_layers * (4 * m.hidden + 2 * m.mlp_dim) * dtype_bytes(self.dtype)
-        return m.weight_bytes(self.dtype) + kv * (work.context_tokens + work.tokens) + act
+        act = 2.0 * work.padded_tokens * m.num_layers * (4 * m.hidden + 2 * m.mlp_dim / n) * dtype_bytes(self.dtype)
+        return (m.weight_bytes(self.dtype) + kv * (work.context_tokens + work.tokens)) / n + act
+
+    def comm_bytes(self, work: StepWork) -> float:
+        """Bytes one chip sends for the all-reduces: two a layer of the
+        hidden state of T rows, a ring moving ``2 (n - 1) / n`` of it; 0 on
+        one chip."""
+        m, n = self.model, self.num_devices
+        return 2.0 * m.num_layers * 2 * (n - 1) / n * work.padded_tokens * m.hidden * dtype_bytes(self.dtype)
+
+    def _comm_latency(self) -> float:
+        return 2 * self.model.num_layers * ALLREDUCE_LATENCY_S if self.num_devices > 1 else 0.0
 
     def seconds(self, work: StepWork) -> float:
-        compute = self.flops(work) / (self.device.flops(self.dtype) * self.flops_efficiency)
+        n = self.num_devices
+        compute = self.flops(work) / n / (self.device.flops(self.dtype) * self.flops_efficiency)
         memory = self.bytes(work) / (self.device.hbm_bytes_per_s * self.bandwidth_efficiency)
-        return self.overhead_s + max(compute, memory)
+        comm = self.comm_bytes(work) / (self.device.link_bytes_per_s * self.bandwidth_efficiency)
+        return self.overhead_s + max(compute, memory) + comm + self._comm_latency()
 
     def fitted(self, works: Sequence[StepWork], seconds: Sequence[float], *, source: str) -> RooflineStepTime:
         """This model with its efficiencies and overhead fitted to calls that
@@ -272,13 +337,14 @@ class RooflineStepTime:
         y = np.asarray(seconds, np.float64)
         if len(works) != len(y) or not len(y):
             raise ValueError(f"need one time per call, got {len(works)} calls and {len(y)} times")
-        flops = np.array([self.flops(w) for w in works]) / self.device.flops(self.dtype)
+        flops = np.array([self.flops(w) for w in works]) / self.num_devices / self.device.flops(self.dtype)
         mem = np.array([self.bytes(w) for w in works]) / self.device.hbm_bytes_per_s
+        comm = np.array([self.comm_bytes(w) for w in works]) / self.device.link_bytes_per_s
         grid = np.geomspace(1e-4, 1.0, 81)
         best = None
+        w = 1 / y**2
         for ef, eb in itertools.product(grid, grid):
-            core = np.maximum(flops / ef, mem / eb)
-            w = 1 / y**2
+            core = np.maximum(flops / ef, mem / eb) + comm / eb + self._comm_latency()
             overhead = max(float(np.sum(w * (y - core)) / np.sum(w)), 0.0)
             err = float(np.mean(np.abs(core + overhead - y) / y))
             if best is None or err < best[0]:
