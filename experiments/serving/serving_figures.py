@@ -440,7 +440,7 @@ def main(argv=None):
                  "preemptions"])
     png13 = args.out / f"{args.stems[1]}.png"
     online.plot_batched_requests(png13, {p: runs[p][fig13_rate].metrics.mean_running for p in args.policy},
-                                 {p: paper13[p] for p in args.policy} if basic else None,
+                                 {p: paper13[p] for p in args.policy if p in paper13} if basic else None,
                                  title=f"{model_name} at {fig13_rate:g} req/s ({args.workload})"
                                        + ("; paper: OPT-13B at 2 req/s" if basic else ""))
     text13 = (f"# {'Figure 13' if basic else fig}: mean batched requests ({model_name}, {fig13_rate:g} req/s)\n\n"

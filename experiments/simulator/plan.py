@@ -31,7 +31,7 @@ efficiencies, not per page size).
 
 Writes ``plan_<model>_<device>.{md,csv,png}`` to ``--out``.
 
-Usage: ``python -m experiments.simulator.plan --model opt-13b --device a100-40gb --rate 10 --slo ttft:2000,tpot:100``
+Usage: ``python -m experiments.simulator.plan --model opt-13b --device a100-80gb --rate 40 --slo ttft:2000,tpot:100``
 """
 
 from __future__ import annotations
