@@ -321,3 +321,31 @@ def test_plan_flags_are_checked(capsys):
         with pytest.raises(SystemExit):
             plan.parse_args(argv)
         assert needle in capsys.readouterr().err
+
+
+def test_bad_times_and_runs_are_refused_and_change_nothing():
+    from paged_jax.paging.contiguous import BuddyAllocator, FirstFitAllocator, HeldRuns
+    from paged_jax.simulator.hardware import kv_pool_tokens
+    from paged_jax.simulator.step_time import ReplayStepTime, profile_rows
+
+    for alloc in (BuddyAllocator(16), FirstFitAllocator(16)):
+        alloc.allocate(4)
+        before = (dict(alloc.runs), alloc.num_free, alloc.free_blocks())
+        with pytest.raises(ValueError, match="start must be an int"):
+            alloc.free(0.0)
+        assert (dict(alloc.runs), alloc.num_free, alloc.free_blocks()) == before
+    held = HeldRuns(BuddyAllocator(8))
+    with pytest.raises(ValueError, match="sizes must be an int >= 1"):
+        held.place("x", [2, 0])
+    assert held.allocator.num_free == 8
+    with pytest.raises(ValueError, match="seconds"):
+        ReplayStepTime([-1.0])
+    with pytest.raises(ValueError, match="profile row 0: padded_tokens must be a whole number"):
+        profile_rows([{**dict.fromkeys(("padded_tokens", "logit_rows", "tokens", "decode_tokens", "rows",
+                                        "context_tokens", "attention_pairs"), "16"), "padded_tokens": "16.7",
+                       "seconds": "0.1"}])
+    with pytest.raises(ValueError, match="memory_fraction must be"):
+        kv_pool_tokens(get_model("opt-13b"), get_device("h100"), 1, float("nan"))
+    with pytest.raises(ValueError, match="finite and > 0"):
+        RooflineStepTime(model=get_model("opt-13b"), device=get_device("h100")).fitted(_works(3), [-0.1] * 3,
+                                                                                       source="x")

@@ -43,7 +43,7 @@ from paged_jax.engine.requests import Request, RequestOutput
 from paged_jax.jit_stats import CompileCounts, CompileMonitor
 from paged_jax.paging.kv_cache import default_kv_dtype
 from paged_jax.profiling import ProfileSpec
-from paged_jax.simulator.hardware import get_device, get_model
+from paged_jax.simulator.hardware import device_key, get_device, get_model
 from paged_jax.simulator.step_time import RooflineStepTime, profile_rows
 
 MODE_RESERVATIONS = {"paged": "paged", "contiguous": "max", "contiguous-pow2": "pow2", "contiguous-oracle": "oracle"}
@@ -415,13 +415,18 @@ def simulated_setup(args) -> tuple[RooflineStepTime, list[Request]]:
 
     Raises:
       ValueError: an unknown model or device, a CSV without a profile's
-        columns, ``num_requests`` out of range.
+        columns or values or of another device, ``num_requests`` out of
+        range.
     """
     step_time = RooflineStepTime(model=get_model(args.model), device=get_device(args.device),
                                  num_devices=args.num_devices)
     if args.efficiency_profile is not None:
-        step_time = step_time.fitted(*profile_rows(provenance.read_csv(args.efficiency_profile)[1]),
-                                     source=f"fitted to {args.efficiency_profile}")
+        meta, rows = provenance.read_csv(args.efficiency_profile)
+        kind = meta.get("device_kind")
+        if device_key(kind or "") != args.device:
+            raise ValueError(f"--efficiency-profile {args.efficiency_profile} was profiled on {kind!r}, not on "
+                             f"--device {args.device}: a roofline's efficiencies are its own device's")
+        step_time = step_time.fitted(*profile_rows(rows), source=f"fitted to {args.efficiency_profile}")
     requests = packaged_requests(args.num_requests, MAX_SEQ_LEN, vocab_size=step_time.model.vocab_size,
                                  seed=args.seed)
     return step_time, requests

@@ -47,7 +47,7 @@ from experiments.lib.cli import add_flag, add_flags, check_flags, check_outputs
 from experiments.lib.latency import arrival_times
 from experiments.lib.policies import ALL_POLICIES, PAPER_FIG12, PAPER_FIG13, POLICY_LABELS, engine_options
 from experiments.lib.serving import engine_config, simulated_setup
-from experiments.lib.sharegpt import PACKAGED_LIMIT
+from experiments.lib.sharegpt import MAX_SEQ_LEN, PACKAGED_LIMIT
 from experiments.lib.tables import markdown_table, write_table
 from paged_jax.simulator.engine import SimulatedEngine
 from paged_jax.simulator.hardware import DEVICES, MODELS, kv_pool_tokens
@@ -139,6 +139,17 @@ def parse_args(argv=None):
     if args.efficiency_profile is not None and not args.efficiency_profile.is_file():
         p.error(f"--efficiency-profile {args.efficiency_profile}: no such file")
     args.policy = ["paged"] + [x for x in dict.fromkeys(args.policy) if x != "paged"]
+    if args.max_batched_tokens < args.max_seqs:
+        p.error(f"--max-batched-tokens {args.max_batched_tokens} must be >= --max-seqs {args.max_seqs} (every "
+                "running sequence decodes in each call)")
+    try:
+        args.step_time_, args.requests_ = simulated_setup(args)
+        args.tokens_ = kv_tokens(args, args.step_time_.model, args.step_time_.device)
+    except ValueError as e:
+        p.error(str(e))
+    if args.tokens_[0] // args.page_size * args.page_size < MAX_SEQ_LEN:
+        p.error(f"the pool holds {args.tokens_[0]} KV tokens ({args.tokens_[1]}) in pages of {args.page_size}: "
+                f"no {MAX_SEQ_LEN}-token request fits; a larger --kv-tokens or a smaller --page-size")
     check_outputs(p, args)
     return args
 
@@ -165,9 +176,9 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
     record = provenance.collect("experiments.simulator.paper_fig12", argv, seeds={"arrivals": args.seed})
-    step_time, requests = simulated_setup(args)
+    step_time, requests = args.step_time_, args.requests_
     model, device = step_time.model, step_time.device
-    tokens, tokens_source = kv_tokens(args, model, device)
+    tokens, tokens_source = args.tokens_
     num_pages = tokens // args.page_size + 1
     rows, runs = [], {}
     for policy in args.policy:

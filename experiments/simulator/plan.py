@@ -16,7 +16,9 @@ device). The engine is this project's own
 manager and prefix cache you would deploy.
 
 The workload is the packaged ShareGPT requests (their true output lengths,
-EOS ignored), Poisson arrivals. A rate *meets* the SLOs when at least
+EOS ignored; all 1,000 by default: above the sustained rate a queue grows
+only as long as the trace lasts, so a shorter trace passes rates a server
+could not hold), Poisson arrivals. A rate *meets* the SLOs when at least
 ``--attainment`` of the requests meet every one of them (DistServe's SLO
 attainment; Zhong et al., OSDI 2024); the highest such rate is found by
 doubling, then bisection to ``--tolerance``. A target rate of ``R`` needs
@@ -49,7 +51,7 @@ from experiments.lib.latency import arrival_times, parse_goodput
 from experiments.lib.plots import plot_plan
 from experiments.lib.policies import ALL_POLICIES, POLICY_LABELS, engine_options
 from experiments.lib.serving import engine_config, simulated_setup
-from experiments.lib.sharegpt import PACKAGED_LIMIT
+from experiments.lib.sharegpt import MAX_SEQ_LEN, PACKAGED_LIMIT
 from experiments.lib.tables import markdown_table, write_table
 from paged_jax.simulator.engine import SimulatedEngine
 from paged_jax.simulator.hardware import DEVICES, MODELS, get_device, get_model, kv_pool_tokens
@@ -71,16 +73,23 @@ def parse_args(argv=None):
     p.add_argument("--attainment", type=float, default=0.9,
                    help="share of requests that must meet every SLO, (0, 1] (default 0.9)")
     p.add_argument("--cache-fraction", type=float, default=0.9,
-                   help="share of the devices' memory the server uses, weights included (default 0.9)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per page of the answer (default 16)")
-    p.add_argument("--cache-fractions", type=float, nargs="*", default=[0.5, 0.6, 0.7, 0.8, 0.95],
-                   help="further cache fractions to sweep at --page-size (default 0.5 0.6 0.7 0.8 0.95)")
-    p.add_argument("--page-sizes", type=int, nargs="*", default=[8, 32, 64, 128],
-                   help="further page sizes to sweep at --cache-fraction (default 8 32 64 128)")
-    p.add_argument("--num-requests", type=int, default=500,
-                   help=f"ShareGPT requests per simulation, at most {PACKAGED_LIMIT} (default 500)")
+                   help="memory utilization: the share of the devices' memory the server may use, weights "
+                        "included; the KV pool is the rest after the weights (vLLM's gpu_memory_utilization; "
+                        "default 0.9)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    p.add_argument("--cache-fractions", type=float, nargs="*", default=[0.5, 0.7, 0.95],
+                   help="cache fractions to sweep at --page-size, besides --cache-fraction, which is always run "
+                        "(default 0.5 0.7 0.95; none: no sweep)")
+    p.add_argument("--page-sizes", type=int, nargs="*", default=[8, 32, 128],
+                   help="page sizes to sweep at --cache-fraction, besides --page-size, which is always run "
+                        "(default 8 32 128; none: no sweep)")
+    p.add_argument("--num-requests", type=int, default=PACKAGED_LIMIT,
+                   help=f"ShareGPT requests per simulation (default and at most {PACKAGED_LIMIT}); a shorter "
+                        "trace overstates the sustained rate: above it, queues grow for longer than the trace "
+                        "lasts")
     p.add_argument("--policy", choices=ALL_POLICIES, default="paged", metavar="POLICY",
-                   help="the server's policy (default paged; an Orca reservation to size a pre-paging server)")
+                   help="the server's policy (default paged; an Orca reservation, max, pow2 or oracle, to size "
+                        f"a pre-paging server; all: {', '.join(ALL_POLICIES)})"),
     add_flag(p, "max_seqs", default=256)
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="tokens per call (default 2048)")
     p.add_argument("--tolerance", type=float, default=0.03,
@@ -115,12 +124,39 @@ def parse_args(argv=None):
         p.error(f"--page-sizes: each must be >= 1, got {args.page_sizes}")
     if args.efficiency_profile is not None and not args.efficiency_profile.is_file():
         p.error(f"--efficiency-profile {args.efficiency_profile}: no such file")
+    if args.seed < 0:
+        p.error(f"--seed must be >= 0, got {args.seed}")
+    if args.max_batched_tokens < args.max_seqs:
+        p.error(f"--max-batched-tokens {args.max_batched_tokens} must be >= --max-seqs {args.max_seqs} (every "
+                "running sequence decodes in each call)")
     model, device = get_model(args.model), get_device(args.device)
-    for f in sorted({args.cache_fraction, *args.cache_fractions}):
+
+    def too_small(fraction, page_size):
         try:
-            kv_pool_tokens(model, device, args.num_devices, f)
+            tokens = kv_pool_tokens(model, device, args.num_devices, fraction)
         except ValueError as e:
-            p.error(f"--cache-fraction(s) {f:g}: {e}")
+            return str(e)
+        if tokens // page_size * page_size < MAX_SEQ_LEN:
+            return f"{tokens} KV tokens in pages of {page_size} hold no {MAX_SEQ_LEN}-token request"
+        return None
+
+    problem = too_small(args.cache_fraction, args.page_size)
+    if problem:
+        p.error(f"--cache-fraction {args.cache_fraction:g} with --page-size {args.page_size}: {problem}")
+    args.skipped = {}
+    for flag, values, pair in (("--cache-fractions", args.cache_fractions, lambda v: (v, args.page_size)),
+                               ("--page-sizes", args.page_sizes, lambda v: (args.cache_fraction, v))):
+        for v in values:
+            problem = too_small(*pair(v))
+            if problem:
+                args.skipped[flag, v] = problem
+                print(f"{flag} {v:g} skipped: {problem}", file=sys.stderr)
+    args.cache_fractions = [f for f in args.cache_fractions if ("--cache-fractions", f) not in args.skipped]
+    args.page_sizes = [s for s in args.page_sizes if ("--page-sizes", s) not in args.skipped]
+    try:
+        args.step_time_, args.requests_ = simulated_setup(args)
+    except ValueError as e:
+        p.error(str(e))
     check_outputs(p, args)
     return args
 
@@ -188,7 +224,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
     record = provenance.collect("experiments.simulator.plan", argv, seeds={"arrivals": args.seed})
-    step_time, requests = simulated_setup(args)
+    step_time, requests = args.step_time_, args.requests_
     model, device = step_time.model, step_time.device
     arrivals = arrival_times(len(requests), 1.0, seed=args.seed)  # stretched to each rate: the same trace
     config = engine_config(max_seqs=args.max_seqs, max_batched_tokens=args.max_batched_tokens,
@@ -216,7 +252,8 @@ def main(argv=None) -> dict:
                "attainment": round(cap.trial.attainment, 3) if cap.trial else None,
                "mean_running": round(m.mean_running, 1) if m else None, "simulations": cap.simulations}
         print(f"  cache fraction {fraction:g}, pages of {page_size}: {tokens:,} KV tokens, sustains "
-              f"{cap.rate:.3f} req/s ({cap.simulations} simulations, {time.perf_counter() - t0:.1f} s)", flush=True)
+              f"{'at least ' if cap.at_least else ''}{cap.rate:.3g} req/s ({cap.simulations} simulations, "
+              f"{time.perf_counter() - t0:.1f} s)", flush=True)
         return row
 
     answer = capacity(args.cache_fraction, args.page_size)
@@ -230,7 +267,8 @@ def main(argv=None) -> dict:
         verdict = (f"**No rate down to 0.001 req/s meets {slo_text} for {args.attainment:.0%} of requests** on "
                    f"{model.name} on {where}: the SLO is below what one request alone takes here.")
     else:
-        verdict = (f"**{model.name} on {where} sustains {answer['sustained_rate']:g} req/s** with "
+        bound = "at least " if answer["at_least"] else ""
+        verdict = (f"**{model.name} on {where} sustains {bound}{answer['sustained_rate']:g} req/s** with "
                    f"{args.attainment:.0%} of requests meeting {slo_text} (cache fraction {args.cache_fraction:g}, "
                    f"pages of {args.page_size}, {answer['kv_tokens']:,} KV tokens); **{args.rate:g} req/s needs "
                    f"{answer['replicas']} replica{'s' if answer['replicas'] > 1 else ''}, "
@@ -252,7 +290,9 @@ def main(argv=None) -> dict:
             f"call; {len(requests)} packaged ShareGPT requests (true output lengths, EOS ignored), Poisson arrivals "
             f"(seed {args.seed}), one trace stretched to each rate. Sustained: the highest rate at which "
             f"{args.attainment:.0%} of requests meet every SLO, to {args.tolerance:.0%} (doubling, then bisection); "
-            f"TTFT, TPOT and attainment are at that rate. Took {time.perf_counter() - t_start:.0f} s.")
+            f"TTFT, TPOT and attainment are at that rate."
+            + "".join(f" {flag} {v:g} skipped: {why}." for (flag, v), why in args.skipped.items())
+            + f" Took {time.perf_counter() - t_start:.0f} s.")
     md, csv = write_table(args.out, name, by_fraction + [r for r in by_page if r is not answer], COLUMNS, text,
                           record)
     print(f"\n{verdict}\n\nwrote {md}, {csv}, {png} in {time.perf_counter() - t_start:.0f} s")

@@ -113,16 +113,19 @@ def main(argv=None) -> dict:
             f"{np.median(seconds) * 1e3:.1f} ms (from {min(seconds) * 1e3:.1f} to {max(seconds) * 1e3:.1f} ms)."]
     roofline = None
     key, shape = device_key(device), MODEL_SHAPES.get(args.model)
-    if key is not None and shape is not None:
-        roofline = RooflineStepTime(
-            model=get_model(shape), device=get_device(key), dtype=resolve_dtype(args.dtype).name,
-            kv_dtype=resolve_kv_dtype(args.kv_dtype).name,
-        ).fitted(works, seconds, source=f"fitted to {PROG} on {device}")
+    dtype, kv_dtype = resolve_dtype(args.dtype).name, resolve_kv_dtype(args.kv_dtype).name
+    kv_dtype = "float8" if kv_dtype.startswith("float8") else kv_dtype  # the roofline counts bytes, not formats
+    no_peak = key is not None and dtype not in get_device(key).peak_flops
+    if no_peak:
+        text.append(f"No roofline fit: {key} has no {dtype} peak (paged_jax.simulator.hardware).")
+    elif key is not None and shape is not None:
+        roofline = RooflineStepTime(model=get_model(shape), device=get_device(key), dtype=dtype,
+                                    kv_dtype=kv_dtype).fitted(works, seconds, source=f"fitted to {PROG} on {device}")
         err = 100 * np.mean([abs(roofline.seconds(w) - s) / s for w, s in zip(works, seconds)])
         text.append(f"Roofline on {key} fitted to the same calls: {roofline.flops_efficiency:.3g} of peak FLOP/s, "
                     f"{roofline.bandwidth_efficiency:.3g} of HBM bandwidth, {roofline.overhead_s * 1e3:.2f} ms "
                     f"overhead per call; its error over them {err:.1f}% MAPE.")
-    else:
+    if roofline is None and not no_peak:
         text.append(f"No roofline fit: {'no device spec for ' + repr(device) if key is None else ''}"
                     f"{' and ' if key is None and shape is None else ''}"
                     f"{'no model shape for --model ' + args.model if shape is None else ''} "

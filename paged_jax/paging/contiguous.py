@@ -98,9 +98,10 @@ class RunAllocator(abc.ABC):
         """Gives the run starting at ``start`` back.
 
         Raises:
-          ValueError: no run starts at ``start``.
+          ValueError: ``start`` not an int, or no run starts at it (nothing
+            changes).
         """
-        size = self.runs.pop(start, None)
+        size = self.runs.pop(check_int("start", start, 0), None)
         if size is None:
             raise ValueError(f"start={start!r} is not the start of a placed run")
         self._release(start, size)
@@ -239,8 +240,11 @@ class HeldRuns:
         """Places runs for reservations of ``sizes`` pages, held by ``owner``.
 
         Raises:
+          ValueError: a size not an int >= 1 (nothing placed).
           RuntimeError: one does not fit (ask :meth:`fits` first).
         """
+        for size in sizes:
+            check_int("sizes", size)
         for size in sizes:
             start = self.allocator.allocate(size)
             if start is None:

@@ -34,6 +34,7 @@ state only.
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Iterable
 
@@ -90,14 +91,26 @@ class TimedEngine(Engine):
         return self._now_s
 
     def sleep(self, seconds: float) -> None:
-        """Idles for ``seconds`` of virtual time (negative: none)."""
+        """Idles for ``seconds`` of virtual time (negative: none).
+
+        Raises:
+          ValueError: ``seconds`` not a real number (NaN included).
+        """
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float, np.integer, np.floating)) \
+                or math.isnan(seconds):
+            raise ValueError(f"seconds must be a number, got seconds={seconds!r}")
         self._now_s += max(float(seconds), 0.0)
 
     def _compile_clock(self) -> float:
         return 0.0
 
     def _launch(self, call, prev, record: CallRecord) -> tuple:
-        self._due[id(record)] = float(self.step_time.seconds(StepWork.from_record(record)))
+        seconds = self.step_time.seconds(StepWork.from_record(record))
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float, np.integer, np.floating)) \
+                or not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(f"step_time.seconds() must return a finite number of seconds >= 0, got {seconds!r} "
+                             f"({type(self.step_time).__name__})")
+        self._due[id(record)] = float(seconds)
         return self._outputs(call, prev, record)
 
     def _read(self, call) -> tuple:

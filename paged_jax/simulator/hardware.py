@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from paged_jax.checks import check_choice, check_int
+from paged_jax.checks import check_choice, check_float, check_instance, check_int
 from paged_jax.memory import dtype_bytes
 
 TERA, GIGA = 10**12, 10**9
@@ -190,8 +190,15 @@ def kv_pool_tokens(model: ModelShape, device: DeviceSpec, num_devices: int, memo
     the bf16 weights, over the K/V bytes of a token.
 
     Raises:
-      ValueError: fewer than ``at_least`` tokens (one longest request).
+      ValueError: an argument out of range (``memory_fraction`` in (0, 1],
+        ``num_devices`` and ``at_least`` ints >= 1), or fewer than
+        ``at_least`` tokens (one longest request).
     """
+    check_instance("model", model, ModelShape, what="ModelShape (get_model)")
+    check_instance("device", device, DeviceSpec, what="DeviceSpec (get_device)")
+    check_int("num_devices", num_devices)
+    check_int("at_least", at_least)
+    check_float("memory_fraction", memory_fraction, 0, 1, low_open=True)
     free = memory_fraction * device.memory_bytes * num_devices - model.weight_bytes("bfloat16")
     tokens = int(max(free, 0) // model.kv_bytes_per_token("bfloat16"))
     if tokens < at_least:

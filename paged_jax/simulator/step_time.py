@@ -107,7 +107,8 @@ def profile_rows(rows: Sequence[dict]) -> tuple[list[StepWork], list[float]]:
     as read from its CSV are parsed).
 
     Raises:
-      ValueError: a row without one of the fields, naming it.
+      ValueError: a row without one of the fields, or a field not a whole
+        number >= 0, or seconds not a number > 0, naming the row and field.
     """
     fields = [f.name for f in dataclasses.fields(StepWork)]
     works, seconds = [], []
@@ -116,8 +117,23 @@ def profile_rows(rows: Sequence[dict]) -> tuple[list[StepWork], list[float]]:
         if missing:
             raise ValueError(f"profile row {i} has no {missing[0]!r} (a step profile's rows hold {fields} and "
                              "'seconds')")
-        works.append(StepWork(**{f: int(float(row[f])) for f in fields}))
-        seconds.append(float(row["seconds"]))
+        values = {}
+        for f in fields:
+            try:
+                v = float(row[f])
+            except (TypeError, ValueError):
+                v = math.nan
+            if not (math.isfinite(v) and v == int(v) and v >= 0):
+                raise ValueError(f"profile row {i}: {f} must be a whole number >= 0, got {row[f]!r}")
+            values[f] = int(v)
+        works.append(StepWork(**values))
+        try:
+            secs = float(row["seconds"])
+        except (TypeError, ValueError):
+            secs = math.nan
+        if not (math.isfinite(secs) and secs > 0):
+            raise ValueError(f"profile row {i}: seconds must be a number > 0, got {row['seconds']!r}")
+        seconds.append(secs)
     return works, seconds
 
 
@@ -188,8 +204,9 @@ class ProfiledStepTime:
         if len(works) != len(y) or len(y) < len(FEATURES):
             raise ValueError(f"need as many times as calls and at least {len(FEATURES)} calls, got "
                              f"{len(works)} calls and {len(y)} times")
-        if not (y > 0).all():
-            raise ValueError(f"seconds must be > 0, got {y[y <= 0][:3].tolist()}")
+        bad = ~(np.isfinite(y) & (y > 0))
+        if bad.any():
+            raise ValueError(f"seconds must be finite and > 0, got {y[bad][:3].tolist()}")
         x = np.stack([features(w) for w in works])
         tokens = x[:, 1]
         buckets = {}
@@ -337,6 +354,8 @@ class RooflineStepTime:
         y = np.asarray(seconds, np.float64)
         if len(works) != len(y) or not len(y):
             raise ValueError(f"need one time per call, got {len(works)} calls and {len(y)} times")
+        if not (np.isfinite(y) & (y > 0)).all():
+            raise ValueError(f"seconds must be finite and > 0, got {y[~(np.isfinite(y) & (y > 0))][:3].tolist()}")
         flops = np.array([self.flops(w) for w in works]) / self.num_devices / self.device.flops(self.dtype)
         mem = np.array([self.bytes(w) for w in works]) / self.device.hbm_bytes_per_s
         comm = np.array([self.comm_bytes(w) for w in works]) / self.device.link_bytes_per_s
@@ -365,7 +384,7 @@ class ReplayStepTime:
     name = "replayed"
 
     def __init__(self, seconds: Sequence[float]):
-        self._times = [float(s) for s in seconds]
+        self._times = [check_float("seconds", s, 0) for s in seconds]
         self._next = 0
 
     def seconds(self, work: StepWork) -> float:
