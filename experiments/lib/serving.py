@@ -402,6 +402,7 @@ def load_model(spec: str, dtype=jnp.float32):
     Hugging Face folder or a random-weight preset), weights in ``dtype``."""
     return llm.load_model(spec, dtype=dtype)
 
+
 def simulated_setup(args) -> tuple[RooflineStepTime, list[Request]]:
     """What a simulated-accelerator script serves, from its flags
     (``args.model``, ``device``, ``num_devices``, ``efficiency_profile``,

@@ -34,14 +34,13 @@ state only.
 
 from __future__ import annotations
 
-import math
 import zlib
 from typing import Iterable
 
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax.checks import check_int
+from paged_jax.checks import check_float, check_int
 from paged_jax.engine.config import EngineConfig
 from paged_jax.engine.core import Engine
 from paged_jax.engine.stats import CallRecord
@@ -94,23 +93,16 @@ class TimedEngine(Engine):
         """Idles for ``seconds`` of virtual time (negative: none).
 
         Raises:
-          ValueError: ``seconds`` not a real number (NaN included).
+          ValueError: ``seconds`` not a finite number.
         """
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float, np.integer, np.floating)) \
-                or math.isnan(seconds):
-            raise ValueError(f"seconds must be a number, got seconds={seconds!r}")
-        self._now_s += max(float(seconds), 0.0)
+        self._now_s += max(check_float("seconds", seconds), 0.0)
 
     def _compile_clock(self) -> float:
         return 0.0
 
     def _launch(self, call, prev, record: CallRecord) -> tuple:
-        seconds = self.step_time.seconds(StepWork.from_record(record))
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float, np.integer, np.floating)) \
-                or not math.isfinite(seconds) or seconds < 0:
-            raise ValueError(f"step_time.seconds() must return a finite number of seconds >= 0, got {seconds!r} "
-                             f"({type(self.step_time).__name__})")
-        self._due[id(record)] = float(seconds)
+        self._due[id(record)] = check_float("step_time.seconds(work)",
+                                            self.step_time.seconds(StepWork.from_record(record)), 0)
         return self._outputs(call, prev, record)
 
     def _read(self, call) -> tuple:
