@@ -422,12 +422,20 @@ def simulated_setup(args) -> tuple[RooflineStepTime, list[Request]]:
     step_time = RooflineStepTime(model=get_model(args.model), device=get_device(args.device),
                                  num_devices=args.num_devices)
     if args.efficiency_profile is not None:
-        meta, rows = provenance.read_csv(args.efficiency_profile)
+        path = args.efficiency_profile
+        try:
+            meta, rows = provenance.read_csv(path)
+            works, seconds = profile_rows(rows)
+            if not works:
+                raise ValueError("no calls in it")
+        except ValueError as e:  # a decoding error too
+            raise ValueError(f"--efficiency-profile {path}: not a step profile's CSV "
+                             f"(python -m experiments.simulator.profile_steps): {e}") from None
         kind = meta.get("device_kind")
         if device_key(kind or "") != args.device:
-            raise ValueError(f"--efficiency-profile {args.efficiency_profile} was profiled on {kind!r}, not on "
-                             f"--device {args.device}: a roofline's efficiencies are its own device's")
-        step_time = step_time.fitted(*profile_rows(rows), source=f"fitted to {args.efficiency_profile}")
+            raise ValueError(f"--efficiency-profile {path} was profiled on {kind!r}, not on --device "
+                             f"{args.device}: a roofline's efficiencies are its own device's")
+        step_time = step_time.fitted(works, seconds, source=f"fitted to {path}")
     requests = packaged_requests(args.num_requests, MAX_SEQ_LEN, vocab_size=step_time.model.vocab_size,
                                  seed=args.seed)
     return step_time, requests

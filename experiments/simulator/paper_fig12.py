@@ -147,6 +147,10 @@ def parse_args(argv=None):
         args.tokens_ = kv_tokens(args, args.step_time_.model, args.step_time_.device)
     except ValueError as e:
         p.error(str(e))
+    try:
+        arrival_times(len(args.requests_), min(args.rates), seed=args.seed)
+    except ValueError as e:
+        p.error(f"--rates {min(args.rates):g}: {e}")
     if args.tokens_[0] // args.page_size * args.page_size < MAX_SEQ_LEN:
         p.error(f"the pool holds {args.tokens_[0]} KV tokens ({args.tokens_[1]}) in pages of {args.page_size}: "
                 f"no {MAX_SEQ_LEN}-token request fits; a larger --kv-tokens or a smaller --page-size")

@@ -47,7 +47,7 @@ import time
 
 from experiments.lib import online, provenance
 from experiments.lib.cli import add_flag, check_outputs
-from experiments.lib.latency import arrival_times, parse_goodput
+from experiments.lib.latency import MAX_TRACE_S, arrival_times, parse_goodput
 from experiments.lib.plots import plot_plan
 from experiments.lib.policies import ALL_POLICIES, POLICY_LABELS, engine_options
 from experiments.lib.serving import engine_config, simulated_setup
@@ -227,6 +227,7 @@ def main(argv=None) -> dict:
     step_time, requests = args.step_time_, args.requests_
     model, device = step_time.model, step_time.device
     arrivals = arrival_times(len(requests), 1.0, seed=args.seed)  # stretched to each rate: the same trace
+    floor = max(1e-3, 2 * float(arrivals[-1]) / MAX_TRACE_S)  # slower, the trace would outlast MAX_TRACE_S
     config = engine_config(max_seqs=args.max_seqs, max_batched_tokens=args.max_batched_tokens,
                            **engine_options(args.policy))
 
@@ -241,7 +242,7 @@ def main(argv=None) -> dict:
             return Trial(rate, m.goodput * m.duration_s / m.completed, m)
 
         t0 = time.perf_counter()
-        cap = sustained(run_at, attainment=args.attainment, tolerance=args.tolerance)
+        cap = sustained(run_at, attainment=args.attainment, tolerance=args.tolerance, floor=floor)
         replicas = math.ceil(args.rate / cap.rate) if cap.rate > 0 else None
         m = cap.trial.metrics if cap.trial else None
         row = {"cache_fraction": fraction, "page_size": page_size, "kv_tokens": tokens,
@@ -264,7 +265,7 @@ def main(argv=None) -> dict:
     where = f"{args.num_devices} x {device.name}"
     slo_text = ", ".join(f"{k} <= {ms:g} ms" for k, ms in args.slos.items())
     if answer["replicas"] is None:
-        verdict = (f"**No rate down to 0.001 req/s meets {slo_text} for {args.attainment:.0%} of requests** on "
+        verdict = (f"**No rate down to {floor:.3g} req/s meets {slo_text} for {args.attainment:.0%} of requests** on "
                    f"{model.name} on {where}: the SLO is below what one request alone takes here.")
     else:
         bound = "at least " if answer["at_least"] else ""
