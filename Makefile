@@ -86,14 +86,19 @@ serving-figures-quick: setup
 bench-serving: setup
 	$(PY) -m experiments.serving.bench_serving --request-rate 0.5 1 2 inf --policy paged max pow2 oracle
 
-# The simulated accelerator: profile the real step here, validate the simulation against real runs, then Figure 12 at
-# the paper's scale on its three servers, and a deployment sized under SLOs (docs/simulator.md).
+# The simulated accelerator: profile the real step here, validate the simulation against real runs, then Figures 12
+# (on the paper's three servers), 14, 16 and 17 at the paper's scale, and a deployment sized under SLOs
+# (docs/simulator.md).
 simulate: setup
 	$(PY) -m experiments.simulator.profile_steps --out results
 	$(PY) -m experiments.simulator.validate --out results
-	$(PY) -m experiments.simulator.paper_fig12 --setup 13b --out results
-	$(PY) -m experiments.simulator.paper_fig12 --setup 66b --out results
-	$(PY) -m experiments.simulator.paper_fig12 --setup 175b --out results
+	$(PY) -m experiments.simulator.paper_serving --setup 13b --out results
+	$(PY) -m experiments.simulator.paper_serving --setup 66b --out results
+	$(PY) -m experiments.simulator.paper_serving --setup 175b --out results
+	$(PY) -m experiments.simulator.paper_serving --setup 13b --num-requests 500 --out results \
+		--workloads parallel-2 parallel-4 parallel-6 beam-2 beam-4 beam-6
+	$(PY) -m experiments.simulator.paper_serving --setup llama-13b --workloads prefix-1 prefix-5 --out results
+	$(PY) -m experiments.simulator.paper_serving --setup 13b --workloads chatbot --out results
 	$(PY) -m experiments.simulator.plan --model opt-13b --device a100-80gb --rate 40 --slo ttft:2000,tpot:100 --out results
 
 # The OpenAI-compatible server on SmolLM2 at http://127.0.0.1:8000 (python -m server --help for the flags).

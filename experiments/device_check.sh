@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On a machine with a GPU or a TPU, in under 10 minutes (each step has its own timeout; together they stay
-# under the device tool's 600 s per command, about 8 minutes expected):
+# On a machine with a GPU or a TPU, in under 10 minutes (each step has its own timeout; about 9 minutes
+# expected, under the device tool's 600 s per command):
 #   1. the kernel tests natively (no interpret mode: kernels default to
 #      interpret mode only off their own backend), and the engine's greedy
 #      tokens through the native kernels against the XLA path;
@@ -11,8 +11,9 @@
 #      (512 requests, outputs <= 256) and at Llama-3-8B shapes in bf16
 #      (128 requests);
 #   4. the step profile for the simulated accelerator (SmolLM2 shapes, random
-#      weights), with the roofline's efficiencies fitted to it
-#      (docs/simulator.md);
+#      weights), with the roofline's efficiencies fitted to it, and the
+#      simulator validated against real runs on this device with that
+#      profile (docs/simulator.md);
 #   5. a short summary, printed last, whatever failed before it.
 # Results go to $OUT/device_<backend>/ when $OUT is set (the device tool's
 # folder that comes back), else results/device_<backend>/. Exits non-zero
@@ -51,6 +52,9 @@ if [ "$smoke" = 1 ]; then
     --heads smollm2 llama-3-8b --peak-copy-gb 0.01 --out "$dest/kernel_bench"
   step timeout 300 "$PY" -m experiments.simulator.profile_steps --model toy --contexts 16 --decode-steps 2 \
     --staggered-requests 4 --staggered 1 --max-seqs 4 --kv-budget-tokens 2048 --compile-cache "$cache" --out "$dest"
+  step timeout 300 "$PY" -m experiments.simulator.validate --model toy --num-requests 4 --max-output-len 4 \
+    --max-seqs 4 --kv-budget-tokens 2048 --loads 1 --profile "$dest/step_profile_$backend.csv" \
+    --compile-cache "$cache" --out "$dest"
   step timeout 600 "$PY" -m experiments.serving.serve_sharegpt --model smollm2-135m --num-requests 4 --max-output-len 2 \
     --kv-budget-tokens 4096 --compile-cache "$cache" --out "$dest/serve_smollm2-135m"
 else
@@ -74,6 +78,10 @@ else
   step timeout 60 "$PY" -m experiments.simulator.profile_steps --model smollm2-135m --dtype bfloat16 \
     --kv-dtype bfloat16 --contexts 128 1024 --decode-steps 8 --staggered-requests 16 --staggered 2 \
     --kv-budget-tokens 32768 --max-seqs 64 --compile-cache "$cache" --out "$dest"
+  #    The simulator against real runs on this device, its step time fitted to that profile.
+  step timeout 80 "$PY" -m experiments.simulator.validate --model smollm2-135m --dtype bfloat16 --kv-dtype bfloat16 \
+    --num-requests 64 --max-output-len 128 --kv-budget-tokens 8192 --max-seqs 64 \
+    --profile "$dest/step_profile_$backend.csv" --compile-cache "$cache" --out "$dest"
 fi
 rm -rf "$cache"
 

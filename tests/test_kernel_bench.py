@@ -231,6 +231,13 @@ def test_device_summary_reads_back_what_the_check_wrote(tmp_path, capsys):
     assert device_summary.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "kernel_bench: - smollm2 uniform: 1.0x dense" in out and "(3.00x)" in out
+    assert "simulator_validation" not in out  # a check that wrote none
+    provenance.write_markdown(tmp_path / "simulator_validation.md", "# v\n\n**Worst MAPE below the knee: 7.5%** "
+                              "(target 10%, Vidur's bar: met). The last column is noise.\n", record)
+    assert device_summary.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "simulator_validation: **Worst MAPE below the knee: 7.5%** (target 10%, Vidur's bar: met)." in out
+    assert "noise" not in out
     provenance.write_csv(serve / "serve_sharegpt.csv", rows[:1], cols, record)
     assert device_summary.main([str(tmp_path)]) == 1
     assert "unreadable" in capsys.readouterr().out

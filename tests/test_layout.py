@@ -17,7 +17,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("pallas_kernels", "paged_jax", "models", "server", "experiments")
 """Lowest first: a module may import its own package or one to its left, never one to its right."""
-PAGED_JAX_ROOMS = ("paging", "attention", "engine", "distributed", "simulator")
+PAGED_JAX_ROOMS = ("paging", "attention", "speculative", "engine", "distributed", "simulator")
 """``paged_jax``'s sub-packages, lowest first; its top-level modules (checks, memory, ...) sit below them all."""
 SCRIPT_TOPICS = ("memory", "serving", "kernels", "simulator")
 MAX_MODULES_PER_FOLDER = 15

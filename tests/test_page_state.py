@@ -306,3 +306,66 @@ def test_share_refuses_bad_hits_and_leaves_the_state():
         assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state)))
     new, ok = ps.share(state, *hits(1, [5, 6]))
     assert ok and ps.pages_for_tokens(int(new.seq_lens[1]), 4) == 2 and int(new.ref_counts[5]) == 1
+
+
+def test_truncate_rolls_back_rejected_tokens_exact_ids(state):
+    """Speculative decoding's rollback: a step writes the last token and k
+    proposals; verification keeps a prefix; the pages past it go back to
+    the free queue at once, tail first."""
+    state, ok, _, _ = ps.extend(state, jnp.asarray([6, 0, 0], jnp.int32))  # seq 0: pages 1, 2
+    state, ok, _, _ = ps.extend(state, jnp.asarray([4, 0, 0], jnp.int32))  # + the last token and 3 proposals
+    assert bool(ok) and row(state, 0) == [1, 2, 3, 0] and int(state.seq_lens[0]) == 10
+    # Everything accepted: nothing moves.
+    same, ok = ps.truncate(state, jnp.asarray([10, 0, 0], jnp.int32))
+    assert bool(ok)
+    for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(state)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    # Everything rejected: back to 7 tokens (the last token's K/V stays), page 3 freed.
+    back, ok = ps.truncate(state, jnp.asarray([7, 0, 0], jnp.int32))
+    assert bool(ok) and row(back, 0) == [1, 2, 0, 0] and np.asarray(back.seq_lens).tolist() == [7, 0, 0]
+    assert np.asarray(back.ref_counts).tolist() == [0, 1, 1, 0, 0, 0, 0, 0] and int(back.num_free_pages) == 5
+    back, ok = ps.allocate(back, 1, 16)  # the queue: 4 5 6 7, then the page just freed
+    back, ok = ps.allocate(back, 2, 1)
+    assert row(back, 1) == [4, 5, 6, 7] and row(back, 2) == [3, 0, 0, 0]
+
+
+def test_truncate_across_a_page_boundary_keeps_a_forks_pages(state):
+    state, ok, _, _ = ps.extend(state, jnp.asarray([7, 0, 0], jnp.int32))  # seq 0: pages 1, 2 (7 tokens)
+    state = ps.fork(state, 0, 2)  # seq 2 shares them
+    # Seq 2 writes 6 tokens: its first lands in shared page 2 -> private copy 3; 13 tokens -> pages 4, 5 too.
+    state, ok, src, dst = ps.extend(state, jnp.asarray([0, 0, 6], jnp.int32))
+    assert bool(ok) and row(state, 2) == [1, 3, 4, 5] and np.asarray(dst).tolist() == [-1, -1, 3]
+    # Verification keeps 9 tokens: across the boundary at 8, so page 4 stays and 5 goes.
+    state, ok = ps.truncate(state, jnp.asarray([7, 0, 9], jnp.int32))
+    assert bool(ok) and row(state, 2) == [1, 3, 4, 0] and row(state, 0) == [1, 2, 0, 0]
+    assert np.asarray(state.ref_counts).tolist() == [0, 2, 1, 1, 1, 0, 0, 0]  # page 1 still shared
+    # Back to within the copied page: page 4 goes; the fork's pages and the shared page stay.
+    state, ok = ps.truncate(state, jnp.asarray([7, 0, 8], jnp.int32))
+    assert row(state, 2) == [1, 3, 0, 0] and int(state.num_free_pages) == 4
+    # Freeing both returns every page.
+    state = ps.free(state, mask(3, 0, 2))
+    assert int(state.num_free_pages) == 7 and not np.asarray(state.ref_counts).any()
+
+
+def test_truncate_keeps_a_reservation_and_refuses_growth(state):
+    state, ok = ps.allocate(state, 0, 5, reserve_tokens=16)  # a pre-paging reservation: 4 pages
+    state, ok, _, _ = ps.extend(state, jnp.asarray([3, 0, 0], jnp.int32))
+    kept, ok = ps.truncate(state, jnp.asarray([5, 0, 0], jnp.int32), min_pages=jnp.asarray([4, 0, 0], jnp.int32))
+    assert bool(ok) and row(kept, 0) == [1, 2, 3, 4] and int(kept.seq_lens[0]) == 5
+    before = state
+    for new_lens, needle in (([9, 0, 0], r"new_lens must be in \[0, seq_lens\].*\[9\] at slots \[0\]"),
+                             ([-1, 0, 0], r"new_lens must be in"),
+                             ([1, 2, 3], r"\[2, 3\] at slots \[1, 2\]")):
+        with pytest.raises(ValueError, match=needle):
+            ps.truncate(state, jnp.asarray(new_lens, jnp.int32))
+    with pytest.raises(ValueError, match=r"new_lens must be an integer array of shape \(3,\)"):
+        ps.truncate(state, jnp.asarray([1.0, 0, 0]))
+    for bad in (-1, np.asarray(2**32), np.asarray([5, 0, 0]), 1.7, True, np.zeros(2, np.int32)):
+        with pytest.raises(ValueError, match=r"min_pages must be an int or an integer array of shape \(3,\) in \[0, "
+                                             r"max_pages_per_seq=4\]"):
+            ps.truncate(state, jnp.asarray([5, 0, 0], jnp.int32), min_pages=bad)
+    # Under jit nothing checks at the door: ok is False and the state unchanged.
+    after, ok = jax.jit(ps.unchecked_truncate)(state, jnp.asarray([9, 0, 0], jnp.int32))
+    assert not bool(ok)
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))

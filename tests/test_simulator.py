@@ -91,6 +91,20 @@ def test_simulated_tokens_never_stop_and_pages_come_back_for_samples_and_beams()
     assert sim.accounting()["used"] == 0
 
 
+
+def test_simulated_swap_moves_pages_out_and_back():
+    """Preemption by swap on the simulated pool (a regression: K and V were one
+    placeholder buffer, and a swap-in donates each, so the copy was refused
+    whenever a simulated run swapped)."""
+    import dataclasses
+
+    reqs = [Request(request_id=i, prompt_ids=list(range(1, 20)), max_new_tokens=40) for i in range(6)]
+    config = dataclasses.replace(make_engine(25).config, preemption_mode="swap", swap_space_pages=64)
+    sim = SimulatedEngine(ReplayStepTime([0.01] * 2000), config, num_pages=25, page_size=PAGE, vocab_size=VOCAB)
+    outs = sim.run(reqs)
+    assert sim.stats.swap_outs > 0 and [len(o.outputs[0].output_ids) for o in outs] == [40] * 6
+    assert sim.accounting()["used"] == 0
+
 def test_simulated_engine_arguments_are_checked():
     config = make_engine(41).config
     with pytest.raises(ValueError, match="step_time must have seconds"):
@@ -194,12 +208,12 @@ def test_mape_and_call_seconds():
 # ------------------------------------------------------------ the scripts
 
 
-def test_paper_fig12_at_a_small_scale_writes_its_table(tmp_path):
+def test_paper_serving_fig12_at_a_small_scale_writes_its_table(tmp_path):
     from experiments.lib import provenance
-    from experiments.simulator import paper_fig12
+    from experiments.simulator import paper_serving
 
-    out = paper_fig12.main(["--num-requests", "40", "--rates", "1", "8", "--policy", "oracle", "oracle-pages",
-                            "--out", str(tmp_path)])
+    out = paper_serving.main(["--num-requests", "40", "--rates", "1", "8", "--policy", "oracle", "oracle-pages",
+                              "--out", str(tmp_path)])
     assert [(r["policy"], r["request_rate"]) for r in out["rows"]] == [
         (p, r) for p in ("paged", "oracle", "oracle-pages") for r in (1.0, 8.0)]
     _, rows = provenance.read_csv(tmp_path / "paper_fig12_13b.csv")
@@ -209,31 +223,110 @@ def test_paper_fig12_at_a_small_scale_writes_its_table(tmp_path):
     assert "roofline on a100-40gb" in text and "1.7-2.7x" in text
 
 
-def test_paper_fig12_sets_up_the_papers_servers():
-    from experiments.simulator import paper_fig12
+def test_paper_serving_sets_up_the_papers_servers():
+    from experiments.simulator import paper_serving
 
-    big = paper_fig12.parse_args(["--setup", "175b"])
+    big = paper_serving.parse_args(["--setup", "175b"])
     assert (big.model, big.device, big.num_devices, big.name) == ("opt-175b", "a100-80gb", 8, "paper_fig12_175b")
-    assert paper_fig12.kv_tokens(big, get_model("opt-175b"), get_device("a100-80gb"))[0] == 60_074
-    mid = paper_fig12.parse_args(["--setup", "66b"])
-    assert paper_fig12.kv_tokens(mid, get_model("opt-66b"), get_device("a100-40gb"))[0] == 9_557
-    custom = paper_fig12.parse_args(["--setup", "66b", "--device", "h100"])
+    assert paper_serving.kv_tokens(big, get_model("opt-175b"), get_device("a100-80gb"))[0] == 60_074
+    mid = paper_serving.parse_args(["--setup", "66b"])
+    assert paper_serving.kv_tokens(mid, get_model("opt-66b"), get_device("a100-40gb"))[0] == 9_557
+    custom = paper_serving.parse_args(["--setup", "66b", "--device", "h100"])
     assert (custom.model, custom.num_devices, custom.name) == ("opt-66b", 4, "paper_fig12_custom")
-    tokens, source = paper_fig12.kv_tokens(custom, get_model("opt-66b"), get_device("h100"))
+    tokens, source = paper_serving.kv_tokens(custom, get_model("opt-66b"), get_device("h100"))
     assert tokens == int((0.9 * 80e9 * 4 - 65.7e9 * 2) // 2_359_296) and "0.9 of memory" in source
 
 
-def test_paper_fig12_flags_are_checked(capsys):
-    from experiments.simulator import paper_fig12
+
+def test_paper_serving_sets_up_figures_14_16_17():
+    from experiments.simulator import paper_serving
+
+    beams = paper_serving.parse_args(["--workloads", "beam-6", "parallel-2"])
+    assert (beams.figure, beams.name, beams.policy) == (14, "paper_fig14_13b", ["paged", "max", "oracle"])
+    assert beams.rates_["beam-6"][0] == 0.125 and beams.rates_["parallel-2"][-1] == 2.5  # Figure 14's over sequences
+    assert [r.sampling.beam_width for r in beams.requests_["beam-6"][:2]] == [6, 6]
+    assert len(beams.requests_["beam-6"]) == 1000
+    prefix = paper_serving.parse_args(["--setup", "llama-13b", "--workloads", "prefix-5"])
+    assert (prefix.figure, prefix.name, prefix.policy) == (16, "paper_fig16_llama-13b",
+                                                           ["paged", "paged-nocache", "oracle-nocache"])
+    requests = prefix.requests_["prefix-5"]
+    assert len(requests) == 496 and max(r.max_new_tokens for r in requests) == paper_serving.PREFIX_OUTPUT_LEN
+    assert requests[0].prompt_ids[:270] == requests[-1].prompt_ids[:270]  # 5 shots x 2 sides x 27 ids, shared
+    tokens, source = prefix.tokens_  # Table 1 has no LLaMA: 0.9 of 40 GB less 13.016 B bf16 weights
+    assert tokens == int((0.9 * 40e9 - 13.016e9 * 2) // 819_200) and "0.9 of memory" in source
+    chat = paper_serving.parse_args(["--workloads", "chatbot"])
+    assert chat.figure == 17 and chat.policy == ["paged", "max", "pow2", "oracle"]
+    assert len(chat.requests_["chatbot"]) == 329  # each chat uses 2 to 4 of the 1,000 packaged requests
+    assert max(len(r.prompt_ids) for r in chat.requests_["chatbot"]) == paper_serving.CHATBOT_PROMPT_LEN
+
+
+def test_paper_serving_fig14_reports_the_sharing(tmp_path):
+    from experiments.lib import provenance
+    from experiments.simulator import paper_serving
+
+    out = paper_serving.main(["--workloads", "beam-2", "parallel-2", "--num-requests", "30", "--rates", "1", "4",
+                              "--policy", "oracle", "--out", str(tmp_path)])
+    _, rows = provenance.read_csv(tmp_path / "paper_fig14_13b.csv")
+    assert [(r["workload"], r["policy"]) for r in rows] == [
+        (w, p) for w in ("beam-2", "parallel-2") for p in ("paged", "oracle") for _ in range(2)]
+    saved = {(r["workload"], r["policy"]): float(r["kv_saved_by_sharing"]) for r in rows}
+    assert saved["beam-2", "paged"] > 0.1 and saved["parallel-2", "paged"] > 0  # forks share the prompt's pages
+    assert saved["beam-2", "oracle"] == 0 == saved["parallel-2", "oracle"]  # Orca copies per holder
+    assert {r["workload"] for r in out["summary"]} == {"beam-2", "parallel-2"}
+    text = (tmp_path / "paper_fig14_13b.md").read_text()
+    assert "KV saved by sharing" in text and "beam search, width 2" in text
+
+
+
+def test_paper_serving_skips_rates_far_past_a_policys_knee(tmp_path):
+    from experiments.lib import provenance
+    from experiments.simulator import paper_serving
+
+    out = paper_serving.main(["--num-requests", "30", "--rates", "1", "4", "--policy", "max", "--stop-above", "0.5",
+                              "--out", str(tmp_path)])
+    # Max's latency at 1 req/s is above half the threshold (1.5x paged's lowest): 4 req/s is not run.
+    assert [(r["policy"], r["request_rate"]) for r in out["rows"]] == [("paged", 1.0), ("paged", 4.0), ("max", 1.0)]
+    _, rows = provenance.read_csv(tmp_path / "paper_fig12_13b.csv")
+    assert len(rows) == 3
+    text = (tmp_path / "paper_fig12_13b.md").read_text()
+    assert "| 4.0 | " in text and "| - |" in text and "passed 0.5x the threshold" in text
+    with pytest.raises(SystemExit):
+        paper_serving.parse_args(["--stop-above", "-1"])
+
+def test_paper_ratio_names_what_the_paper_says():
+    from experiments.lib.policies import paper_ratio
+
+    assert paper_ratio("basic", "oracle") == "1.7-2.7x" and paper_ratio("basic", "oracle-pages") == "-"
+    assert paper_ratio("beam-6", "oracle") == "2.3x (Alpaca)" and paper_ratio("beam-4", "oracle") == "-"
+    assert paper_ratio("prefix-5", "oracle-nocache") == "3.58x" and paper_ratio("prefix-1", "paged-nocache") == "-"
+    assert paper_ratio("chatbot", "pow2") == "2x" and paper_ratio("chatbot", "paged") == "-"
+    with pytest.raises(ValueError, match="policy must be"):
+        paper_ratio("basic", "orca")
+
+
+def test_paper_serving_flags_are_checked(capsys):
+    from experiments.simulator import paper_serving
 
     for argv, needle in ((["--num-requests", "1001"], "--num-requests must be in [1, 1000]"),
                          (["--rates", "inf"], "--rates must be finite"),
                          (["--device", "a200"], "invalid choice"),
                          (["--kv-tokens", "0"], "--kv-tokens must be >= 1"),
                          (["--num-devices", "0"], "--num-devices must be >= 1"),
-                         (["--setup", "7b"], "invalid choice")):
+                         (["--setup", "7b"], "invalid choice"),
+                         (["--workloads", "basic", "beam-2"], "--workloads must belong to one figure"),
+                         (["--workloads", "beam-2", "beam-2"], "--workloads lists a workload twice"),
+                         (["--workloads", "beam-0"], "--workloads: workload must be"),
+                         (["--workloads", "beam-300", "--rates", "1"], "--workload beam-300: each request runs 300"),
+                         (["--num-devices", "100"], "opt-13b has 40 attention heads"),
+                         (["--kv-tokens", "100000000"], "more than the simulator's 16,777,216"),
+                         (["--model", "opt-175b", "--num-devices", "1", "--kv-tokens", "20000"],
+                          "need 444.4 GB, more than 1 x a100-40gb hold"),
+                         (["--workloads", "beam-4", "--kv-tokens", "2048"], "more than the pool's 128"),
+                         (["--stop-above", "nan"], "--stop-above must be a finite number >= 0"),
+                         (["--workloads", "prefix-1", "--num-requests", "497"],
+                          "--num-requests must be in [1, 496] (prefix-1 with seed 0 make 496")):
         with pytest.raises(SystemExit):
-            paper_fig12.parse_args(argv)
+            paper_serving.parse_args(argv)
         assert needle in capsys.readouterr().err
 
 
@@ -304,6 +397,7 @@ def test_plan_sizes_a_deployment_and_sweeps_its_two_settings(tmp_path):
     assert out["by_fraction"][0]["sustained_rate"] <= answer["sustained_rate"] * 1.2
     text = (tmp_path / "plan_opt-13b_a100-80gb.md").read_text()
     assert "10 req/s needs" in text and (tmp_path / "plan_opt-13b_a100-80gb.png").exists()
+    assert "True" not in text and "False" not in text  # a bound reads ">= rate", not a flag
 
 
 def test_plan_flags_are_checked(capsys):

@@ -244,6 +244,19 @@ def test_chatbot_without_a_tokenizer_keeps_the_packaged_shape():
     assert [r.prompt_ids for r in again] == [r.prompt_ids for r in requests]
 
 
+
+@pytest.mark.parametrize("name", ["basic", "beam-2", "prefix-1", "chatbot"])
+def test_packaged_limit_is_what_the_workload_makes(name):
+    w = workloads.workload(name)
+    most = workloads.packaged_limit(w, vocab_size=49152, seed=1)
+    requests, _ = w.requests(None, vocab_size=49152, num_requests=most, max_output_len=64, seed=1)
+    assert len(requests) == most and (most == 1000) == (w.prompts == "sharegpt")
+    if w.prompts != "sharegpt":
+        with pytest.raises(ValueError, match=f"{most} .*num_requests={most + 1}"):
+            w.requests(None, vocab_size=49152, num_requests=most + 1, max_output_len=64, seed=1)
+    with pytest.raises(ValueError, match="vocab_size"):
+        workloads.packaged_limit(w, vocab_size=0)
+
 def test_shared_prefix_len():
     make = workloads._request
     rs = [make(0, [1, 2, 3, 4], 2, 2), make(1, [1, 2, 3], 2, 2), make(2, [1, 2, 9, 4], 2, 2)]

@@ -1,6 +1,6 @@
 """The short summary ``experiments/device_check.sh`` prints last: one line
-per serving run and the kernel benchmark's target lines, read back from the
-files the check wrote.
+per serving run, the kernel benchmark's target lines and the simulator's
+validation verdict, read back from the files the check wrote.
 
 Usage: ``python -m experiments.kernels.device_summary DIR`` (the check's results
 folder). Exits 1 when a file the check should have written is missing.
@@ -47,6 +47,17 @@ def bench_lines(folder: pathlib.Path) -> list[str]:
     return lines
 
 
+def simulator_lines(folder: pathlib.Path) -> list[str]:
+    """The verdict line of ``simulator_validation.md`` in ``folder`` (the
+    simulator against real runs on this device), if the check wrote one."""
+    md = folder / "simulator_validation.md"
+    if not md.is_file():
+        return []
+    body = provenance.split_markdown(md.read_text())[0]
+    return [f"simulator_validation: {line.strip().split(' The last column')[0]}" for line in body.splitlines()
+            if "Worst MAPE" in line]
+
+
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
@@ -58,7 +69,7 @@ def main(argv=None) -> int:
         return 2
     serving, bench = serving_lines(folder), bench_lines(folder)
     print("== summary ==")
-    for line in bench + serving:
+    for line in bench + serving + simulator_lines(folder):
         print(line)
     missing = [what for what, found in (("kernel benchmark", bench), ("serving", serving)) if not found]
     if missing or any("unreadable" in line for line in serving):

@@ -103,10 +103,10 @@ def resolve_kv_dtype(name: str | None) -> jnp.dtype:
 
 def require_positive(p: argparse.ArgumentParser, args, *names: str) -> None:
     """Exits with an argparse error naming the flag (``--max-seqs``) unless
-    every ``args.<name>`` is >= 1."""
+    every ``args.<name>`` is >= 1 or None (a default the script computes)."""
     for name in names:
         value = getattr(args, name)
-        if value < 1:
+        if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 

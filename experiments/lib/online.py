@@ -601,17 +601,37 @@ def plot_latency_vs_rate(path: pathlib.Path, series: Mapping[str, tuple[Sequence
                          threshold: float | None, title: str) -> None:
     """Normalized latency (s/token) against request rate, one line per
     policy (``series[policy] = (rates, latencies)``), the threshold dashed."""
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for i, (policy, (rates, lats)) in enumerate(series.items()):
-        ax.plot(rates, lats, "os^v"[i % 4] + "-", label=POLICY_LABELS.get(policy, policy))
-    if threshold is not None:
-        ax.axhline(threshold, color="gray", linestyle="--", linewidth=1, label=f"threshold {threshold:g} s/token")
-    ax.set_xlabel("request rate (req/s)")
-    ax.set_ylabel("normalized latency (s/token)")
-    ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(title, fontsize=9)
+    plot_latency_panels(path, {"": (series, threshold)}, title=title)
+
+
+Series = Mapping[str, tuple[Sequence[float], Sequence[float]]]
+"""A plot's lines: ``series[policy] = (rates, normalized latencies)``."""
+
+
+def plot_latency_panels(path: pathlib.Path, panels: Mapping[str, tuple[Series, float | None]], *, title: str) -> None:
+    """:func:`plot_latency_vs_rate` for several workloads side by side:
+    ``panels[workload] = (series, threshold)``, one panel each (titled with
+    the workload where there are several), up to three a row."""
+    n = len(panels)
+    cols = min(n, 3)
+    nrows = -(-n // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(6.5 if n == 1 else 4.3 * cols, 4.2 if n == 1 else 3.6 * nrows),
+                             squeeze=False)
+    for ax, (name, (series, threshold)) in zip(axes.flat, panels.items()):
+        for i, (policy, (rates, lats)) in enumerate(series.items()):
+            ax.plot(rates, lats, "os^v"[i % 4] + "-", label=POLICY_LABELS.get(policy, policy))
+        if threshold is not None:
+            ax.axhline(threshold, color="gray", linestyle="--", linewidth=1, label=f"threshold {threshold:g} s/token")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("normalized latency (s/token)")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7 if n > 1 else 8)
+        if n > 1:
+            ax.set_title(name, fontsize=9)
+    for ax in list(axes.flat)[n:]:
+        ax.set_visible(False)
+    (fig.suptitle if n > 1 else axes[0, 0].set_title)(title, fontsize=9 if n == 1 else 10)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)

@@ -53,6 +53,49 @@ than each baseline at similar latency (the text gives no Pow2 range)."""
 PAPER_FIG13 = {"max": 7.00, "pow2": 9.81, "oracle": 13.62, "paged": 30.42}
 """Paper Figure 13, ShareGPT at 2 requests/s with OPT-13B: mean batched
 requests per policy, as read from the figure's bars."""
+PAPER_OVER_ORACLE = {"basic": 1.3, "beam-6": 2.3}
+"""Section 6.3: vLLM's improvement over Orca (Oracle), OPT-13B on Alpaca,
+at the two ends the text names (basic sampling, beam search of width 6)."""
+PAPER_SAVING = {"parallel": "6.1-9.8% (Alpaca), 16.2-30.5% (ShareGPT)",
+                "beam": "37.6-55.2% (Alpaca), 44.3-66.3% (ShareGPT)"}
+"""Figure 15 and section 6.3: KV blocks saved by sharing / blocks without
+sharing, over the widths 2 to 6."""
+PAPER_SAVING_RANGE = {"parallel": (6.1, 9.8, 16.2, 30.5), "beam": (37.6, 55.2, 44.3, 66.3)}
+""":data:`PAPER_SAVING` as numbers (%): Alpaca low, high, ShareGPT low, high."""
+PAPER_FIG16 = {1: "1.67x", 5: "3.58x"}
+"""Paper section 6.4 (LLaMA-13B, WMT16 translation): vLLM's throughput over
+Orca-Oracle's with a one-shot and a five-shot prefix shared."""
+PAPER_FIG17 = {"max": "2x", "pow2": "2x", "oracle": "2x"}
+"""Paper section 6.5 (OPT-13B, ShareGPT chats): vLLM sustains 2x the request
+rate of each Orca baseline, whose buddy allocator reserves 1,024 output
+tokens whatever the prediction."""
+
+
+def paper_ratio(workload: str, policy: str) -> str:
+    """What the paper says vLLM sustains over ``policy`` on ``workload``
+    (a :func:`experiments.lib.workloads.workload` name), as text: Figure 12
+    (``basic``), section 6.3 (``beam-6``, on Alpaca), Figure 16 (``prefix-1``,
+    ``prefix-5`` against Orca-Oracle without sharing), Figure 17
+    (``chatbot``); ``"-"`` where it gives none (paged itself, page-backed
+    Orca, which the paper did not run, widths and shots it does not name).
+
+    Raises:
+      ValueError: ``policy`` is not one of :data:`ALL_POLICIES`.
+    """
+    options = engine_options(policy)
+    reservation = options["reservation"]
+    if reservation == "paged" or options["allocator"] == "pages":
+        return "-"
+    kind, _, k = workload.partition("-")
+    if workload == "basic":
+        return PAPER_FIG12.get(reservation, "-")
+    if kind in ("parallel", "beam") and reservation == "oracle" and workload in PAPER_OVER_ORACLE:
+        return f"{PAPER_OVER_ORACLE[workload]:g}x (Alpaca)"
+    if kind == "prefix" and reservation == "oracle" and k.isdigit():
+        return PAPER_FIG16.get(int(k), "-")
+    if workload == "chatbot":
+        return PAPER_FIG17.get(reservation, "-")
+    return "-"
 
 
 def split_policy(policy: str) -> tuple[str, bool]:

@@ -30,8 +30,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from experiments.lib import provenance
-from experiments.lib.sharegpt import MAX_SEQ_LEN, packaged_requests
+from experiments.lib import provenance, workloads
+from experiments.lib.sharegpt import MAX_SEQ_LEN
+from experiments.lib.workloads import Workload
 from models import llm
 from models.ragged import RaggedModel, weight_matmuls
 from models.sharded import make_data_parallel_engine
@@ -403,7 +404,17 @@ def load_model(spec: str, dtype=jnp.float32):
     return llm.load_model(spec, dtype=dtype)
 
 
-def simulated_setup(args) -> tuple[RooflineStepTime, list[Request]]:
+SIMULATED_VOCAB_SIZE = 49_152
+"""Token ids a simulated run draws its requests' ids from and the simulated
+engine accepts (``SimulatedEngine(vocab_size=...)``), whatever the model's
+vocabulary: the packaged requests' chat template is SmolLM2's (ids up to
+34,519), and a simulated engine only compares ids (prefix-cache keys),
+never looks them up. The step time counts the model's own vocabulary (its
+LM head)."""
+
+
+def simulated_setup(args, workload: Workload | None = None,
+                    max_output_len: int = MAX_SEQ_LEN) -> tuple[RooflineStepTime, list[Request]]:
     """What a simulated-accelerator script serves, from its flags
     (``args.model``, ``device``, ``num_devices``, ``efficiency_profile``,
     ``num_requests``, ``seed``): the step time of the model on
@@ -411,13 +422,16 @@ def simulated_setup(args) -> tuple[RooflineStepTime, list[Request]]:
     (:class:`paged_jax.simulator.step_time.RooflineStepTime`), its
     efficiencies assumed or fitted to a step profile's CSV of that device
     (``python -m experiments.simulator.profile_steps``), and the first
-    ``num_requests`` packaged ShareGPT requests at their true lengths, ids
-    drawn in the model's vocabulary with ``seed``.
+    ``num_requests`` requests of ``workload`` (default ``basic``: the
+    packaged ShareGPT requests) at their true lengths capped at
+    ``max_output_len`` tokens, EOS ignored, ids drawn from
+    :data:`SIMULATED_VOCAB_SIZE` ids with ``seed`` (:meth:`experiments.lib.workloads.Workload.requests`
+    without a tokenizer), with the workload's sampling.
 
     Raises:
       ValueError: an unknown model or device, a CSV without a profile's
         columns or values or of another device, ``num_requests`` out of
-        range.
+        range or more than the workload has.
     """
     step_time = RooflineStepTime(model=get_model(args.model), device=get_device(args.device),
                                  num_devices=args.num_devices)
@@ -436,6 +450,7 @@ def simulated_setup(args) -> tuple[RooflineStepTime, list[Request]]:
             raise ValueError(f"--efficiency-profile {path} was profiled on {kind!r}, not on --device "
                              f"{args.device}: a roofline's efficiencies are its own device's")
         step_time = step_time.fitted(works, seconds, source=f"fitted to {path}")
-    requests = packaged_requests(args.num_requests, MAX_SEQ_LEN, vocab_size=step_time.model.vocab_size,
-                                 seed=args.seed)
-    return step_time, requests
+    workload = workload or workloads.workload("basic")
+    requests, _ = workload.requests(None, vocab_size=SIMULATED_VOCAB_SIZE, num_requests=args.num_requests,
+                                    max_output_len=max_output_len, seed=args.seed)
+    return step_time, workload.apply(requests)

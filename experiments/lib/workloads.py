@@ -252,6 +252,33 @@ def _template_overhead() -> int:
     return len(data["template_prefix_ids"]) + len(data["template_suffix_ids"])
 
 
+def _short_packaged(max_prompt_len: int, vocab_size: int, seed: int) -> list[Request]:
+    """The packaged requests whose prompts, less the chat template, have at most ``max_prompt_len`` tokens."""
+    overhead = _template_overhead()
+    base = packaged_requests(PACKAGED_LIMIT, MAX_SEQ_LEN, vocab_size=vocab_size, seed=seed)
+    return [r for r in base if len(r.prompt_ids) - overhead <= max_prompt_len]
+
+
+def packaged_limit(workload: Workload, *, vocab_size: int, seed: int = 0) -> int:
+    """How many requests ``workload`` makes without a tokenizer (the packaged
+    lengths, ids below ``vocab_size``): 1,000 for ShareGPT prompts; for
+    ``prefix-K`` the packaged prompts of at most ``max_prompt_len`` tokens
+    of their own (496 for the default 128); for ``chatbot`` the chats the
+    packaged rounds make, each using 2 to 4 of them (329 with seed 0 and
+    49,152 ids: the draws of rounds and of answer ids share a generator).
+
+    Raises:
+      ValueError: ``vocab_size`` or ``seed`` out of range.
+    """
+    check_int("vocab_size", vocab_size)
+    check_int("seed", seed, 0)
+    if workload.prompts == "sharegpt":
+        return PACKAGED_LIMIT
+    if workload.prompts == "prefix":
+        return len(_short_packaged(workload.max_prompt_len, vocab_size, seed))
+    return len(_packaged_chats(max_prompt_len=workload.max_prompt_len, max_output_len=MAX_SEQ_LEN, seed=seed,
+                               vocab_size=vocab_size))
+
 def prefix_requests(tokenizer, *, shots: int, shot_tokens: int, max_prompt_len: int, num_requests: int,
                     max_output_len: int, seed: int = 0, vocab_size: int | None = None,
                     conversations: Sequence[dict] | None = None) -> tuple[list[Request], int]:
@@ -282,9 +309,7 @@ def prefix_requests(tokenizer, *, shots: int, shot_tokens: int, max_prompt_len: 
     if tokenizer is None:
         check_int("vocab_size", vocab_size)
         prefix = np.random.default_rng([seed, _ROUNDS_SEED]).integers(0, vocab_size, shots * 2 * shot_tokens).tolist()
-        overhead = _template_overhead()
-        base = packaged_requests(PACKAGED_LIMIT, MAX_SEQ_LEN, vocab_size=vocab_size, seed=seed)
-        own = [r for r in base if len(r.prompt_ids) - overhead <= max_prompt_len][:num_requests]
+        own = _short_packaged(max_prompt_len, vocab_size, seed)[:num_requests]
         if len(own) < num_requests:
             raise ValueError(f"only {len(own)} packaged requests have prompts <= max_prompt_len={max_prompt_len} "
                              f"tokens, asked for num_requests={num_requests}")
@@ -322,6 +347,26 @@ def prefix_requests(tokenizer, *, shots: int, shot_tokens: int, max_prompt_len: 
     return requests, len(prefix)
 
 
+def _packaged_chats(*, max_prompt_len: int, max_output_len: int, seed: int, vocab_size: int) -> list[Request]:
+    """Every ``chatbot`` request the packaged lengths make without a
+    tokenizer (the module docstring): each consumes 1 to 3 packaged rounds
+    as its history and the next as its turn, none reused."""
+    base = packaged_requests(PACKAGED_LIMIT, MAX_SEQ_LEN, vocab_size=vocab_size, seed=seed)
+    rng = np.random.default_rng([seed, _ROUNDS_SEED])
+    requests, cursor = [], 0
+    while True:
+        rounds = int(rng.integers(1, 4))
+        if cursor + rounds >= len(base):
+            return requests
+        history = []
+        for r in base[cursor:cursor + rounds]:
+            history += r.prompt_ids + rng.integers(0, vocab_size, r.max_new_tokens).tolist()
+        current = base[cursor + rounds]
+        cursor += rounds + 1
+        requests.append(_request(len(requests), (history + current.prompt_ids)[-max_prompt_len:],
+                                 current.max_new_tokens, max_output_len))
+
+
 def chatbot_requests(tokenizer, *, max_prompt_len: int, num_requests: int, max_output_len: int, seed: int = 0,
                      vocab_size: int | None = None, batch_size: int = 64,
                      conversations: Sequence[dict] | None = None) -> list[Request]:
@@ -349,22 +394,12 @@ def chatbot_requests(tokenizer, *, max_prompt_len: int, num_requests: int, max_o
     check_int("seed", seed, 0)
     if tokenizer is None:
         check_int("vocab_size", vocab_size)
-        base = packaged_requests(PACKAGED_LIMIT, MAX_SEQ_LEN, vocab_size=vocab_size, seed=seed)
-        rng = np.random.default_rng([seed, _ROUNDS_SEED])
-        requests, cursor = [], 0
-        for i in range(num_requests):
-            rounds = int(rng.integers(1, 4))
-            if cursor + rounds >= len(base):
-                raise ValueError(f"the {len(base)} packaged requests make {i} chatbot requests, asked for "
-                                 f"num_requests={num_requests}")
-            history = []
-            for r in base[cursor:cursor + rounds]:
-                history += r.prompt_ids + rng.integers(0, vocab_size, r.max_new_tokens).tolist()
-            current = base[cursor + rounds]
-            cursor += rounds + 1
-            requests.append(_request(i, (history + current.prompt_ids)[-max_prompt_len:], current.max_new_tokens,
-                                     max_output_len))
-        return requests
+        requests = _packaged_chats(max_prompt_len=max_prompt_len, max_output_len=max_output_len, seed=seed,
+                                   vocab_size=vocab_size)
+        if len(requests) < num_requests:
+            raise ValueError(f"the {PACKAGED_LIMIT} packaged requests make {len(requests)} chatbot requests, asked "
+                             f"for num_requests={num_requests}")
+        return requests[:num_requests]
     if conversations is None:
         conversations, _ = load_conversations()
     chats = [rounds for rounds in map(conversation_rounds, conversations) if len(rounds) >= 2]

@@ -31,20 +31,11 @@ import sys
 from experiments.lib import online, provenance, workloads
 from experiments.lib.cli import add_flag, check_outputs
 from experiments.lib.plots import plot_sharing_workloads
-from experiments.lib.policies import POLICY_LABELS
+from experiments.lib.policies import PAPER_OVER_ORACLE, PAPER_SAVING, PAPER_SAVING_RANGE, POLICY_LABELS
 from experiments.lib.tables import markdown_table, write_table
 
 WORKLOADS = ("parallel-2", "parallel-4", "parallel-6", "beam-2", "beam-4", "beam-6")
 """Figure 14's six workloads, in the paper's order."""
-PAPER_OVER_ORACLE = {"basic": 1.3, "beam-6": 2.3}
-"""Section 6.3: vLLM's improvement over Orca (Oracle), OPT-13B on Alpaca,
-at the two ends the text names (basic sampling, beam search of width 6)."""
-PAPER_SAVING = {"parallel": "6.1-9.8% (Alpaca), 16.2-30.5% (ShareGPT)",
-                "beam": "37.6-55.2% (Alpaca), 44.3-66.3% (ShareGPT)"}
-"""Figure 15 and section 6.3: KV blocks saved by sharing / blocks without
-sharing, over the widths 2 to 6."""
-PAPER_SAVING_RANGE = {"parallel": (6.1, 9.8, 16.2, 30.5), "beam": (37.6, 55.2, 44.3, 66.3)}
-""":data:`PAPER_SAVING` as numbers (%): Alpaca low, high, ShareGPT low, high."""
 COLUMNS = ("workload", "sequences", "policy", "sustained_rate", "paged_over_policy",
            "served_at_top", "paged_over_policy_served", "mean_running", "paged_over_policy_running",
            "paper_paged_over_policy", "kv_saved_by_sharing", "paper_kv_saved", "mean_pages_used",

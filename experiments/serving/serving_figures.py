@@ -70,18 +70,11 @@ import time
 
 from experiments.lib import online, provenance, workloads
 from experiments.lib.cli import add_compile_cache_args, add_flag, check_outputs, setup_compile_cache
-from experiments.lib.policies import PAPER_FIG12, PAPER_FIG13, split_policy
+from experiments.lib.policies import PAPER_FIG12, PAPER_FIG13, PAPER_FIG16, PAPER_FIG17, split_policy
 from experiments.lib.sharegpt import MAX_SEQ_LEN
 from experiments.lib.tables import markdown_table, write_table
 from paged_jax.engine.config import reserved_tokens
 
-PAPER_FIG16 = {1: "1.67x", 5: "3.58x"}
-"""Paper section 6.4 (LLaMA-13B, WMT16 translation): vLLM's throughput over
-Orca-Oracle's with a one-shot and a five-shot prefix shared."""
-PAPER_FIG17 = {"max": "2x", "pow2": "2x", "oracle": "2x"}
-"""Paper section 6.5 (OPT-13B, ShareGPT chats): vLLM sustains 2x the request
-rate of each Orca baseline, whose buddy allocator reserves 1,024 output
-tokens whatever the prediction."""
 FULL = dict(num_requests=24, max_output_len=48, max_seqs=64, max_batched_tokens=256, kv_budget_tokens=8192,
             loads=(0.5, 1.0, 2.0, 3.0))
 QUICK = dict(num_requests=6, max_output_len=6, max_seqs=16, max_batched_tokens=32, kv_budget_tokens=8192,

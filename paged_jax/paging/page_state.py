@@ -484,6 +484,84 @@ def unchecked_free(state: PageState, seq_mask: jax.Array) -> PageState:
     )
 
 
+
+@jax.jit
+def unchecked_truncate(state: PageState, new_lens: jax.Array, min_pages: jax.Array | int = 0
+                       ) -> tuple[PageState, jax.Array]:
+    """Rewinds sequences to ``new_lens[s]`` tokens: the rollback of tokens a
+    step wrote and the caller rejected (speculative decoding's proposals
+    that verification refused; vLLM's ``num_computed_tokens`` rewind).
+
+    Each sequence keeps ``max(ceil(new_lens[s] / page_size), min_pages[s])``
+    pages (no more than it holds); the pages past them lose one reference
+    and go back to the free queue at once when no other sequence holds
+    them, tail first (:func:`paged_jax.paging.free_queue.free_order`), their
+    block-table entries back to ``NULL_PAGE``. A page shared by a fork
+    keeps its other holders; the K/V of the rejected tokens in a kept page
+    stays where it is, past the length, unread (attention masks by
+    length) and overwritten by the next tokens.
+
+    Args:
+      state: the page state.
+      new_lens: i32[max_seqs] tokens each sequence holds afterwards, at
+        most its length now (equal: untouched).
+      min_pages: i32[max_seqs] (or a scalar) pages a sequence keeps at
+        least: a pre-paging baseline's reservation, not given back by a
+        rollback.
+
+    Returns:
+      ``(state, ok)``; ``ok`` is False, and the state unchanged, when a
+      ``new_lens`` entry is negative or above its sequence's length.
+    """
+    ok = ~jnp.any((new_lens < 0) | (new_lens > state.seq_lens))
+    keep = jnp.minimum(jnp.maximum(pages_for_tokens(new_lens, state.page_size), min_pages), state.num_seq_pages)
+    j = jnp.arange(state.max_pages_per_seq)[None, :]
+    drop = (j >= keep[:, None]) & (j < state.num_seq_pages[:, None])
+    new = release_entries(state, drop).replace(
+        block_tables=jnp.where(drop, NULL_PAGE, state.block_tables),
+        seq_lens=new_lens.astype(jnp.int32),
+        num_seq_pages=keep.astype(jnp.int32),
+    )
+    return _select(ok, new, state), ok
+
+
+def truncate(state: PageState, new_lens, min_pages=0) -> tuple[PageState, jax.Array]:
+    """Rewinds sequences to ``new_lens`` tokens, giving back the pages past
+    them; see :func:`unchecked_truncate`.
+
+    Args:
+      new_lens: int[max_seqs] tokens per sequence afterwards.
+      min_pages: int[max_seqs] or an int, pages kept at least.
+
+    Returns:
+      ``(state, ok)`` as :func:`unchecked_truncate`.
+
+    Raises:
+      ValueError: ``new_lens`` not an integer array of shape
+        ``[max_seqs]``; (eager calls) an entry negative or above its
+        sequence's length, or ``min_pages`` not an int (or ints of shape
+        ``[max_seqs]``) in ``[0, max_pages_per_seq]``. The state is then
+        untouched.
+    """
+    S = state.max_seqs
+    dtype = getattr(new_lens, "dtype", None)
+    if getattr(new_lens, "shape", None) != (S,) or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        got = f"{dtype}{list(new_lens.shape)}" if dtype is not None else f"a {type(new_lens).__name__}"
+        raise ValueError(f"new_lens must be an integer array of shape ({S},), got {got}")
+    if not is_traced(state, new_lens, min_pages):
+        n, lens = np.asarray(new_lens), np.asarray(state.seq_lens)
+        bad = np.flatnonzero((n < 0) | (n > lens))
+        if bad.size:
+            raise ValueError(f"new_lens must be in [0, seq_lens] (a rollback never grows a sequence), got "
+                             f"{n[bad].tolist()} at slots {bad.tolist()} whose lengths are {lens[bad].tolist()}")
+        m = np.asarray(min_pages)
+        if (m.shape not in ((), (S,)) or not np.issubdtype(m.dtype, np.integer) or m.dtype == np.bool_
+                or (m < 0).any() or (m > state.max_pages_per_seq).any()):
+            raise ValueError(f"min_pages must be an int or an integer array of shape ({S},) in [0, "
+                             f"max_pages_per_seq={state.max_pages_per_seq}], got {m.dtype}{list(m.shape)} "
+                             f"{m.tolist() if m.size <= 16 else ''}".rstrip())
+    return unchecked_truncate(state, jnp.asarray(new_lens, jnp.int32), jnp.asarray(min_pages, jnp.int32))
+
 @jax.jit
 def unchecked_fork(state: PageState, src: jax.Array, dst: jax.Array) -> PageState:
     """Makes empty slot ``dst`` share ``src``'s tokens: :func:`unchecked_fork_many`

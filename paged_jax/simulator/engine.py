@@ -141,8 +141,9 @@ class SimulatedEngine(TimedEngine):
         check_int("num_pages", num_pages, 2)
         check_int("page_size", page_size)
         vocab_size = check_int("vocab_size", vocab_size, 2)
-        placeholder = jnp.zeros((1, 1, num_pages, page_size, 1), jnp.float32)  # one element per slot
-        super().__init__(_NoModel(vocab_size), KVPool(k=placeholder, v=placeholder), config, stop_ids=stop_ids,
+        # One element per slot; K and V two buffers (a swap's copy donates each: one buffer twice is refused).
+        k, v = (jnp.zeros((1, 1, num_pages, page_size, 1), jnp.float32) for _ in range(2))
+        super().__init__(_NoModel(vocab_size), KVPool(k=k, v=v), config, stop_ids=stop_ids,
                          vocab_size=vocab_size, tokenizer=tokenizer, step_time=step_time)
         self._rows = config.max_seqs * self.kv_manager.groups.num_groups
         self._allowed = np.setdiff1d(np.arange(vocab_size), np.fromiter(self.stop_ids, np.int64, len(self.stop_ids)))
