@@ -136,6 +136,26 @@ def check_choice(name: str, value, choices):
     return value
 
 
+def check_array(name: str, value, shape: tuple, kind: str = "int") -> np.ndarray:
+    """``value`` on the host (a NumPy array) when it is an array of exactly
+    ``shape`` whose dtype is of ``kind`` (``"int"``: signed or unsigned
+    integers, bool excluded; ``"float"``: floating point).
+
+    Raises:
+      ValueError: naming ``name``, the shape and dtype expected and got.
+    """
+    dtype = getattr(value, "dtype", None)
+    if kind not in ("int", "float"):
+        raise ValueError(f"kind must be 'int' or 'float', got {kind!r}")
+    ok = dtype is not None and dtype != np.bool_ and (
+        np.issubdtype(dtype, np.integer) if kind == "int" else np.issubdtype(dtype, np.floating)
+        or "bfloat16" in str(dtype) or "float8" in str(dtype))
+    if not ok or tuple(getattr(value, "shape", ())) != tuple(shape):
+        got = f"{dtype}{list(value.shape)}" if dtype is not None else f"a {type(value).__name__}"
+        raise ValueError(f"{name} must be {'an integer' if kind == 'int' else 'a float'} array of shape "
+                         f"{tuple(shape)}, got {got}")
+    return np.asarray(value)
+
 def check_instance(name: str, value, cls: type, *, what: str | None = None):
     """``value``, if it is an instance of ``cls``.
 

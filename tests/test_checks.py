@@ -148,3 +148,17 @@ def _passes(check, *args, **kwargs) -> bool:
     except ValueError:
         return False
     return True
+
+
+def test_check_array_names_shape_and_dtype():
+    from paged_jax.checks import check_array
+
+    assert check_array("x", np.zeros((2, 3), np.int32), (2, 3)).shape == (2, 3)
+    assert check_array("p", np.zeros(4, np.float32), (4,), "float").dtype == np.float32
+    for value, kind, needle in ((np.zeros(3, bool), "int", r"must be an integer array of shape \(3,\), got bool\[3\]"),
+                                (np.zeros(3, np.float32), "int", r"got float32\[3\]"),
+                                (np.zeros(2, np.int32), "int", r"of shape \(3,\), got int32\[2\]"),
+                                ([1, 2, 3], "int", "got a list"),
+                                (np.zeros(3, np.int32), "float", "x must be a float array")):
+        with pytest.raises(ValueError, match=needle):
+            check_array("x", value, (3,), kind)

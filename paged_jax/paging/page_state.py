@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from paged_jax.checks import check_int
+from paged_jax.checks import check_array, check_int
 from paged_jax.paging import free_queue
 
 NULL_PAGE = 0
@@ -544,10 +544,7 @@ def truncate(state: PageState, new_lens, min_pages=0) -> tuple[PageState, jax.Ar
         untouched.
     """
     S = state.max_seqs
-    dtype = getattr(new_lens, "dtype", None)
-    if getattr(new_lens, "shape", None) != (S,) or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
-        got = f"{dtype}{list(new_lens.shape)}" if dtype is not None else f"a {type(new_lens).__name__}"
-        raise ValueError(f"new_lens must be an integer array of shape ({S},), got {got}")
+    check_array("new_lens", new_lens, (S,))
     if not is_traced(state, new_lens, min_pages):
         n, lens = np.asarray(new_lens), np.asarray(state.seq_lens)
         bad = np.flatnonzero((n < 0) | (n > lens))
@@ -692,11 +689,8 @@ def share(state: PageState, num_hit, hit_pages) -> tuple[PageState, jax.Array]:
         untouched.
     """
     S, P = state.max_seqs, state.max_pages_per_seq
-    for name, value, shape in (("num_hit", num_hit, (S,)), ("hit_pages", hit_pages, (S, P))):
-        dtype = getattr(value, "dtype", None)
-        if getattr(value, "shape", None) != shape or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
-            got = f"{dtype}{list(value.shape)}" if dtype is not None else f"a {type(value).__name__}"
-            raise ValueError(f"{name} must be an integer array of shape {shape}, got {got}")
+    check_array("num_hit", num_hit, (S,))
+    check_array("hit_pages", hit_pages, (S, P))
     if not is_traced(state, num_hit, hit_pages):
         n, pages = np.asarray(num_hit), np.asarray(hit_pages)
         bad = np.flatnonzero((n < 0) | (n > P))

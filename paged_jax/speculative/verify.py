@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax.checks import check_array
 from paged_jax.paging.page_state import is_traced
 
 
@@ -52,22 +53,9 @@ def _emit(draft_ids: jax.Array, accepted: jax.Array, last: jax.Array) -> tuple[j
     return tokens.astype(jnp.int32), (accepted + 1).astype(jnp.int32)
 
 
-def _check_array(name: str, value, shape: tuple, kind: str):
-    """``value`` as a numpy array when it has ``shape`` and dtype kind
-    (``"int"`` or ``"float"``); else a ValueError naming it."""
-    dtype = getattr(value, "dtype", None)
-    ok = dtype is not None and (jnp.issubdtype(dtype, jnp.integer) if kind == "int"
-                                else jnp.issubdtype(dtype, jnp.floating))
-    if not ok or tuple(getattr(value, "shape", ())) != shape:
-        got = f"{dtype}{list(value.shape)}" if dtype is not None else f"a {type(value).__name__}"
-        raise ValueError(f"{name} must be {'an integer' if kind == 'int' else 'a float'} array of shape {shape}, "
-                         f"got {got}")
-    return np.asarray(value)
-
-
 def _check_draft(draft_ids, num_draft, B: int, K: int, vocab: int | None) -> None:
-    ids = _check_array("draft_ids", draft_ids, (B, K), "int")
-    n = _check_array("num_draft", num_draft, (B,), "int")
+    ids = check_array("draft_ids", draft_ids, (B, K), "int")
+    n = check_array("num_draft", num_draft, (B,), "int")
     bad = np.flatnonzero((n < 0) | (n > K))
     if bad.size:
         raise ValueError(f"num_draft must be in [0, K={K}], got {n[bad].tolist()} at rows {bad.tolist()}")
@@ -98,7 +86,7 @@ def greedy_verify(target_ids, draft_ids, num_draft) -> tuple[jax.Array, jax.Arra
             raise ValueError(f"target_ids must be an integer array of shape [B, K + 1], got "
                              f"{getattr(target_ids, 'dtype', type(target_ids).__name__)}{list(shape or [])}")
         B, K = shape[0], shape[1] - 1
-        _check_array("target_ids", target_ids, (B, K + 1), "int")
+        check_array("target_ids", target_ids, (B, K + 1), "int")
         _check_draft(draft_ids, num_draft, B, K, None)
     return unchecked_greedy_verify(target_ids, draft_ids, num_draft)
 
@@ -138,10 +126,10 @@ def rejection_sample(keys, target_probs, draft_ids, num_draft, draft_probs=None)
             raise ValueError(f"target_probs must be a float array of shape [B, K + 1, V], got "
                              f"{getattr(target_probs, 'dtype', type(target_probs).__name__)}{list(shape)}")
         B, K, V = shape[0], shape[1] - 1, shape[2]
-        _check_probs("target_probs", _check_array("target_probs", target_probs, (B, K + 1, V), "float"))
+        _check_probs("target_probs", check_array("target_probs", target_probs, (B, K + 1, V), "float"))
         _check_draft(draft_ids, num_draft, B, K, V)
         if draft_probs is not None:
-            _check_probs("draft_probs", _check_array("draft_probs", draft_probs, (B, K, V), "float"))
+            _check_probs("draft_probs", check_array("draft_probs", draft_probs, (B, K, V), "float"))
         if not (isinstance(keys, jax.Array) and jnp.issubdtype(keys.dtype, jax.dtypes.prng_key)
                 and keys.shape == (B,)):
             raise ValueError(f"keys must be {B} typed PRNG keys (jax.random.key, one per sequence), got "
