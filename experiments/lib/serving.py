@@ -450,7 +450,18 @@ def simulated_setup(args, workload: Workload | None = None,
             raise ValueError(f"--efficiency-profile {path} was profiled on {kind!r}, not on --device "
                              f"{args.device}: a roofline's efficiencies are its own device's")
         step_time = step_time.fitted(works, seconds, source=f"fitted to {path}")
-    workload = workload or workloads.workload("basic")
+    return step_time, simulated_requests(args, workload or workloads.workload("basic"), max_output_len)
+
+
+def simulated_requests(args, workload: Workload, max_output_len: int = MAX_SEQ_LEN) -> list[Request]:
+    """The first ``args.num_requests`` requests of ``workload`` as
+    :func:`simulated_setup` gives them (ids from :data:`SIMULATED_VOCAB_SIZE`
+    with ``args.seed``, the workload's sampling), for a script that serves
+    several workloads on one step time.
+
+    Raises:
+      ValueError: ``num_requests`` out of range or more than the workload has.
+    """
     requests, _ = workload.requests(None, vocab_size=SIMULATED_VOCAB_SIZE, num_requests=args.num_requests,
                                     max_output_len=max_output_len, seed=args.seed)
-    return step_time, workload.apply(requests)
+    return workload.apply(requests)

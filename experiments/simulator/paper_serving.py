@@ -75,7 +75,7 @@ from experiments.lib.policies import (
     engine_options,
     paper_ratio,
 )
-from experiments.lib.serving import SIMULATED_VOCAB_SIZE, engine_config, simulated_setup
+from experiments.lib.serving import SIMULATED_VOCAB_SIZE, engine_config, simulated_requests, simulated_setup
 from experiments.lib.sharegpt import MAX_SEQ_LEN, PACKAGED_LIMIT
 from experiments.lib.tables import markdown_table, write_table
 from paged_jax.simulator.engine import SimulatedEngine
@@ -244,10 +244,11 @@ def parse_args(argv=None):
         p.error(f"--max-batched-tokens {args.max_batched_tokens} must be >= --max-seqs {args.max_seqs} (every "
                 "running sequence decodes in each call)")
     max_output_len = PREFIX_OUTPUT_LEN if args.figure == 16 else MAX_SEQ_LEN
-    args.requests_ = {}
     try:
-        for name, w in args.workloads_.items():
-            args.step_time_, args.requests_[name] = simulated_setup(args, w, max_output_len)
+        first, *others = args.workloads_.values()
+        args.step_time_, requests = simulated_setup(args, first, max_output_len)
+        args.requests_ = {first.name: requests,
+                          **{w.name: simulated_requests(args, w, max_output_len) for w in others}}
         args.tokens_ = kv_tokens(args, args.step_time_.model, args.step_time_.device)
     except ValueError as e:
         p.error(str(e))
