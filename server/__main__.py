@@ -32,9 +32,10 @@ import uvicorn
 
 from models.llm import LLM
 from paged_jax.jit_stats import enable_persistent_cache
+from paged_jax.profiling import ProfileSpec, add_profile_args, check_profile_args
+from paged_jax.speculative.config import add_speculative_flags, speculative_from_args
 from server.app import build_app
 from server.limits import RequestLimits, add_limit_args, limit_args
-from paged_jax.profiling import ProfileSpec, add_profile_args, check_profile_args
 
 API_KEY_ENV = "PAGED_JAX_API_KEY"
 
@@ -69,7 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="uvicorn's log level (default %(default)s)")
     add_limit_args(p)
     add_profile_args(p)
+    add_speculative_flags(p)
     args = p.parse_args(argv)
+    args.speculative_config = speculative_from_args(p, args)
     check_profile_args(p, args)
     args.limit_bounds = limit_args(p, args)
     if not 0 < args.port < 65536:
@@ -109,7 +112,7 @@ def main(argv=None) -> None:
         llm = LLM(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, kv_tokens=args.kv_tokens,
                   page_size=args.page_size, max_seqs=args.max_seqs, max_seq_len=args.max_seq_len,
                   max_num_batched_tokens=args.max_num_batched_tokens,
-                  enable_prefix_caching=not args.no_prefix_caching)
+                  enable_prefix_caching=not args.no_prefix_caching, speculative=args.speculative_config)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"python -m server: {e}") from None
     limits = RequestLimits.for_context(llm.engine.config.max_seq_len, vocab_size=llm.engine.vocab_size,

@@ -95,7 +95,8 @@ class EngineSnapshot:
     (``time.time()``). Counters are totals since the engine was made
     (:class:`paged_jax.engine.stats.EngineStats`: ``prompt_tokens`` are counted at
     a request's first admission, ``prefix_hit_tokens`` of them came from the
-    prefix cache); pages are
+    prefix cache; ``spec_*`` count speculative decoding's verifications,
+    proposed and accepted tokens); pages are
     :meth:`Engine.accounting`'s (free + cached + used = total), counted at
     most every :data:`PAGES_EVERY_S` seconds while the engine is busy."""
 
@@ -114,6 +115,10 @@ class EngineSnapshot:
     iterations: int
     compile_seconds: float
     compilations: int
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_by_position: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -501,6 +506,9 @@ class EngineLoop:
             preemptions=stats.preemptions, iterations=stats.iterations,
             compile_seconds=counts.seconds if counts is not None else 0.0,
             compilations=counts.requests if counts is not None else 0,
+            spec_drafts=stats.spec_verifications, spec_draft_tokens=stats.spec_proposed,
+            spec_accepted_tokens=stats.spec_accepted,
+            spec_accepted_by_position=tuple(stats.spec_accepted_by_position),
         )
 
 

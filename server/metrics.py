@@ -87,6 +87,18 @@ class _EngineCollector(Collector):
         yield counter("engine_iterations", "Engine scheduler iterations.", s.iterations)
         yield counter("compile_seconds", "Seconds JAX spent tracing, lowering and compiling (or loading from the "
                       "persistent cache) since the server started.", s.compile_seconds)
+        yield counter("spec_decode_num_drafts", "Speculative decoding: a sequence's proposals verified in a call.",
+                      s.spec_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed and verified.",
+                      s.spec_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted.",
+                      s.spec_accepted_tokens)
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Speculative decoding: accepted tokens by position in the proposal (0 first).",
+                                      labels=labels + ["position"])
+        for pos, v in enumerate(s.spec_accepted_by_position):
+            per_pos.add_metric(value + [str(pos)], v)
+        yield per_pos
         yield counter("xla_compilations", "XLA programs requested (compiled or loaded from the persistent cache) "
                       "since the server started.", s.compilations)
 

@@ -19,6 +19,7 @@ from paged_jax.paging.page_state import (
     unchecked_fork_many,
     unchecked_free,
     unchecked_share,
+    unchecked_truncate,
 )
 
 MAX_SEQS, MAX_PAGES, PAGE = 4, 4, 4
@@ -302,6 +303,33 @@ def test_the_twin_equals_the_device_page_state_after_the_same_calls():
     assert t.call(grow={0: 13}) is None  # 17 tokens: too many pages; both refuse
     assert t.call(free=range(MAX_SEQS)) == []
     assert t.pool.num_free == 11 and not t.pool.ref_counts.any()
+
+
+def test_a_rollback_frees_tail_first_on_both_twins_before_pending_releases():
+    """Speculative decoding's rollback: ``BlockPool.truncate`` queues the
+    pages it frees at once (rows ascending, each tail first) as
+    ``unchecked_truncate`` does in a call of its own, ahead of pages released
+    earlier and freed by the next call; a page whose other holder was
+    released before reaches zero on device only with that free, and queues
+    with it."""
+    t = Twins(num_pages=14, max_seqs=MAX_SEQS, max_pages_per_seq=MAX_PAGES, page_size=PAGE)
+    t.call(grow={0: 5, 1: 8, 2: 6})  # 0: [1, 2], 1: [3, 4], 2: [5, 6]
+    t.call(grow={0: 10, 2: 9}, fork={3: 1})  # 0: [1, 2, 7, 8], 2: [5, 6, 9, 10], 3 shares [3, 4]
+    t.call(grow={1: 4})  # 1: [3, 4, 11]
+    t.pool.release(1)  # page 11 released; 3 and 4 still held by slot 3. The device frees slot 1 next call
+    assert t.pool.truncate({0: 5, 2: 9, 3: 4}, {2: 4}) == 3  # 8, 7 now; 4 with slot 1's free
+    assert [t.pool.pages(s) for s in range(MAX_SEQS)] == [[1, 2], [], [5, 6, 9, 10], [3]]
+    assert t.pool.seq_lens.tolist() == [5, 0, 9, 4]
+    state, ok = unchecked_truncate(t.state, jnp.asarray([5, 12, 9, 4], jnp.int32),
+                                   jnp.asarray([0, 3, 4, 0], jnp.int32))  # slot 1 as it is on device
+    assert bool(ok)
+    t.state = unchecked_free(state, jnp.asarray([False, True, False, False]))  # the next call's frees
+    t.pool.flush()
+    assert t.pool.free_pages()[-4:] == [8, 7, 11, 4]
+    t.pool.check(t.state)
+    with pytest.raises(ValueError, match="new_lens"):
+        t.pool.truncate({0: 6})  # a rollback never grows
+    assert t.pool.seq_lens[0] == 5
 
 
 def test_check_names_the_first_difference():

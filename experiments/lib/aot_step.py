@@ -182,7 +182,8 @@ def step_structs(case: StepCase, sharding):
                  fork_src=(S, i32), tokens=(Tb, i32), from_prev=(Tb, bool), positions=(Tb, i32),
                  token_rows=(Tb, i32), q_starts=(S, i32), logits_rows=(R, i32), logits_slots=(R, i32),
                  temperature=(R, f32), top_p=(R, f32), seeds=(R, np.uint32), streams=(R, i32), steps=(R, i32),
-                 prompt_rows=(0, i32), prompt_targets=(0, i32))
+                 prompt_rows=(0, i32), prompt_targets=(0, i32), verify_rows=(0, i32), verify_proposals=(0, i32),
+                 verify_params=(0, i32), verify_steps=(0, i32))
     missing = {f.name for f in dataclasses.fields(StepInputs)} ^ set(sizes)
     if missing:  # a field added to StepInputs must be sized here
         raise ValueError(f"StepInputs fields not sized by step_structs: {sorted(missing)}")

@@ -92,6 +92,7 @@ from paged_jax.engine.core import Engine  # noqa: E402
 from paged_jax.engine.requests import Request, RequestOutput  # noqa: E402
 from paged_jax.jit_stats import CompileCounts, CompileMonitor  # noqa: E402
 from paged_jax.simulator.engine import SimulatedEngine, TimedEngine  # noqa: E402
+from paged_jax.speculative.config import SpeculativeConfig, add_speculative_flags, speculative_from_args  # noqa: E402
 
 TOY_CONFIG = LlamaConfig(vocab_size=49152, model_dim=64, mlp_dim=128, num_layers=2, num_q_heads=4,
                          num_kv_heads=2, head_dim=16)
@@ -276,6 +277,7 @@ class EngineSpec:
     max_batched_tokens: int = 256
     prefix_caching: bool = True
     kv_dtype: object = None
+    speculative: SpeculativeConfig | None = None
 
     def build(self, policy: str, **config) -> Engine:
         """An engine of ``policy`` (:data:`experiments.lib.policies.ALL_POLICIES`:
@@ -289,7 +291,7 @@ class EngineSpec:
         return serving.make_engine(self.model, kv_tokens=self.kv_tokens, page_size=self.page_size,
                                    max_seqs=self.max_seqs, max_batched_tokens=self.max_batched_tokens,
                                    paged_model=self.paged_model, kv_dtype=self.kv_dtype,
-                                   **self._options(policy), **config)
+                                   speculative=self.speculative, **self._options(policy), **config)
 
     def simulate(self, policy: str, step_time, **config) -> SimulatedEngine:
         """What :meth:`build` builds, simulated: the same configuration and
@@ -337,8 +339,18 @@ class OnlineResult:
         row.update(normalized_latency_s=round(m.normalized_latency, 4), mean_running=round(m.mean_running, 2),
                    peak_running=m.peak_running, preemptions=m.preemptions,
                    mean_cached_tokens=round(self.mean_cached_tokens, 1), compiled=self.compiles.requests,
-                   repeated_after_compiling=self.discarded)
+                   repeated_after_compiling=self.discarded,
+                   spec_acceptance_rate=None if self.acceptance_rate is None else round(self.acceptance_rate, 4))
         return row
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Speculative decoding: accepted / proposed tokens over the run's
+        requests (``CompletionOutput.num_accepted_tokens``); None when
+        nothing was proposed."""
+        done = [c for o in self.run.outputs for c in o.outputs]
+        proposed = sum(c.num_proposed_tokens for c in done)
+        return sum(c.num_accepted_tokens for c in done) / proposed if proposed else None
 
     @property
     def mean_cached_tokens(self) -> float:
@@ -364,13 +376,15 @@ METRIC_COLUMNS = (
     *(f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el")
       for stat in ("mean", *(f"p{p}" for p in PERCENTILES))),
     "normalized_latency_s", "mean_running", "peak_running", "preemptions", "mean_cached_tokens", "compiled",
-    "repeated_after_compiling",
+    "repeated_after_compiling", "spec_acceptance_rate",
 )
 """The columns of :meth:`OnlineResult.row`, in order; ``mean_cached_tokens``:
 prompt tokens per request served from the prefix cache; ``compiled``: XLA
 programs requested during the run (compiled or loaded from the cache);
 ``repeated_after_compiling``: programs a first attempt of the run compiled
-(it was discarded and the run repeated warm, :func:`serve_online`)."""
+(it was discarded and the run repeated warm, :func:`serve_online`);
+``spec_acceptance_rate``: speculative decoding's accepted / proposed
+tokens (empty without speculation)."""
 REQUEST_COLUMNS = ("policy", "request_rate", "request_id", "prompt_len", "output_len", "arrival_s", "added_s",
                    "first_token_s", "finish_s", "ttft_ms", "tpot_ms", "e2el_ms", "normalized_latency_s",
                    "num_preemptions")
@@ -429,7 +443,9 @@ def report(result: OnlineResult) -> str:
     """vLLM's printed summary of one run, as text."""
     m = result.metrics
     lines = [f"{'=' * 14} {POLICY_LABELS[result.policy]} at {result.request_rate:g} req/s {'=' * 14}",
-             f"requests: {m.completed}   duration: {m.duration_s:.2f} s   preemptions: {m.preemptions}",
+             f"requests: {m.completed}   duration: {m.duration_s:.2f} s   preemptions: {m.preemptions}"
+             + ("" if result.acceptance_rate is None else
+                f"   speculative acceptance: {result.acceptance_rate:.3f}"),
              f"throughput: {m.request_throughput:.3f} req/s, {m.output_throughput:.1f} output tok/s, "
              f"{m.total_token_throughput:.1f} total tok/s" + (
                  "" if m.goodput is None else f"; goodput {m.goodput:.3f} req/s")]
@@ -448,8 +464,11 @@ def report(result: OnlineResult) -> str:
 # ---------------------------------------------------------- command line
 # The flags the online scripts share (bench_serving, serving_figures).
 
-def add_serving_flags(p: argparse.ArgumentParser, *, num_requests: int, max_output_len: int) -> None:
-    """The flags of the model, the requests, the engine and the arrivals."""
+def add_serving_flags(p: argparse.ArgumentParser, *, num_requests: int, max_output_len: int,
+                      speculative: bool = False) -> None:
+    """The flags of the model, the requests, the engine and the arrivals;
+    with ``speculative``, speculative decoding's too
+    (:func:`paged_jax.speculative.config.add_speculative_flags`)."""
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (the GGUF, default), a Hugging Face checkpoint folder, a random-weight preset "
                         f"({', '.join(sorted(PRESETS))}; packaged ShareGPT lengths) or 'toy' (a two-layer random "
@@ -470,6 +489,8 @@ def add_serving_flags(p: argparse.ArgumentParser, *, num_requests: int, max_outp
                    help="shape of the gamma inter-arrival times: 1 is Poisson (default), < 1 burstier, > 1 more "
                         "regular, inf evenly spaced")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    if speculative:
+        add_speculative_flags(p)
 
 
 def check_serving_flags(p: argparse.ArgumentParser, args) -> None:
@@ -477,6 +498,7 @@ def check_serving_flags(p: argparse.ArgumentParser, args) -> None:
     flag :func:`add_serving_flags` added."""
     check_flags(p, args)
     require_positive(p, args, "max_batched_tokens")
+    args.speculative_config = speculative_from_args(p, args) if "speculative" in vars(args) else None
     try:
         check_rate("--burstiness", args.burstiness)
     except ValueError as e:
@@ -514,7 +536,8 @@ def load_setup(args) -> tuple[str, list[Request], EngineSpec, str]:
                                                seed=args.seed)
     spec = EngineSpec(model=model, paged_model=RaggedModel(model), kv_tokens=args.kv_budget_tokens,
                       page_size=args.page_size, max_seqs=args.max_seqs, max_batched_tokens=args.max_batched_tokens,
-                      prefix_caching=not args.no_prefix_caching, kv_dtype=kv_dtype)
+                      prefix_caching=not args.no_prefix_caching, kv_dtype=kv_dtype,
+                      speculative=args.speculative_config)
     setup = (f"{model_name}, weights {dtype.name}, K/V {kv_dtype.name}, loaded in {time.perf_counter() - t0:.1f} s; "
              f"{len(requests)} requests ({source}; {describe(requests)}): "
              f"{sum(len(r.prompt_ids) for r in requests)} prompt tokens, "

@@ -96,7 +96,7 @@ PROG = "python -m experiments.serving.bench_serving"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    online.add_serving_flags(p, num_requests=32, max_output_len=48)
+    online.add_serving_flags(p, num_requests=32, max_output_len=48, speculative=True)
     p.add_argument("--request-rate", type=float, nargs="+", default=[1.0],
                    help="requests per second, one run each; inf sends all at once (default 1)")
     p.add_argument("--policy", nargs="+", choices=online.ALL_POLICIES, default=["paged"],

@@ -85,6 +85,10 @@ class BatchShape:
         (``SamplingParams.prompt_logprobs``), returned after the R; 0 in a
         call without any, whose shape (and program) is then as if the
         feature did not exist.
+      num_verify_logits: V, rows whose logits verify a proposed token
+        (speculative decoding: a row of a sequence's chunk judges the
+        proposal after it), returned after the P; 0 in a call without
+        any.
       decode_tiles: tiles of the one-token class (0: the call has none).
       prefill_tiles: tiles of the chunk class (0: none).
       tiling: the tile and block sizes.
@@ -93,6 +97,7 @@ class BatchShape:
     num_tokens: int
     num_logits: int
     num_prompt_logits: int = 0
+    num_verify_logits: int = 0
     decode_tiles: int = 0
     prefill_tiles: int = 0
     tiling: Tiling = Tiling()
@@ -101,6 +106,7 @@ class BatchShape:
         check_int("num_tokens", self.num_tokens)
         check_int("num_logits", self.num_logits)
         check_int("num_prompt_logits", self.num_prompt_logits, 0)
+        check_int("num_verify_logits", self.num_verify_logits, 0)
         check_int("decode_tiles", self.decode_tiles, 0)
         check_int("prefill_tiles", self.prefill_tiles, 0)
         check_instance("tiling", self.tiling, Tiling)
@@ -122,9 +128,10 @@ class RaggedBatch:
       q_starts: i32[S] first flat row of each sequence's tokens.
       q_lens: i32[S] tokens each sequence brings (0: not in this call).
       kv_lens: i32[S] tokens each sequence holds after this call.
-      logits_rows: i32[R + P] flat rows whose logits are returned: one
+      logits_rows: i32[R + P + V] flat rows whose logits are returned: one
         per sequence that samples, then ``shape.num_prompt_logits`` rows
-        that score prompt tokens (padding entries point at row 0).
+        that score prompt tokens, then ``shape.num_verify_logits`` rows
+        that verify proposed tokens (padding entries point at row 0).
       shape: the static sizes.
     """
 
@@ -135,7 +142,7 @@ class RaggedBatch:
     q_starts: jax.Array  # i32[S]
     q_lens: jax.Array  # i32[S]
     kv_lens: jax.Array  # i32[S]
-    logits_rows: jax.Array  # i32[R + P]
+    logits_rows: jax.Array  # i32[R + P + V]
     shape: BatchShape = struct.field(pytree_node=False)
 
     @property
@@ -154,7 +161,7 @@ class RaggedBatch:
 
 
 def batch_shape(q_lens, *, num_seq_rows: int, tiling: Tiling = Tiling(), num_samples: int = 0,
-                num_prompt_rows: int = 0) -> BatchShape:
+                num_prompt_rows: int = 0, num_verify_rows: int = 0) -> BatchShape:
     """The bucketed static sizes for a flat batch whose sequences bring
     ``q_lens`` tokens.
 
@@ -162,7 +169,9 @@ def batch_shape(q_lens, *, num_seq_rows: int, tiling: Tiling = Tiling(), num_sam
     logits rows to ``min(tokens, num_seq_rows)``, doubled until they hold
     ``num_samples`` (capped at ``num_seq_rows``); prompt-scoring rows, when
     any, to a power of two (at least ``tiling.min_tokens``, at most the
-    tokens); tiles follow from the tokens: one per decode sequence, and for
+    tokens); verification rows, when any, to a power of two (at least 4:
+    a sequence proposes a few tokens, and every row costs the output
+    projection); tiles follow from the tokens: one per decode sequence, and for
     chunks ``tokens / tile`` plus one partial tile per chunk.
 
     Args:
@@ -173,17 +182,20 @@ def batch_shape(q_lens, *, num_seq_rows: int, tiling: Tiling = Tiling(), num_sam
         parallel samples forked in the call included), <= ``num_seq_rows``.
       num_prompt_rows: token rows whose logits score a prompt token, at
         most the call's tokens.
+      num_verify_rows: token rows whose logits verify a proposed token, at
+        most the call's tokens.
 
     Raises:
       ValueError: ``q_lens`` not a 1-D array of integers >= 0 with at most
         ``num_seq_rows`` entries; more than ``tiling.max_prefill_chunks``
         chunks of 2 or more tokens; no token at all; more tokens than int32
         positions can index; ``num_samples`` outside ``[0, num_seq_rows]``;
-        ``num_prompt_rows`` outside ``[0, tokens]``.
+        ``num_prompt_rows`` or ``num_verify_rows`` outside ``[0, tokens]``.
     """
     check_int("num_seq_rows", num_seq_rows)
     check_int("num_samples", num_samples, 0)
     check_int("num_prompt_rows", num_prompt_rows, 0)
+    check_int("num_verify_rows", num_verify_rows, 0)
     if num_samples > num_seq_rows:
         raise ValueError(f"num_samples={num_samples} exceeds num_seq_rows={num_seq_rows}")
     check_instance("tiling", tiling, Tiling)
@@ -214,10 +226,16 @@ def batch_shape(q_lens, *, num_seq_rows: int, tiling: Tiling = Tiling(), num_sam
     prompt_rows = min(tiling.min_tokens, num_tokens) if num_prompt_rows else 0
     while prompt_rows < num_prompt_rows:
         prompt_rows *= 2
+    if num_verify_rows > total:
+        raise ValueError(f"num_verify_rows={num_verify_rows} exceeds the {total} tokens of q_lens")
+    verify_rows = 4 if num_verify_rows else 0
+    while verify_rows < num_verify_rows:
+        verify_rows *= 2
     return BatchShape(
         num_tokens=num_tokens,
         num_logits=rows,
         num_prompt_logits=prompt_rows,
+        num_verify_logits=verify_rows,
         decode_tiles=rows if (q_lens == 1).any() else 0,
         prefill_tiles=(num_tokens // tiling.prefill_tile_q + tiling.max_prefill_chunks) if chunks else 0,
         tiling=tiling,

@@ -45,6 +45,7 @@ from paged_jax.attention.batch import Tiling
 from paged_jax.checks import check_bool, check_choice, check_instance, check_int
 from paged_jax.engine.stats import DEFAULT_CALL_RECORDS
 from paged_jax.paging.contiguous import ALLOCATORS
+from paged_jax.speculative.config import SpeculativeConfig
 
 RESERVATIONS = ("paged", "max", "pow2", "oracle")
 """The values of ``EngineConfig.reservation``."""
@@ -136,6 +137,10 @@ class EngineConfig:
         (default 1,024, a window, so a long-lived engine's statistics stay
         bounded); None keeps every call's, for a benchmark that needs each.
         The counters and per-shape call counts cover every call either way.
+      speculative: speculative decoding: the proposer and the tokens each
+        decoding sequence proposes per call
+        (:class:`paged_jax.speculative.config.SpeculativeConfig`); None
+        (the default): none.
     """
 
     max_seqs: int = 64
@@ -150,6 +155,7 @@ class EngineConfig:
     swap_space_pages: int | None = None
     drop_out_of_window_pages: bool = True
     call_records: int | None = DEFAULT_CALL_RECORDS
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
         for name in ("max_seqs", "max_seq_len", "max_num_batched_tokens"):
@@ -176,6 +182,9 @@ class EngineConfig:
             check_bool(name, getattr(self, name))
         if self.call_records is not None:  # a plain int, as deque(maxlen=...) needs
             object.__setattr__(self, "call_records", check_int("call_records", self.call_records, 0, 1 << 30))
+        if self.speculative is not None:
+            check_instance("speculative", self.speculative, SpeculativeConfig,
+                           what="paged_jax.speculative.config.SpeculativeConfig")
 
     @property
     def pages_by_layer_group(self) -> bool:

@@ -82,6 +82,8 @@ class _InFlight:
     sampled_lp: jax.Array  # f32[S] the sampled token's log-prob per row, zeros unless asked for (device)
     prompt: tuple | None  # the prompt rows' (f32[P] log-probs, i32[P, K] top ids, f32[P, K]), None if none (device)
     prompt_rows: list[PromptRow]  # what each prompt row scores
+    verify: tuple | None  # (bool[V] accepted, i32[V] each row's token) of the proposals, None if none (device)
+    verifiers: list[tuple[Sequence, list[int], int]]  # (sequence, its proposals, its first verification row)
     ok: jax.Array  # bool[] the page-state update succeeded (device)
     num_free: jax.Array  # i32[] free pages after it (device)
     samplers: list[Sequence]  # the sequences that sample in it
@@ -404,6 +406,7 @@ class Engine:
         busy_from = t_start if self._busy_since is None else self._busy_since
         # Named phases for a profiler's trace (paged_jax.profiling): nearly free when none runs.
         with jax.profiler.TraceAnnotation("schedule"):
+            self._propose()
             scheduled = self.scheduler.schedule()
         prev, self._inflight = self._inflight, None
         with jax.profiler.TraceAnnotation("dispatch"):
@@ -414,7 +417,8 @@ class Engine:
             if prev is not None:
                 self._complete(prev, finished, touched)
             if current is not None:
-                if self.config.async_scheduling:
+                # Speculating, each call is read before the next: the next proposals follow from what it kept.
+                if self.config.async_scheduling and self.config.speculative is None:
                     self._inflight = current
                 else:
                     self._complete(current, finished, touched)
@@ -476,7 +480,7 @@ class Engine:
             rows=len(scheduled), context_tokens=sum(e.seq.num_computed + e.num_tokens for e in scheduled),
             attention_pairs=sum(e.num_tokens * e.seq.num_computed + e.num_tokens * (e.num_tokens + 1) // 2
                                 for e in scheduled), start_s=start_s)
-        new, top, sampled_lp, prompt, ok, num_free, kv_ok = self._launch(call, prev, record)
+        new, top, sampled_lp, prompt, verify, ok, num_free, kv_ok = self._launch(call, prev, record)
         record.compile_s = self._compile_clock() - c0
         record.seconds = self.clock() - t0 - record.compile_s  # dispatch; the read adds its wait
         if self.check_page_state:
@@ -495,7 +499,8 @@ class Engine:
         for seq in self.running:
             kvm.offer(seq)
         return _InFlight(
-            sampled=new, top=top, sampled_lp=sampled_lp, prompt=prompt, prompt_rows=call.prompt_rows, ok=ok,
+            sampled=new, top=top, sampled_lp=sampled_lp, prompt=prompt, prompt_rows=call.prompt_rows,
+            verify=verify, verifiers=call.verifiers, ok=ok,
             num_free=num_free, samplers=call.samplers,
             sampler_slots=[seq.slot for seq in call.samplers], expected_free=expected_free,
             record=record,
@@ -511,7 +516,7 @@ class Engine:
         """Dispatches the jitted step for ``call`` (a
         :class:`paged_jax.engine.input_builder.StepCall`; ``record`` holds
         its work), updating the page state and the KV pool; returns its
-        device outputs ``(sampled, top, sampled_logprob, prompt, ok,
+        device outputs ``(sampled, top, sampled_logprob, prompt, verify, ok,
         num_free, kv_ok)`` (:func:`paged_jax.engine.step.device_step`). A
         simulated engine replaces this and :meth:`_read` only."""
         kvm = self.kv_manager
@@ -522,10 +527,10 @@ class Engine:
 
     def _read(self, call: _InFlight) -> tuple:
         """A dispatched call's outputs on the host (the one transfer):
-        ``(sampled, (top_ids, top_logprobs), sampled_logprob, prompt, ok,
-        num_free, kv_ok)`` as numpy."""
-        return jax.device_get((call.sampled, call.top, call.sampled_lp, call.prompt, call.ok, call.num_free,
-                               call.kv_ok))
+        ``(sampled, (top_ids, top_logprobs), sampled_logprob, prompt,
+        verify, ok, num_free, kv_ok)`` as numpy."""
+        return jax.device_get((call.sampled, call.top, call.sampled_lp, call.prompt, call.verify, call.ok,
+                               call.num_free, call.kv_ok))
 
     def _complete(self, call: _InFlight, finished: list[Sequence], touched: dict[SequenceGroup, None]) -> None:
         """Reads a call's sampled tokens (the one transfer), checks the
@@ -533,7 +538,7 @@ class Engine:
         (their times, log-probs and text) and prompt log-probs; ``touched``
         gets the groups that got tokens."""
         t0 = self.clock()
-        sampled, (top_ids, top_lps), sampled_lp, prompt, ok, num_free, kv_ok = self._read(call)
+        sampled, (top_ids, top_lps), sampled_lp, prompt, verify, ok, num_free, kv_ok = self._read(call)
         rec = call.record
         rec.read_s = self.clock()
         rec.seconds += rec.read_s - t0
@@ -547,8 +552,10 @@ class Engine:
             self._refuse_poison(call, kv_ok)
         self._prompt_lps.record(call.prompt_rows, prompt)
         now = self.clock()
+        emitted = self._verify(call, verify, sampled)  # a verifying sequence's tokens; the others' one each
         bad = [seq.request.request_id for seq, slot in zip(call.samplers, call.sampler_slots)
-               if not seq.done and (np.isnan(top_lps[slot]).any() if seq.group.beam else sampled[slot] < 0)]
+               if not seq.done and (np.isnan(top_lps[slot]).any() if seq.group.beam
+                                    else min(emitted.get(seq, [sampled[slot]])) < 0)]
         if bad:  # a token drawn from NaN would look valid: stop instead (the engine is then failed)
             raise FloatingPointError(
                 f"the model's logits are not finite (NaN or inf) for requests {bad}: a corrupt KV pool, "
@@ -565,25 +572,13 @@ class Engine:
                 if group not in beam_groups:
                     beam_groups.append(group)
                 continue
-            tok = int(sampled[slot])
-            seq.tokens.append(tok)
-            seq.token_times.append(now)
-            self.stats.generated_tokens += 1
-            if group.first_token_s is None:
-                group.first_token_s = now
-            if seq.logprobs is not None:
-                lp = float(sampled_lp[slot])
-                seq.cum_logprob += lp
-                k = seq.request.sampling.logprobs
-                seq.logprobs.append({**{int(t): float(v) for t, v in zip(top_ids[slot, :k], top_lps[slot, :k])},
-                                     tok: lp})
             touched[group] = None
-            stop_str = seq.detok.push(tok) if seq.detok is not None else None
-            stop = tok in self.stop_ids and not seq.request.ignore_eos
-            if stop_str is not None or stop or seq.num_generated >= seq.request.max_new_tokens:
-                seq.finish("stop" if stop_str is not None or stop else "length")
-                seq.stop_reason = stop_str if stop_str is not None else (tok if stop else None)
-                finished.append(seq)
+            for tok in emitted.get(seq, [sampled[slot]]):  # the accepted proposals, then the target's own
+                if self._take_token(seq, int(tok), slot, sampled_lp, top_ids, top_lps, now):
+                    finished.append(seq)
+                    break
+        # Pages past what verification kept go back now (a finished sequence's all go at its release).
+        self.kv_manager.rollback([(seq, seq.num_computed) for seq, _, _ in call.verifiers if not seq.done])
         for group in beam_groups:
             live = group.live
             if all(s.index in group.candidates and not s.pending for s in live):
@@ -591,6 +586,85 @@ class Engine:
                     group.first_token_s = now
                 group.step_times.append(now)
                 self._advance_beams(group, live, finished)
+
+    def _take_token(self, seq: Sequence, tok: int, slot: int, sampled_lp, top_ids, top_lps, now: float) -> bool:
+        """Appends ``tok`` to ``seq`` (its time, log-probs and text); True
+        when it ends the sequence (a stop token or string, or its
+        ``max_new_tokens``), which is then finished."""
+        seq.tokens.append(tok)
+        seq.token_times.append(now)
+        self.stats.generated_tokens += 1
+        if seq.group.first_token_s is None:
+            seq.group.first_token_s = now
+        if seq.logprobs is not None:
+            lp = float(sampled_lp[slot])
+            seq.cum_logprob += lp
+            k = seq.request.sampling.logprobs
+            seq.logprobs.append({**{int(t): float(v) for t, v in zip(top_ids[slot, :k], top_lps[slot, :k])},
+                                 tok: lp})
+        stop_str = seq.detok.push(tok) if seq.detok is not None else None
+        stop = tok in self.stop_ids and not seq.request.ignore_eos
+        if stop_str is not None or stop or seq.num_generated >= seq.request.max_new_tokens:
+            seq.finish("stop" if stop_str is not None or stop else "length")
+            seq.stop_reason = stop_str if stop_str is not None else (tok if stop else None)
+            return True
+        return False
+
+    def _propose(self) -> None:
+        """Speculative decoding: each running sequence that decodes and may
+        speculate (:class:`paged_jax.speculative.config.SpeculativeConfig`)
+        gets its proposals (``Sequence.draft``) before the scheduler plans
+        the call, which reserves their slots and may cut them.
+
+        Raises:
+          ValueError: the proposer returned something other than at most
+            ``k`` token ids of the vocabulary (named, with the request).
+        """
+        spec = self.config.speculative
+        if spec is None or (spec.disable_by_batch_size is not None
+                            and len(self.scheduler.running) >= spec.disable_by_batch_size):
+            return
+        for seq in self.scheduler.running:
+            if (seq.pending or seq.done or seq.group.beam or seq.logprobs is not None or not seq.num_generated
+                    or seq.num_computed != len(seq.tokens) - 1):
+                continue  # a token in flight, beam search, logprobs, or before its first token (its samples fork)
+            k = min(spec.num_speculative_tokens, seq.request.max_new_tokens - seq.num_generated - 1)
+            if k < 1:
+                continue
+            draft = spec.proposer.propose(seq.tokens, k)
+            if (not isinstance(draft, (list, tuple)) or len(draft) > k
+                    or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                               and 0 <= t < self.vocab_size for t in draft)):
+                raise ValueError(f"proposer {spec.proposer!r:.80} returned {draft!r:.120} for request "
+                                 f"{seq.request.request_id!r}: expected a list of at most k={k} token ids in "
+                                 f"[0, {self.vocab_size})")
+            seq.draft = [int(t) for t in draft]
+
+    def _verify(self, call: _InFlight, verify, sampled: np.ndarray) -> dict[Sequence, list[int]]:
+        """The tokens each sequence that verified proposals in ``call``
+        emits: its accepted proposals, then the target's own token (the
+        correction at the first rejection, read from ``verify``, or the
+        bonus from ``sampled`` when all are accepted). Their K/V past the
+        accepted ones are forgotten (``num_computed`` rewound; the pages
+        follow in :meth:`paged_jax.engine.kv_manager.KVCacheManager.rollback`),
+        and the counts go to ``stats`` and the sequence."""
+        out = {}
+        if not call.verifiers:
+            return out
+        accept, tokens = verify
+        for seq, proposals, first in call.verifiers:
+            seq.draft = []
+            if seq.done:
+                continue
+            d = len(proposals)
+            rows = accept[first:first + d]
+            a = d if rows.all() else int(np.argmin(rows))  # leading accepted proposals
+            out[seq] = proposals[:a] + [int(sampled[seq.slot]) if a == d else int(tokens[first + a])]
+            seq.num_computed -= d - a
+            seq.num_proposed += d
+            seq.num_accepted += a
+            self.stats.record_verification(d, a)
+        return out
 
     def _refuse_poison(self, call: _InFlight, kv_ok: np.ndarray) -> None:
         """A call computed non-finite values for some sequences' tokens (their

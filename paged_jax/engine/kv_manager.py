@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -617,6 +618,31 @@ class KVCacheManager:
             for page in pages:
                 self.prefix_cache.evict(page)
 
+    def rollback(self, rewinds: list[tuple[Sequence, int]]) -> None:
+        """Speculative decoding's rollback: each ``(seq, num_tokens)`` in
+        ``rewinds`` keeps its first ``num_tokens`` tokens (every layer
+        group's rows), the rejected proposals past them are forgotten, and
+        its pages past them go back to the free queue at once, tail first,
+        on device (one call of its own,
+        :func:`paged_jax.paging.page_state.unchecked_truncate`) and in the
+        twin alike. A sequence keeps its reservation's pages under a
+        reservation policy. No page past them was ever offered to the
+        prefix cache (:meth:`offer` keys only accepted tokens)."""
+        rewinds = [(seq, n) for seq, n in rewinds if n < self.pool.seq_lens[seq.slot]]  # all accepted: nothing
+        if not rewinds:
+            return
+        rows = self._held.shape[0]
+        new_lens = np.full(rows, -1, np.int32)  # -1: untouched
+        floors = np.zeros(rows, np.int32)
+        for seq, n in rewinds:
+            for row in self.rows(seq):
+                new_lens[row], floors[row] = n, self.reserved_pages(seq)
+        touched = np.flatnonzero(new_lens >= 0).tolist()
+        self.num_free += self.pool.truncate({r: int(new_lens[r]) for r in touched},
+                                            {r: int(floors[r]) for r in touched})
+        self._held[touched] = self.pool.num_seq_pages[touched]
+        self.state = _rollback(self.state, jnp.asarray(new_lens), jnp.asarray(floors))
+
     # -------------------------------------------------------------- calls
 
     def call_pages(self) -> CallPages:
@@ -690,3 +716,14 @@ class KVCacheManager:
         cols = np.arange(self.max_pages_per_seq)[None, :] < self.pool.num_seq_pages[:, None]
         held = int(np.count_nonzero(cols & (self.pool.block_tables != ps.NULL_PAGE)))  # dropped pages not held
         return held, held if self.reservation != "paged" else int(np.count_nonzero(self.pool.ref_counts))
+
+
+@jax.jit
+def _rollback(state: ps.PageState, new_lens: jax.Array, min_pages: jax.Array) -> ps.PageState:
+    """:func:`paged_jax.paging.page_state.unchecked_truncate` of the rows with
+    ``new_lens >= 0``; every other row untouched (its length and pages as
+    they are on device: a row released since the last call is freed by the
+    next one, not here)."""
+    untouched = new_lens < 0
+    lens = jnp.where(untouched, state.seq_lens, new_lens)
+    return ps.unchecked_truncate(state, lens, jnp.where(untouched, state.num_seq_pages, min_pages))[0]

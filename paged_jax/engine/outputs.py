@@ -77,6 +77,8 @@ def _completion(seq: Sequence, delta: bool) -> CompletionOutput:
         token_times=seq.token_times[start:],
         logprobs=None if seq.logprobs is None else seq.logprobs[start:],
         stop_reason=seq.stop_reason,
+        num_proposed_tokens=seq.num_proposed,
+        num_accepted_tokens=seq.num_accepted,
     )
 
 

@@ -201,6 +201,10 @@ class CompletionOutput:
         logits in float32, before temperature or top-p); None otherwise.
       stop_reason: the stop string (or stop token id) that ended it, None
         otherwise.
+      num_proposed_tokens, num_accepted_tokens: speculative decoding
+        (``EngineConfig.speculative``): tokens proposed for it and verified
+        so far, and the accepted ones among them (each accepted one is in
+        ``output_ids``); 0 without speculation.
     """
 
     index: int
@@ -211,6 +215,8 @@ class CompletionOutput:
     token_times: list[float] = dataclasses.field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     stop_reason: str | int | None = None
+    num_proposed_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -183,6 +183,31 @@ def top_p_mask(scaled: jax.Array, top_p: jax.Array) -> jax.Array:
     return (keys >= hi[:, None]) | (top_p[:, None] >= 1.0)
 
 
+def _scaled_nucleus(logits: jax.Array, temperature: jax.Array, top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """f32[B, V] logits -> ``(scaled, keep)``: the temperature-scaled logits
+    (shifted by each row's max first: a tiny temperature then sends the
+    others to -inf, never the max to +inf) and bool[B, V] each row's
+    nucleus. Rows with ``temperature == 0`` are scaled by 1 (their callers
+    take the argmax of the raw logits)."""
+    safe_t = jnp.where(temperature > 0, temperature, 1.0)
+    scaled = (logits - jnp.max(logits, axis=-1, keepdims=True)) / safe_t[:, None]
+    keep = jax.lax.cond(jnp.all(top_p >= 1.0), lambda: jnp.ones(scaled.shape, bool),
+                        lambda: top_p_mask(scaled, top_p))
+    return scaled, keep
+
+
+def _row_keys(seeds: jax.Array, streams: jax.Array, steps: jax.Array) -> jax.Array:
+    """[B] PRNG keys: ``fold_in(fold_in(key(seed), stream), step)`` per row (the module docstring)."""
+    return jax.vmap(lambda seed, stream, step: jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stream),
+                                                                  step))(seeds, streams, steps)
+
+
+def _check_rows(logits: jax.Array, *per_row: jax.Array) -> None:
+    if logits.ndim != 2 or any(x.shape != logits.shape[:1] for x in per_row):
+        raise ValueError(f"takes logits [B, V] and [B] per-row arrays, got {logits.shape}, "
+                         f"{[x.shape for x in per_row]}")
+
+
 @jax.jit
 def sample(
     logits: jax.Array,  # f32[B, V]
@@ -207,20 +232,64 @@ def sample(
       i32[B] token ids.
     """
     logits = logits.astype(jnp.float32)
-    if logits.ndim != 2 or any(x.shape != logits.shape[:1] for x in (temperature, top_p, seeds, streams, steps)):
-        raise ValueError(f"sample takes logits [B, V] and [B] temperature, top_p, seeds, streams and steps, got "
-                         f"{logits.shape}, {[x.shape for x in (temperature, top_p, seeds, streams, steps)]}")
-    safe_t = jnp.where(temperature > 0, temperature, 1.0)
-    # Shifted by the row's max first: a tiny temperature then sends the others to -inf, never the max to +inf
-    # (ties of +inf would pick the first index). Gumbel-max and the nucleus do not change under a shift.
-    scaled = (logits - jnp.max(logits, axis=-1, keepdims=True)) / safe_t[:, None]
-    keep = jax.lax.cond(jnp.all(top_p >= 1.0), lambda: jnp.ones(scaled.shape, bool),
-                        lambda: top_p_mask(scaled, top_p))
-
-    def noise(seed, stream, step):
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stream), step)
-        return jax.random.gumbel(key, scaled.shape[-1:], jnp.float32)
-
-    gumbel = jax.vmap(noise)(seeds, streams, steps)  # [B, V]
+    _check_rows(logits, temperature, top_p, seeds, streams, steps)
+    # Gumbel-max and the nucleus do not change under the shift _scaled_nucleus makes.
+    scaled, keep = _scaled_nucleus(logits, temperature, top_p)
+    keys = _row_keys(seeds, streams, steps)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, scaled.shape[-1:], jnp.float32))(keys)  # [B, V]
     sampled = jnp.argmax(jnp.where(keep, scaled + gumbel, -jnp.inf), axis=-1)
     return jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+
+
+@jax.jit
+def verify_proposals(
+    logits: jax.Array,  # f32[B, V] the target's logits at the row before each proposal
+    proposals: jax.Array,  # i32[B] the proposed token each row judges
+    temperature: jax.Array,  # f32[B]
+    top_p: jax.Array,  # f32[B]
+    seeds: jax.Array,  # u32[B]
+    streams: jax.Array,  # i32[B]
+    steps: jax.Array,  # i32[B] the index, among the sequence's generated tokens, of the token the row decides
+) -> tuple[jax.Array, jax.Array]:
+    """Speculative decoding's verification, one proposed token per row, for
+    proposers that propose deterministically (n-gram lookup, a draft's
+    argmax): Leviathan et al., 2023, Algorithm 1 with the draft
+    distribution ``q`` one-hot at the proposal ``x``
+    (:mod:`paged_jax.speculative.verify` has the general form).
+
+    - ``temperature == 0``: ``x`` is accepted when it is the argmax; the
+      row's token is the argmax (the correction, when rejected). The
+      emitted tokens are greedy decoding's, token for token.
+    - sampling: with ``p`` the row's distribution after temperature and
+      top-p (what :func:`sample` draws from), ``x`` is accepted with
+      probability ``p(x)`` (``u < p(x)``, ``u`` uniform from the row's key
+      folded with 1); the row's token is a draw from ``p`` without ``x``,
+      renormalized (``norm(max(0, p - q))``), by Gumbel-max on the row's
+      key, the noise :func:`sample` would use at that step.
+
+    The caller takes the rows of a sequence in order, keeps the proposals
+    up to the first rejection and emits that row's token there (or, when
+    every proposal is kept, the bonus token :func:`sample` draws at the
+    next step). Each emitted token is then distributed exactly as the
+    target's: rows are decided independently, and only the rows up to the
+    first rejection are used. Each step's randomness decides one token
+    once, so seeds reproduce a run and never repeat a draw.
+
+    Returns:
+      ``(accept, token)``: bool[B] the proposal is kept, i32[B] the row's
+      own token (used at a rejection).
+    """
+    logits = logits.astype(jnp.float32)
+    _check_rows(logits, proposals, temperature, top_p, seeds, streams, steps)
+    scaled, keep = _scaled_nucleus(logits, temperature, top_p)
+    masked = jnp.where(keep, scaled, -jnp.inf)
+    p_x = jnp.take_along_axis(jax.nn.softmax(masked, axis=-1), proposals[:, None], axis=-1)[:, 0]
+    keys = _row_keys(seeds, streams, steps)
+    u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1), (), jnp.float32))(keys)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, scaled.shape[-1:], jnp.float32))(keys)  # [B, V]
+    others = jnp.arange(scaled.shape[-1])[None, :] != proposals[:, None]
+    residual = jnp.argmax(jnp.where(others, masked + gumbel, -jnp.inf), axis=-1)
+    top = jnp.argmax(logits, axis=-1)
+    greedy_rows = temperature <= 0
+    accept = jnp.where(greedy_rows, top == proposals, u < p_x)
+    return accept, jnp.where(greedy_rows, top, residual).astype(jnp.int32)

@@ -133,6 +133,10 @@ class Scheduler:
             self.kv.admit(group, adm, sizes)
             out.extend(ScheduledSeq(s, n) for s, n in zip(members, sizes) if n)
             group.child_slots = [self.free_slots.pop() for _ in range(group.spare_slots)]
+        planned = {id(e.seq) for e in out}
+        for seq in self.running:
+            if seq.draft and id(seq) not in planned:  # not in the call: its proposals are stale by the next
+                seq.draft.clear()
         return out
 
     def _plan(self, members: list[Sequence], budget: int, chunks: int) -> tuple[list[tuple[Sequence, int]], int, int]:
@@ -143,6 +147,10 @@ class Scheduler:
             if budget <= 0:
                 break
             n = min(seq.num_tokens - seq.num_computed, budget)
+            if seq.draft and (n == 1 or not chunks):  # proposals need a chunk and a token of budget each
+                n = 1  # none fit: it decodes as usual
+            if seq.draft:
+                del seq.draft[n - 1:]  # those past the budget are not verified
             if (seq.num_generated + seq.pending >= seq.request.max_new_tokens or n == 0 or (n > 1 and not chunks)
                     or (seq.pending and seq.group.beam)):
                 continue  # finishes when its token in flight is read; waits for the next call; or (a beam)
@@ -165,6 +173,7 @@ class Scheduler:
                 seq.num_computed = 0
             seq.num_keyed = 0  # its pages come anew (or from the cache) when readmitted
             seq.fork_pre = None  # a beam not forked yet: gets its own pages back
+            seq.draft.clear()  # proposed again once it runs
         self.return_child_slots(group)
         group.num_preemptions += 1
         self.stats.preemptions += 1

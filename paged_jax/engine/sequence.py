@@ -50,6 +50,13 @@ class Sequence:
       num_reported: generated tokens already reported (streamed outputs).
       text_out: text already reported.
       final_reported: its end has been reported.
+      draft: speculative decoding: the tokens proposed after ``tokens``
+        for the next call to verify (:mod:`paged_jax.speculative`); they
+        count among :attr:`num_tokens` (the scheduler reserves their slots:
+        vLLM's lookahead slots) and are never in ``tokens``, the prefix
+        cache's keys or an output until accepted. Empty otherwise.
+      num_proposed: proposals it has had verified (speculative decoding).
+      num_accepted: of them, accepted.
     """
 
     group: SequenceGroup
@@ -72,6 +79,9 @@ class Sequence:
     num_reported: int = 0
     text_out: str = ""
     final_reported: bool = False
+    draft: list[int] = dataclasses.field(default_factory=list)
+    num_proposed: int = 0
+    num_accepted: int = 0
 
     @property
     def request(self) -> Request:
@@ -88,8 +98,8 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens it has, the one in flight included."""
-        return len(self.tokens) + self.pending
+        """Tokens it has, the one in flight and its proposals included."""
+        return len(self.tokens) + self.pending + len(self.draft)
 
     @property
     def running(self) -> bool:

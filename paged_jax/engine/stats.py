@@ -99,6 +99,17 @@ class EngineStats:
     share of the pool free but outside the longest free run
     (``external_fragmentation`` is its time average).
 
+    Speculative decoding (:mod:`paged_jax.speculative`): ``spec_verifications``
+    counts a sequence verifying proposals in a call, ``spec_proposed`` and
+    ``spec_accepted`` the proposed tokens and the accepted ones, and
+    ``spec_proposed_by_position`` / ``spec_accepted_by_position`` the same
+    per position in the proposal (index 0 the first proposed token; a
+    position is proposed only when the ones before it were):
+    ``acceptance_rate`` is accepted / proposed, ``mean_accepted_length``
+    the tokens a verifying sequence emits per call (accepted plus the one
+    of the target's own, vLLM's "mean acceptance length"), and
+    ``acceptance_by_position`` the rate at each position.
+
     Poison: ``nonfinite_kv`` counts sequences a call wrote non-finite K/V
     for (a running one stops the engine by name; an aborted one's pages are
     only kept out of the prefix cache).
@@ -122,6 +133,11 @@ class EngineStats:
     pages_saved: int = 0
     recomputed_tokens: int = 0
     window_dropped_pages: int = 0
+    spec_verifications: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_proposed_by_position: list = dataclasses.field(default_factory=list)
+    spec_accepted_by_position: list = dataclasses.field(default_factory=list)
     nonfinite_kv: int = 0  # sequences a call wrote non-finite K/V for (their pages never cached)
     fragmentation_blocked_steps: int = 0
     fragmentation_blocked_requests: int = 0
@@ -153,6 +169,34 @@ class EngineStats:
         self.call_rows += rec.shape.num_tokens
         self.calls_by_shape[rec.shape] += 1
         self.calls.append(rec)
+
+    def record_verification(self, num_proposed: int, num_accepted: int) -> None:
+        """Counts one sequence's verification of ``num_proposed`` tokens, the
+        first ``num_accepted`` of them accepted."""
+        self.spec_verifications += 1
+        self.spec_proposed += num_proposed
+        self.spec_accepted += num_accepted
+        for counts, n in ((self.spec_proposed_by_position, num_proposed),
+                          (self.spec_accepted_by_position, num_accepted)):
+            counts.extend([0] * (num_proposed - len(counts)))
+            for j in range(n):
+                counts[j] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted proposed tokens / proposed tokens (0 with none)."""
+        return self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verifying sequence emits per call: 1 + accepted /
+        verifications (0 with none)."""
+        return 1 + self.spec_accepted / self.spec_verifications if self.spec_verifications else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """Per position in the proposal, accepted / proposed there."""
+        return [a / p if p else 0.0 for a, p in zip(self.spec_accepted_by_position, self.spec_proposed_by_position)]
 
     def keep_call_records(self, n: int | None) -> None:
         """Keeps the last ``n`` call records from now on (``None``: every one)."""

@@ -22,7 +22,7 @@ from flax import struct
 
 from paged_jax.attention.batch import BatchShape, RaggedBatch
 from paged_jax.checks import check_int
-from paged_jax.engine.sampling import greedy, sample
+from paged_jax.engine.sampling import greedy, sample, verify_proposals
 from paged_jax.paging import page_state as ps
 from paged_jax.paging.kv_cache import KVPool, copy_pages
 from paged_jax.paging.kv_groups import KVGroups, single_group
@@ -140,7 +140,8 @@ class StepInputs:
     rows, row ``group * S + slot``: the page-state fields are per row, the
     others per slot, and the step applies a slot's growth and forks to its
     ``G`` rows), ``T`` tokens, ``R`` sampling logits rows, ``P`` prompt-scoring logits rows
-    (``BatchShape.num_prompt_logits``, 0 in most calls)."""
+    (``BatchShape.num_prompt_logits``, 0 in most calls), ``V`` rows that verify
+    proposed tokens (``BatchShape.num_verify_logits``, 0 without speculative decoding)."""
 
     first_kept: np.ndarray  # i32[G * S] block-table columns each page-state row drops below first (a sliding window's)
     free_mask: np.ndarray  # bool[G * S] rows to free before growing
@@ -166,6 +167,10 @@ class StepInputs:
     steps: np.ndarray  # i32[R]
     prompt_rows: np.ndarray  # i32[P] flat row whose logits score a prompt token (padding: row 0)
     prompt_targets: np.ndarray  # i32[P] the prompt token each scores (the one after its row's)
+    verify_rows: np.ndarray  # i32[V] flat row whose logits judge a proposed token (padding: row 0)
+    verify_proposals: np.ndarray  # i32[V] the proposed token each judges (the one after its row's)
+    verify_params: np.ndarray  # i32[V] the sampling row (of the R) whose temperature, top-p, seed and stream it uses
+    verify_steps: np.ndarray  # i32[V] the generated-token index it decides (its random stream's step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +212,9 @@ def device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array,
 
     Prompt tokens are scored from ``shape.num_prompt_logits`` extra logits
     rows (``inp.prompt_rows``), computed by the same forward; a call
-    without any (P = 0) traces none of it.
+    without any (P = 0) traces none of it. Proposed tokens (speculative
+    decoding) are judged from ``shape.num_verify_logits`` more
+    (:func:`paged_jax.engine.sampling.verify_proposals`; V = 0: none traced).
 
     Every token the call computes is checked: ``kv_ok`` says, per sequence
     slot, whether all of its tokens' forwards stayed finite (the model's
@@ -220,14 +227,17 @@ def device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array,
 
     Returns:
       ``(state, kv, sampled, (top_ids, top_logprobs), sampled_logprob,
-      prompt, ok, num_free_pages, kv_ok)``: ``kv_ok`` bool[S] per sequence
+      prompt, verify, ok, num_free_pages, kv_ok)``: ``kv_ok`` bool[S] per sequence
       slot (True for a slot with no token in the call); ``sampled`` i32[S] per row; the ``k =
       min(top_k, V)`` most likely tokens per row, i32[S, k] and f32[S, k]
       (beam search and ``SamplingParams.logprobs``); ``sampled_logprob``
       f32[S] the sampled token's log-probability per row (zeros unless
       ``logprobs``); ``prompt``: None when P = 0, else ``(f32[P] each
       prompt row's target log-probability, i32[P, kp] and f32[P, kp] its
-      ``kp = min(prompt_top_k, V)`` most likely tokens)``.
+      ``kp = min(prompt_top_k, V)`` most likely tokens)``; ``verify``:
+      None when no row verifies, else ``(bool[V] each proposal accepted,
+      i32[V] each row's own token)``, a row whose logits are not finite
+      rejecting with token -1.
     """
     _TRACES[id(model)] += 1  # runs at trace time only
     state = jax.lax.cond(jnp.any(inp.first_kept > 0), unchecked_drop_pages_before, lambda st, f: st, state,
@@ -260,21 +270,25 @@ def device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array,
         q_starts=inp.q_starts,
         q_lens=inp.q_lens,
         kv_lens=state.seq_lens[:S],  # a slot's G rows hold the same tokens
-        logits_rows=jnp.concatenate([inp.logits_rows, inp.prompt_rows]) if P else inp.logits_rows,
+        logits_rows=jnp.concatenate([inp.logits_rows] + ([inp.prompt_rows] if P else [])
+                                    + ([inp.verify_rows] if shape.num_verify_logits else [])),
         shape=shape,
     )
-    out = model.apply(params, batch, kv)  # logits [R + P, V], kv(, finite [T])
+    out = model.apply(params, batch, kv)  # logits [R + P + V, vocab], kv(, finite [T])
     if len(out) == 3:
         logits, kv, finite_tokens = out
         kv_ok = _per_slot(finite_tokens | (rows < 0), rows, S)
     else:
         logits, kv = out
         kv_ok = _finite_writes(kv, slots, rows, G, S)  # [S]
+    R = inp.logits_rows.shape[0]
     prompt = None
     if P:  # the prompt rows come after the sampling rows
-        R = inp.logits_rows.shape[0]
-        prompt = _score_prompt(logits[R:], inp.prompt_targets, prompt_top_k)
-        logits = logits[:R]
+        prompt = _score_prompt(logits[R:R + P], inp.prompt_targets, prompt_top_k)
+    verify = None
+    if shape.num_verify_logits:  # then the verification rows
+        verify = _verify(logits[R + P:], inp, greedy_only)
+    logits = logits[:R]
     if greedy_only:
         new = greedy(logits)
     else:
@@ -298,7 +312,21 @@ def device_step(model, params, state: ps.PageState, kv: KVPool, prev: jax.Array,
     if logprobs:
         lp = jnp.take_along_axis(log_probs, jnp.clip(new, 0)[:, None], axis=-1)[:, 0]
         sampled_lp = sampled_lp.at[dest].set(jnp.where(finite, lp, jnp.nan), mode="drop")
-    return state, kv, by_row, top, sampled_lp, prompt, ok, state.num_free_pages, kv_ok
+    return state, kv, by_row, top, sampled_lp, prompt, verify, ok, state.num_free_pages, kv_ok
+
+
+def _verify(logits: jax.Array, inp: StepInputs, greedy_only: bool) -> tuple[jax.Array, jax.Array]:
+    """logits f32[V, vocab] of the verification rows -> (bool[V] accepted,
+    i32[V] each row's token, -1 where its logits are not finite)."""
+    if greedy_only:  # argmax only: no noise over the vocabulary
+        token = greedy(logits)
+        accept = token == inp.verify_proposals
+    else:
+        j = inp.verify_params
+        accept, token = verify_proposals(logits, inp.verify_proposals, inp.temperature[j], inp.top_p[j],
+                                         inp.seeds[j], inp.streams[j], inp.verify_steps)
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)
+    return accept & finite, jnp.where(finite, token, -1)
 
 
 def _finite_writes(kv: KVPool, slots: jax.Array, rows: jax.Array, G: int, S: int) -> jax.Array:

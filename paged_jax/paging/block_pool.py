@@ -43,6 +43,7 @@ in reverse for the same reason; SGLang evicts radix-tree leaves first).
 
 from __future__ import annotations
 
+import collections
 from typing import Callable, Sequence
 
 import numpy as np
@@ -115,6 +116,53 @@ class BlockPool:
         self.block_tables[slot] = NULL_PAGE
         self.seq_lens[slot] = 0
         self.num_seq_pages[slot] = 0
+        return freed
+
+    def truncate(self, new_lens: dict[int, int], min_pages: dict[int, int] | None = None) -> int:
+        """Rewinds each slot ``s`` in ``new_lens`` to ``new_lens[s]`` tokens at
+        once, as :func:`paged_jax.paging.page_state.unchecked_truncate` does on
+        device in a call of its own: a slot keeps ``max(ceil(new_len /
+        page_size), min_pages[s])`` of its pages, the pages past them lose a
+        reference, and those that reach zero join the free queue now, slots
+        in ascending order, each slot's tail first. Pages released before
+        (queued at :meth:`flush`) stay behind them, as the device frees
+        them in its next call; so does a page this rollback drops whose
+        other holder was released before (on device that holder still
+        holds it until the next call frees it).
+
+        Returns:
+          pages that reached zero references.
+
+        Raises:
+          ValueError: a new length negative or above the slot's length (the
+            pool is then unchanged).
+        """
+        min_pages = min_pages or {}
+        bad = {s: n for s, n in new_lens.items() if not 0 <= n <= self.seq_lens[s]}
+        if bad:
+            raise ValueError(f"new_lens must be in [0, seq_lens] (a rollback never grows a slot), got {bad} for "
+                             f"lengths {[int(self.seq_lens[s]) for s in bad]}")
+        dropped = []
+        for s in sorted(new_lens):
+            held = int(self.num_seq_pages[s])
+            keep = min(max(pages_for_tokens(new_lens[s], self.page_size), min_pages.get(s, 0)), held)
+            dropped.append([p for p in self.block_tables[s, keep:held].tolist() if p != NULL_PAGE])
+            self.block_tables[s, keep:] = NULL_PAGE
+            self.num_seq_pages[s] = keep
+            self.seq_lens[s] = new_lens[s]
+        entries = collections.Counter(p for pages in dropped for p in pages)  # a shared page: one per holder
+        # A page a released slot still holds on device (freed by the next call) reaches zero there, not now.
+        pending = {p for _, pages in self._freed for p in pages} | {p for _, pages in self._dropped.values()
+                                                                     for p in pages}
+        freed = 0
+        for p in free_order(dropped):
+            self.ref_counts[p] -= entries[p]
+            if self.ref_counts[p] == 0:
+                if p in pending:
+                    self._released.add(p)
+                else:
+                    self._queue[p] = None
+                freed += 1
         return freed
 
     def drop_before(self, slot: int, first_kept: int) -> tuple[int, int]:

@@ -140,6 +140,9 @@ class SimulatedEngine(TimedEngine):
                  vocab_size: int, stop_ids: Iterable[int] = (), tokenizer=None):
         check_int("num_pages", num_pages, 2)
         check_int("page_size", page_size)
+        if getattr(config, "speculative", None) is not None:
+            raise ValueError(f"config.speculative={config.speculative!r:.80}: the simulated accelerator does not "
+                             "speculate (its tokens are not a model's to propose); use EngineConfig(speculative=None)")
         vocab_size = check_int("vocab_size", vocab_size, 2)
         # One element per slot; K and V two buffers (a swap's copy donates each: one buffer twice is refused).
         k, v = (jnp.zeros((1, 1, num_pages, page_size, 1), jnp.float32) for _ in range(2))
@@ -172,8 +175,9 @@ class SimulatedEngine(TimedEngine):
         P, kp = call.shape.num_prompt_logits, call.options.prompt_top_k
         prompt = None if not P else (np.zeros(P, np.float32), np.zeros((P, kp), np.int32),
                                      np.zeros((P, kp), np.float32))
-        return (sampled, (top_ids, top_lps), np.zeros(S, np.float32), prompt, np.bool_(True),
+        return (sampled, (top_ids, top_lps), np.zeros(S, np.float32), prompt, None, np.bool_(True),
                 np.int32(self.kv_manager.pool.num_free), np.ones(self.config.max_seqs, bool))
 
     def _results(self, call) -> tuple:
-        return (call.sampled, call.top, call.sampled_lp, call.prompt, call.ok, call.num_free, call.kv_ok)
+        return (call.sampled, call.top, call.sampled_lp, call.prompt, call.verify, call.ok, call.num_free,
+                call.kv_ok)

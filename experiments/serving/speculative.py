@@ -1,0 +1,204 @@
+"""Speculative decoding on the packaged model: tokens per second with and
+without n-gram proposals, side by side in one run, outputs compared token
+for token (issue 37's targets).
+
+Two workloads, greedy:
+
+1. **repetitive, batch 1**: ShareGPT user turns (vLLM's sampling rules,
+   :func:`experiments.lib.sharegpt.sample_requests`; those of
+   ``--min-text-tokens`` to ``--max-text-tokens`` tokens) wrapped in an
+   edit instruction, ``Repeat the following text exactly, fixing only
+   spelling mistakes:``, and the chat template: the answer copies its
+   prompt, which is what prompt lookup exploits (vLLM's ngram method is
+   meant for such edits and extractions). Each request runs alone
+   (``max_seqs=1``), EOS ends it, at most ``--max-output-len`` tokens.
+2. **the demo's**: the main experiment's ShareGPT requests
+   (``experiments.serving.serve_sharegpt``'s defaults: 48 requests, outputs
+   capped at 48 tokens, EOS ignored, 64 sequences at once), where little
+   repeats.
+
+For each workload both engines share one model object and its compiled
+programs; each runs the workload once to compile (its outputs are the ones
+compared), then the timed runs alternate (no speculation, n-gram,
+``--repeats`` times) on fresh engines (no prefix cache carried over), and
+the table gives each run's tokens per second and the ratio of the medians.
+Writes ``speculative_ngram.{md,csv}`` to ``--out``.
+
+Usage: ``python -m experiments.serving.speculative [--num-requests 8] [--repeats 2]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+from experiments.lib import provenance, serving, sharegpt
+from experiments.lib.cli import (
+    add_compile_cache_args,
+    add_flag,
+    check_flags,
+    check_outputs,
+    machine,
+    require_positive,
+    setup_compile_cache,
+)
+from experiments.lib.tables import markdown_table, write_table
+from models.ragged import RaggedModel
+from paged_jax.engine import Request
+from paged_jax.speculative.config import SpeculativeConfig
+
+INSTRUCTION = "Repeat the following text exactly, fixing only spelling mistakes:\n\n"
+"""What wraps each ShareGPT text of the repetitive workload."""
+COLUMNS = ("workload", "speculation", "run", "tokens", "seconds", "tokens_per_s", "acceptance_rate",
+           "mean_accepted_length", "same_outputs")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m experiments.serving.speculative",
+                                description=__doc__.split("\n\n")[0])
+    add_flag(p, "num_requests", default=8, help="requests of the repetitive workload (default %(default)s)")
+    add_flag(p, "max_output_len", default=256, help="cap on each repetitive request's output (default %(default)s)")
+    p.add_argument("--min-text-tokens", type=int, default=64, help="shortest ShareGPT text repeated (default "
+                   "%(default)s)")
+    p.add_argument("--max-text-tokens", type=int, default=256, help="longest ShareGPT text repeated (default "
+                   "%(default)s)")
+    p.add_argument("--demo-requests", type=int, default=48,
+                   help="requests of the demo's workload (default %(default)s, the demo's); 0 skips it")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help="most tokens proposed per sequence and call (default %(default)s)")
+    p.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram looked up (default %(default)s)")
+    p.add_argument("--ngram-max", type=int, default=4, help="longest n-gram looked up (default %(default)s)")
+    p.add_argument("--disable-by-batch-size", type=int, default=None, metavar="N",
+                   help="no proposals while at least N sequences run (default: always propose)")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs of each configuration (default %(default)s)")
+    add_flag(p, "seed")
+    add_flag(p, "out")
+    p.add_argument("--name", default="speculative_ngram", help="stem of the files written (default %(default)s)")
+    add_compile_cache_args(p)
+    args = p.parse_args(argv)
+    check_flags(p, args)
+    require_positive(p, args, "min_text_tokens", "max_text_tokens", "repeats")
+    if args.max_text_tokens < args.min_text_tokens:
+        p.error(f"--max-text-tokens ({args.max_text_tokens}) must be >= --min-text-tokens ({args.min_text_tokens})")
+    if args.demo_requests < 0:
+        p.error(f"--demo-requests must be >= 0, got {args.demo_requests}")
+    try:
+        args.spec = SpeculativeConfig.ngram(args.num_speculative_tokens, args.ngram_min, args.ngram_max,
+                                            args.disable_by_batch_size)
+    except ValueError as e:
+        p.error(str(e).replace("num_speculative_tokens", "--num-speculative-tokens", 1)
+                .replace("min_n", "--ngram-min", 1).replace("max_n", "--ngram-max", 1)
+                .replace("disable_by_batch_size", "--disable-by-batch-size", 1))
+    check_outputs(p, args)
+    return args
+
+
+def repetitive_requests(tokenizer, args) -> list[Request]:
+    """The repetitive workload (module docstring): ``--num-requests`` texts of
+    ``--min-text-tokens`` to ``--max-text-tokens`` tokens, in ShareGPT's
+    shuffled order."""
+    conversations, _ = sharegpt.load_conversations()
+    pool = sharegpt.sample_requests(conversations, tokenizer.encode_batch, 40 * args.num_requests, seed=args.seed)
+    texts = [s.prompt for s in pool if args.min_text_tokens <= s.prompt_len <= args.max_text_tokens]
+    if len(texts) < args.num_requests:
+        raise SystemExit(f"only {len(texts)} ShareGPT texts of {args.min_text_tokens}-{args.max_text_tokens} tokens "
+                         f"among {len(pool)} sampled; ask for fewer --num-requests or widen the range")
+    texts = texts[: args.num_requests]
+    ids = tokenizer.encode_batch([tokenizer.apply_chat_template([{"role": "user", "content": INSTRUCTION + t}])
+                                  for t in texts])
+    return [Request(request_id=i, prompt_ids=p, max_new_tokens=min(args.max_output_len, serving.MAX_SEQ_LEN - len(p)))
+            for i, p in enumerate(ids)]
+
+
+def bench(name: str, build, requests, args) -> tuple[list[dict], float, bool]:
+    """Runs ``requests`` on ``build(spec)`` engines (spec None, then the n-gram
+    config): a compiling run of each, then ``--repeats`` alternating timed
+    runs. Returns the rows, the ratio of median tokens per second (n-gram /
+    none) and whether the outputs were equal."""
+    outputs, rows, rates = {}, [], {"none": [], "ngram": []}
+    for label, spec in (("none", None), ("ngram", args.spec)):
+        outs = build(spec).run(requests, progress=True)
+        outputs[label] = {o.request_id: o.outputs[0].output_ids for o in outs}
+    same = outputs["none"] == outputs["ngram"]
+    for run in range(args.repeats):
+        for label, spec in (("none", None), ("ngram", args.spec)):
+            engine = build(spec)
+            t0 = time.perf_counter()
+            outs = engine.run(requests)
+            seconds = time.perf_counter() - t0
+            tokens = sum(len(o.outputs[0].output_ids) for o in outs)
+            st = engine.stats
+            rates[label].append(tokens / seconds)
+            rows.append({"workload": name, "speculation": label, "run": run + 1, "tokens": tokens,
+                         "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 2),
+                         "acceptance_rate": round(st.acceptance_rate, 3) if spec else "-",
+                         "mean_accepted_length": round(st.mean_accepted_length, 2) if spec else "-",
+                         "same_outputs": same, "_positions": st.acceptance_by_position if spec else None,
+                         "_compile_s": round(st.compile_s, 1)})
+            print(f"{name:10s} {label:5s} run {run + 1}: {tokens} tokens in {seconds:.1f} s, "
+                  f"{tokens / seconds:.1f} tokens/s" + (f", acceptance {st.acceptance_rate:.3f}" if spec else ""))
+    return rows, statistics.median(rates["ngram"]) / statistics.median(rates["none"]), same
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    t_start, load_start = time.perf_counter(), os.getloadavg()[0]
+    record = provenance.collect("experiments.serving.speculative", argv, seeds={"sharegpt_shuffle": args.seed})
+    print(setup_compile_cache(args))
+    model, tokenizer, model_name = serving.load_model("smollm2")
+    paged = RaggedModel(model)
+
+    def builder(max_seqs: int):
+        def build(spec):
+            return serving.make_engine(model, kv_tokens=8192, page_size=16, max_seqs=max_seqs, max_batched_tokens=256,
+                                       paged_model=paged, stop_ids=tokenizer.stop_ids, speculative=spec)
+        return build
+
+    results = {}
+    all_rows = []
+    reqs = repetitive_requests(tokenizer, args)
+    rows, ratio, same = bench("repetitive", builder(1), reqs, args)
+    results["repetitive"] = (ratio, same, rows)
+    all_rows += rows
+    if args.demo_requests:
+        demo, _, _ = sharegpt.build_requests(tokenizer, args.demo_requests, 48, seed=args.seed)
+        rows, ratio, same = bench("demo", builder(64), demo, args)
+        results["demo"] = (ratio, same, rows)
+        all_rows += rows
+    summary = []
+    for name, (ratio, same, rows) in results.items():
+        spec_rows = [r for r in rows if r["speculation"] == "ngram"]
+        summary.append({"workload": name, "ratio": f"{ratio:.2f}x", "same": "yes" if same else "NO",
+                        "acceptance": spec_rows[-1]["acceptance_rate"],
+                        "length": spec_rows[-1]["mean_accepted_length"],
+                        "by_position": ", ".join(f"{a:.2f}" for a in spec_rows[-1]["_positions"])})
+    table = markdown_table(summary, ("workload", "ratio", "same", "acceptance", "length", "by_position"),
+                           headers=["workload", "n-gram / none, tokens/s (median runs)", "greedy outputs identical",
+                                    "acceptance rate", "mean accepted length (tokens a call)",
+                                    "acceptance by position"])
+    runs = markdown_table(all_rows, COLUMNS[:6] + ("acceptance_rate", "mean_accepted_length"))
+    lens = [len(r.prompt_ids) for r in reqs]
+    batching = ("proposing at any batch size" if args.disable_by_batch_size is None else
+                f"no proposals while {args.disable_by_batch_size} or more sequences run")
+    text = (f"# Speculative decoding, n-gram prompt lookup ({model_name})\n\n{table}\n\nEvery timed run:\n\n{runs}\n\n"
+            f"n-gram: k = {args.num_speculative_tokens} tokens proposed at most, n-grams of {args.ngram_min} to "
+            f"{args.ngram_max} tokens (`SpeculativeConfig.ngram`), {batching}. Repetitive: {len(reqs)} ShareGPT "
+            f"texts of {args.min_text_tokens}-{args.max_text_tokens} tokens (seed {args.seed}), prompts of {min(lens)}-"
+            f"{max(lens)} tokens, each alone (max_seqs=1), greedy, EOS ends it, at most {args.max_output_len} "
+            f"tokens. Demo: {args.demo_requests} ShareGPT requests as `serve_sharegpt`'s defaults (outputs capped "
+            "at 48 tokens, EOS ignored, 64 sequences at once). Both: 8,192-token pool, pages of 16, 256 tokens a "
+            "call; the engine without speculation runs its default async scheduling, the speculating one reads "
+            "each call before the next. Timed runs alternate on fresh engines after a compiling run of each "
+            f"(whose outputs are compared).\n\n{machine()}. The run took {time.perf_counter() - t_start:.0f} s; load "
+            f"average {load_start:.1f} when it began, {os.getloadavg()[0]:.1f} at the end.")
+    md, csv = write_table(args.out, args.name, [{k: v for k, v in r.items() if not k.startswith("_")}
+                                                 for r in all_rows], COLUMNS, text, record)
+    print(f"\n{table}\n\nwrote {md}, {csv} in {time.perf_counter() - t_start:.0f} s")
+    return {name: ratio for name, (ratio, _, _) in results.items()}
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
