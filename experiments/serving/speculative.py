@@ -1,6 +1,6 @@
 """Speculative decoding on the packaged model: tokens per second with and
 without n-gram proposals, side by side in one run, outputs compared token
-for token (issue 37's targets).
+for token.
 
 Two workloads, greedy:
 
@@ -59,7 +59,8 @@ COLUMNS = ("workload", "speculation", "run", "tokens", "seconds", "tokens_per_s"
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m experiments.serving.speculative",
                                 description=__doc__.split("\n\n")[0])
-    add_flag(p, "num_requests", default=8, help="requests of the repetitive workload (default %(default)s)")
+    add_flag(p, "num_requests", default=8, help="requests of the repetitive workload (default %(default)s); 0 "
+             "skips it")
     add_flag(p, "max_output_len", default=256, help="cap on each repetitive request's output (default %(default)s)")
     p.add_argument("--min-text-tokens", type=int, default=64, help="shortest ShareGPT text repeated (default "
                    "%(default)s)")
@@ -71,7 +72,7 @@ def parse_args(argv=None):
                    help="most tokens proposed per sequence and call (default %(default)s)")
     p.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram looked up (default %(default)s)")
     p.add_argument("--ngram-max", type=int, default=4, help="longest n-gram looked up (default %(default)s)")
-    p.add_argument("--disable-by-batch-size", type=int, default=None, metavar="N",
+    p.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
                    help="no proposals while at least N sequences run (default: always propose)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs of each configuration (default %(default)s)")
     add_flag(p, "seed")
@@ -79,19 +80,24 @@ def parse_args(argv=None):
     p.add_argument("--name", default="speculative_ngram", help="stem of the files written (default %(default)s)")
     add_compile_cache_args(p)
     args = p.parse_args(argv)
+    skip = args.num_requests == 0
+    args.num_requests = args.num_requests or 1  # checked as given below
     check_flags(p, args)
+    args.num_requests = 0 if skip else args.num_requests
     require_positive(p, args, "min_text_tokens", "max_text_tokens", "repeats")
+    if not (args.num_requests or args.demo_requests):
+        p.error("--num-requests 0 and --demo-requests 0: nothing to run")
     if args.max_text_tokens < args.min_text_tokens:
         p.error(f"--max-text-tokens ({args.max_text_tokens}) must be >= --min-text-tokens ({args.min_text_tokens})")
     if args.demo_requests < 0:
         p.error(f"--demo-requests must be >= 0, got {args.demo_requests}")
     try:
         args.spec = SpeculativeConfig.ngram(args.num_speculative_tokens, args.ngram_min, args.ngram_max,
-                                            args.disable_by_batch_size)
+                                            args.speculative_disable_by_batch_size)
     except ValueError as e:
         p.error(str(e).replace("num_speculative_tokens", "--num-speculative-tokens", 1)
                 .replace("min_n", "--ngram-min", 1).replace("max_n", "--ngram-max", 1)
-                .replace("disable_by_batch_size", "--disable-by-batch-size", 1))
+                .replace("disable_by_batch_size", "--speculative-disable-by-batch-size", 1))
     check_outputs(p, args)
     return args
 
@@ -159,10 +165,11 @@ def main(argv=None) -> dict:
 
     results = {}
     all_rows = []
-    reqs = repetitive_requests(tokenizer, args)
-    rows, ratio, same = bench("repetitive", builder(1), reqs, args)
-    results["repetitive"] = (ratio, same, rows)
-    all_rows += rows
+    reqs = repetitive_requests(tokenizer, args) if args.num_requests else []
+    if reqs:
+        rows, ratio, same = bench("repetitive", builder(1), reqs, args)
+        results["repetitive"] = (ratio, same, rows)
+        all_rows += rows
     if args.demo_requests:
         demo, _, _ = sharegpt.build_requests(tokenizer, args.demo_requests, 48, seed=args.seed)
         rows, ratio, same = bench("demo", builder(64), demo, args)
@@ -180,9 +187,9 @@ def main(argv=None) -> dict:
                                     "acceptance rate", "mean accepted length (tokens a call)",
                                     "acceptance by position"])
     runs = markdown_table(all_rows, COLUMNS[:6] + ("acceptance_rate", "mean_accepted_length"))
-    lens = [len(r.prompt_ids) for r in reqs]
-    batching = ("proposing at any batch size" if args.disable_by_batch_size is None else
-                f"no proposals while {args.disable_by_batch_size} or more sequences run")
+    lens = [len(r.prompt_ids) for r in reqs] or [0]
+    cap = args.speculative_disable_by_batch_size
+    batching = "proposing at any batch size" if cap is None else f"no proposals while {cap} or more sequences run"
     text = (f"# Speculative decoding, n-gram prompt lookup ({model_name})\n\n{table}\n\nEvery timed run:\n\n{runs}\n\n"
             f"n-gram: k = {args.num_speculative_tokens} tokens proposed at most, n-grams of {args.ngram_min} to "
             f"{args.ngram_max} tokens (`SpeculativeConfig.ngram`), {batching}. Repetitive: {len(reqs)} ShareGPT "
@@ -191,7 +198,7 @@ def main(argv=None) -> dict:
             f"tokens. Demo: {args.demo_requests} ShareGPT requests as `serve_sharegpt`'s defaults (outputs capped "
             "at 48 tokens, EOS ignored, 64 sequences at once). Both: 8,192-token pool, pages of 16, 256 tokens a "
             "call; the engine without speculation runs its default async scheduling, the speculating one reads "
-            "each call before the next. Timed runs alternate on fresh engines after a compiling run of each "
+            "each call before the next while sequences may propose. Timed runs alternate on fresh engines after a compiling run of each "
             f"(whose outputs are compared).\n\n{machine()}. The run took {time.perf_counter() - t_start:.0f} s; load "
             f"average {load_start:.1f} when it began, {os.getloadavg()[0]:.1f} at the end.")
     md, csv = write_table(args.out, args.name, [{k: v for k, v in r.items() if not k.startswith("_")}

@@ -175,8 +175,8 @@ def parse_args(argv=None):
                         "prompts of at most 128 tokens of their own), 329 for chatbot with seed 0)")
     p.add_argument("--rates", type=float, nargs="+", default=None,
                    help="request rates, requests per second (default for basic the setup's: 0.25 to 5 for 13b, 0.5 "
-                        "to 5 for 66b, 1 to 12 for 175b; for the other figures FIGURE_RATES, Figure 14's over the "
-                        "sequences per request)")
+                        "to 5 for 66b, 1 to 12 for 175b; Figure 14 0.75 to 5 over the sequences a request runs, "
+                        "Figure 16 2 to 32, Figure 17 0.25 to 2.5)")
     p.add_argument("--policy", nargs="+", choices=ALL_POLICIES, metavar="POLICY", default=None,
                    help="policies (default the figure's: basic paged max pow2 oracle oracle-pages; Figure 14 paged "
                         "max oracle; Figure 16 paged paged-nocache oracle-nocache; Figure 17 paged max pow2 "

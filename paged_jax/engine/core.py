@@ -417,8 +417,7 @@ class Engine:
             if prev is not None:
                 self._complete(prev, finished, touched)
             if current is not None:
-                # Speculating, each call is read before the next: the next proposals follow from what it kept.
-                if self.config.async_scheduling and self.config.speculative is None:
+                if self.config.async_scheduling and not self._may_propose():
                     self._inflight = current
                 else:
                     self._complete(current, finished, touched)
@@ -610,6 +609,15 @@ class Engine:
             return True
         return False
 
+    def _may_propose(self) -> bool:
+        """Whether the next iteration may propose tokens: then this one's
+        call is read before the next is dispatched (the proposals follow
+        from what it kept), else it may stay in flight
+        (``async_scheduling``)."""
+        spec = self.config.speculative
+        return spec is not None and (spec.disable_by_batch_size is None
+                                     or len(self.scheduler.running) < spec.disable_by_batch_size)
+
     def _propose(self) -> None:
         """Speculative decoding: each running sequence that decodes and may
         speculate (:class:`paged_jax.speculative.config.SpeculativeConfig`)
@@ -621,8 +629,7 @@ class Engine:
             ``k`` token ids of the vocabulary (named, with the request).
         """
         spec = self.config.speculative
-        if spec is None or (spec.disable_by_batch_size is not None
-                            and len(self.scheduler.running) >= spec.disable_by_batch_size):
+        if not self._may_propose():
             return
         for seq in self.scheduler.running:
             if (seq.pending or seq.done or seq.group.beam or seq.logprobs is not None or not seq.num_generated

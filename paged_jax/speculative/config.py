@@ -36,9 +36,11 @@ class SpeculativeConfig:
     among the beams' candidates on the host), requests asking for
     ``logprobs`` (reported per sampled token), and a sequence before its
     first token (its parallel samples fork from the call that samples
-    it). Every call is read before the next is dispatched
-    (``async_scheduling`` has no effect: a sequence's next proposals
-    follow from the tokens this call kept).
+    it). While sequences may propose, every call is read before the next
+    is dispatched (``async_scheduling`` waits: a sequence's next proposals
+    follow from the tokens this call kept); at or above
+    ``disable_by_batch_size`` running sequences calls stay in flight as
+    without speculation.
 
     Attributes:
       num_speculative_tokens: most tokens proposed per sequence and call,
