@@ -156,6 +156,22 @@ def test_speculation_waits_while_the_batch_is_large():
     assert 0 < capped.stats.spec_proposed < always.stats.spec_proposed
 
 
+def test_a_call_with_proposals_is_read_at_once_when_an_admission_fills_the_batch():
+    """A request arriving while one sequence decodes: that one proposes (one running, under the cap
+    of 2), then the admission lifts the batch to the cap; the call is still read before the next
+    (its proposals decide the next call's tokens), and the calls after it stay in flight."""
+    spec = SpeculativeConfig(num_speculative_tokens=3, proposer=WrongProposer(), disable_by_batch_size=2)
+    engine = _engine(speculative=spec)
+    pending, outs = toy_requests(5, seed=6, max_new=(6, 14)), []
+    while pending or engine.has_unfinished():
+        if pending:
+            engine.add_request(pending.pop(0))
+        outs += [o for o in engine.step() if o.finished]
+    assert engine.stats.spec_proposed > 0 and engine.stats.spec_accepted == 0
+    assert _ids(outs) == _ids(_engine().run(toy_requests(5, seed=6, max_new=(6, 14))))
+    assert check_accounting(engine)["used"] == 0
+
+
 # ------------------------------------------------------------ pages
 
 

@@ -417,7 +417,8 @@ class Engine:
             if prev is not None:
                 self._complete(prev, finished, touched)
             if current is not None:
-                if self.config.async_scheduling and not self._may_propose():
+                # A call with proposals, or one before proposals may come, is read now: they follow from it.
+                if self.config.async_scheduling and not current.verifiers and not self._may_propose():
                     self._inflight = current
                 else:
                     self._complete(current, finished, touched)
