@@ -29,7 +29,7 @@ def test_ngram_proposes_after_the_longest_earliest_match():
 
 def test_ngram_refuses_bad_arguments():
     for kwargs, needle in (({"min_n": 0}, "min_n"), ({"min_n": 3, "max_n": 2}, "max_n"),
-                           ({"min_n": 1.5}, "min_n")):
+                           ({"min_n": 1.5}, "min_n"), ({"max_n": 10**6}, "max_n")):
         with pytest.raises(ValueError, match=needle):
             NgramProposer(**kwargs)
     with pytest.raises(ValueError, match="k"):

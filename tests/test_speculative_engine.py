@@ -17,6 +17,7 @@ from engine_helpers import PAGE, VOCAB, check_accounting, greedy_reference, make
 from paged_jax.engine import EngineConfig, Request, SamplingParams
 from paged_jax.engine import sampling as sampling_mod
 from paged_jax.speculative.config import SpeculativeConfig
+from paged_jax.speculative.proposers import NgramProposer
 
 NGRAM = SpeculativeConfig.ngram(3, 1, 3)
 
@@ -339,13 +340,31 @@ def test_bad_speculative_settings_are_refused_by_name():
                            ({"num_speculative_tokens": 65}, "num_speculative_tokens"),
                            ({"num_speculative_tokens": 2.5}, "num_speculative_tokens"),
                            ({"proposer": "ngram"}, "proposer"),
-                           ({"disable_by_batch_size": 0}, "disable_by_batch_size")):
+                           ({"disable_by_batch_size": 0}, "disable_by_batch_size"),
+                           ({"proposer": NgramProposer}, "proposer"),  # the class, not a proposer
+                           ({"proposer": type("P", (), {"propose": 5})()}, "proposer")):
         with pytest.raises(ValueError, match=needle):
             SpeculativeConfig(**kwargs)
     with pytest.raises(ValueError, match="speculative"):
         EngineConfig(speculative="ngram")
     with pytest.raises(ValueError, match="min_n"):
         SpeculativeConfig.ngram(4, 0, 3)
+
+
+def test_a_proposer_that_raises_or_edits_the_tokens_is_named():
+    class Editing:
+        def propose(self, token_ids, k):
+            token_ids.append(5)  # the engine hands a copy it cannot change
+            return []
+
+        def __repr__(self):
+            return "Editing()"
+
+    engine = _engine(speculative=SpeculativeConfig(num_speculative_tokens=2, proposer=Editing()))
+    engine.add_request(Request(request_id="r", prompt_ids=[1, 2, 3], max_new_tokens=8))
+    with pytest.raises(RuntimeError, match=r"proposer Editing\(\) raised AttributeError.*request 'r'"):
+        while engine.has_unfinished():
+            engine.step()
 
 
 @pytest.mark.parametrize("returned", [[VOCAB], [-1], [1.5], "12", [1, 2, 3, 4, 5, 6]],

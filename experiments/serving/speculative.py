@@ -198,9 +198,10 @@ def main(argv=None) -> dict:
             f"tokens. Demo: {args.demo_requests} ShareGPT requests as `serve_sharegpt`'s defaults (outputs capped "
             "at 48 tokens, EOS ignored, 64 sequences at once). Both: 8,192-token pool, pages of 16, 256 tokens a "
             "call; the engine without speculation runs its default async scheduling, the speculating one reads "
-            "each call before the next while sequences may propose. Timed runs alternate on fresh engines after a compiling run of each "
-            f"(whose outputs are compared).\n\n{machine()}. The run took {time.perf_counter() - t_start:.0f} s; load "
-            f"average {load_start:.1f} when it began, {os.getloadavg()[0]:.1f} at the end.")
+            "each call before the next while sequences may propose. Timed runs alternate on fresh engines after a "
+            f"compiling run of each (whose outputs are compared).\n\n{machine()}. The run took "
+            f"{time.perf_counter() - t_start:.0f} s; load average {load_start:.1f} when it began, "
+            f"{os.getloadavg()[0]:.1f} at the end.")
     md, csv = write_table(args.out, args.name, [{k: v for k, v in r.items() if not k.startswith("_")}
                                                  for r in all_rows], COLUMNS, text, record)
     print(f"\n{table}\n\nwrote {md}, {csv} in {time.perf_counter() - t_start:.0f} s")

@@ -628,6 +628,7 @@ class Engine:
         Raises:
           ValueError: the proposer returned something other than at most
             ``k`` token ids of the vocabulary (named, with the request).
+          RuntimeError: the proposer raised (named, with the request).
         """
         spec = self.config.speculative
         if not self._may_propose():
@@ -639,7 +640,11 @@ class Engine:
             k = min(spec.num_speculative_tokens, seq.request.max_new_tokens - seq.num_generated - 1)
             if k < 1:
                 continue
-            draft = spec.proposer.propose(seq.tokens, k)
+            try:  # a copy: a proposer never changes the sequence it reads
+                draft = spec.proposer.propose(tuple(seq.tokens), k)
+            except Exception as e:
+                raise RuntimeError(f"proposer {spec.proposer!r:.80} raised {type(e).__name__}: {e} for request "
+                                   f"{seq.request.request_id!r}") from e
             if (not isinstance(draft, (list, tuple)) or len(draft) > k
                     or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
                                and 0 <= t < self.vocab_size for t in draft)):

@@ -57,7 +57,8 @@ class SpeculativeConfig:
     Raises:
       ValueError: ``num_speculative_tokens`` out of range,
         ``disable_by_batch_size`` not None or an int >= 1, or a
-        ``proposer`` without ``propose(token_ids, k)``.
+        ``proposer`` without ``propose(token_ids, k)`` (an instance, not
+        its class).
     """
 
     num_speculative_tokens: int = 4
@@ -65,10 +66,12 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
 
     def __post_init__(self):
-        check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS + 1)
+        object.__setattr__(self, "num_speculative_tokens", check_int(
+            "num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS + 1))
         if self.disable_by_batch_size is not None:
-            check_int("disable_by_batch_size", self.disable_by_batch_size)
-        if not isinstance(self.proposer, Proposer):
+            object.__setattr__(self, "disable_by_batch_size", check_int("disable_by_batch_size",
+                                                                        self.disable_by_batch_size))
+        if isinstance(self.proposer, type) or not callable(getattr(self.proposer, "propose", None)):
             raise ValueError(f"proposer must have propose(token_ids, k) -> list[int] "
                              f"(paged_jax.speculative.proposers.Proposer), got {self.proposer!r:.80}")
 
@@ -111,11 +114,10 @@ def speculative_from_args(parser, args) -> SpeculativeConfig | None:
     """The :class:`SpeculativeConfig` the flags of :func:`add_speculative_flags`
     ask for (None for ``--speculative none``); a bad value exits through
     ``parser.error`` naming its flag."""
-    if args.speculative == "none":
-        return None
-    try:
-        return SpeculativeConfig.ngram(args.num_speculative_tokens, args.ngram_min, args.ngram_max,
-                                       args.speculative_disable_by_batch_size)
+    try:  # checked whatever --speculative says: a bad value is a mistake either way
+        config = SpeculativeConfig.ngram(args.num_speculative_tokens, args.ngram_min, args.ngram_max,
+                                         args.speculative_disable_by_batch_size)
+        return None if args.speculative == "none" else config
     except ValueError as e:
         flag = {"num_speculative_tokens": "--num-speculative-tokens", "min_n": "--ngram-min",
                 "max_n": "--ngram-max", "disable_by_batch_size": "--speculative-disable-by-batch-size"}

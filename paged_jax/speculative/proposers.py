@@ -50,6 +50,10 @@ def as_token_ids(token_ids) -> np.ndarray:
     return arr.astype(np.int64)
 
 
+MAX_NGRAM = 64
+"""Longest n-gram :class:`NgramProposer` looks up."""
+
+
 class NgramProposer:
     """Prompt lookup: propose what followed the last n-gram the last time.
 
@@ -65,15 +69,16 @@ class NgramProposer:
 
     Args:
       min_n: shortest n-gram matched, >= 1.
-      max_n: longest, >= ``min_n``.
+      max_n: longest, in ``[min_n, MAX_NGRAM]`` (a lookup costs about
+        ``max_n`` passes over the tokens, every sequence, every call).
 
     Raises:
-      ValueError: ``min_n`` < 1 or ``max_n`` < ``min_n``.
+      ValueError: ``min_n`` < 1 or ``max_n`` outside ``[min_n, MAX_NGRAM]``.
     """
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
-        self.min_n = check_int("min_n", min_n)
-        self.max_n = check_int("max_n", max_n, min_n)
+        self.min_n = check_int("min_n", min_n, 1, MAX_NGRAM + 1)
+        self.max_n = check_int("max_n", max_n, self.min_n, MAX_NGRAM + 1)
 
     def __repr__(self) -> str:
         return f"NgramProposer(min_n={self.min_n}, max_n={self.max_n})"
