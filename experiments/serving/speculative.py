@@ -80,6 +80,8 @@ def parse_args(argv=None):
     p.add_argument("--name", default="speculative_ngram", help="stem of the files written (default %(default)s)")
     add_compile_cache_args(p)
     args = p.parse_args(argv)
+    if args.num_requests < 0:
+        p.error(f"--num-requests must be >= 0 (0 skips the repetitive workload), got {args.num_requests}")
     skip = args.num_requests == 0
     args.num_requests = args.num_requests or 1  # checked as given below
     check_flags(p, args)
