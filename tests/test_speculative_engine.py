@@ -351,35 +351,39 @@ def test_bad_speculative_settings_are_refused_by_name():
         SpeculativeConfig.ngram(4, 0, 3)
 
 
-def test_a_proposer_that_raises_or_edits_the_tokens_is_named():
-    class Editing:
-        def propose(self, token_ids, k):
-            token_ids.append(5)  # the engine hands a copy it cannot change
-            return []
+class _Named:
+    """A proposer whose ``propose`` is ``fn`` and whose repr is ``name``."""
 
-        def __repr__(self):
-            return "Editing()"
+    def __init__(self, name, fn):
+        self.name, self.fn = name, fn
 
-    engine = _engine(speculative=SpeculativeConfig(num_speculative_tokens=2, proposer=Editing()))
+    def propose(self, token_ids, k):
+        return self.fn(token_ids, k)
+
+    def __repr__(self):
+        return self.name
+
+
+def _step_until_refused(proposer, error, match):
+    engine = _engine(speculative=SpeculativeConfig(num_speculative_tokens=4, proposer=proposer))
     engine.add_request(Request(request_id="r", prompt_ids=[1, 2, 3], max_new_tokens=8))
-    with pytest.raises(RuntimeError, match=r"proposer Editing\(\) raised AttributeError.*request 'r'"):
+    with pytest.raises(error, match=match):
         while engine.has_unfinished():
             engine.step()
+
+
+def test_a_proposer_that_raises_or_edits_the_tokens_is_named():
+    def edit(token_ids, k):
+        token_ids.append(5)  # the engine hands a copy it cannot change
+        return []
+
+    _step_until_refused(_Named("Editing()", edit), RuntimeError,
+                        r"proposer Editing\(\) raised AttributeError.*request 'r'")
 
 
 @pytest.mark.parametrize("returned", [[VOCAB], [-1], [1.5], "12", [1, 2, 3, 4, 5, 6]],
                          ids=["past-vocab", "negative", "float", "str", "too-many"])
 def test_a_proposer_returning_garbage_is_named(returned):
-    class Bad:
-        def propose(self, token_ids, k):
-            return returned
-
-        def __repr__(self):
-            return "Bad()"
-
-    engine = _engine(speculative=SpeculativeConfig(num_speculative_tokens=4, proposer=Bad()))
-    engine.add_request(Request(request_id="r", prompt_ids=[1, 2, 3], max_new_tokens=8))
-    with pytest.raises(ValueError, match=r"proposer Bad\(\) returned .*request 'r'"):
-        while engine.has_unfinished():
-            engine.step()
+    _step_until_refused(_Named("Bad()", lambda token_ids, k: returned), ValueError,
+                        r"proposer Bad\(\) returned .*request 'r'")
 
