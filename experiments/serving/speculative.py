@@ -48,7 +48,7 @@ from experiments.lib.cli import (
 from experiments.lib.tables import markdown_table, write_table
 from models.ragged import RaggedModel
 from paged_jax.engine import Request
-from paged_jax.speculative.config import SpeculativeConfig
+from paged_jax.speculative.config import add_speculative_flags, speculative_from_args
 
 INSTRUCTION = "Repeat the following text exactly, fixing only spelling mistakes:\n\n"
 """What wraps each ShareGPT text of the repetitive workload."""
@@ -59,8 +59,8 @@ COLUMNS = ("workload", "speculation", "run", "tokens", "seconds", "tokens_per_s"
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m experiments.serving.speculative",
                                 description=__doc__.split("\n\n")[0])
-    add_flag(p, "num_requests", default=8, help="requests of the repetitive workload (default %(default)s); 0 "
-             "skips it")
+    p.add_argument("--num-requests", dest="num_texts", type=int, default=8,
+                   help="requests of the repetitive workload (default %(default)s); 0 skips it")
     add_flag(p, "max_output_len", default=256, help="cap on each repetitive request's output (default %(default)s)")
     p.add_argument("--min-text-tokens", type=int, default=64, help="shortest ShareGPT text repeated (default "
                    "%(default)s)")
@@ -68,38 +68,27 @@ def parse_args(argv=None):
                    "%(default)s)")
     p.add_argument("--demo-requests", type=int, default=48,
                    help="requests of the demo's workload (default %(default)s, the demo's); 0 skips it")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
-                   help="most tokens proposed per sequence and call (default %(default)s)")
-    p.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram looked up (default %(default)s)")
-    p.add_argument("--ngram-max", type=int, default=4, help="longest n-gram looked up (default %(default)s)")
-    p.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
-                   help="no proposals while at least N sequences run (default: always propose)")
+    add_speculative_flags(p)
+    p.set_defaults(speculative="ngram")  # the method compared against none
     p.add_argument("--repeats", type=int, default=2, help="timed runs of each configuration (default %(default)s)")
     add_flag(p, "seed")
     add_flag(p, "out")
     p.add_argument("--name", default="speculative_ngram", help="stem of the files written (default %(default)s)")
     add_compile_cache_args(p)
     args = p.parse_args(argv)
-    if args.num_requests < 0:
-        p.error(f"--num-requests must be >= 0 (0 skips the repetitive workload), got {args.num_requests}")
-    skip = args.num_requests == 0
-    args.num_requests = args.num_requests or 1  # checked as given below
     check_flags(p, args)
-    args.num_requests = 0 if skip else args.num_requests
+    if args.num_texts < 0:
+        p.error(f"--num-requests must be >= 0 (0 skips the repetitive workload), got {args.num_texts}")
     require_positive(p, args, "min_text_tokens", "max_text_tokens", "repeats")
-    if not (args.num_requests or args.demo_requests):
+    if not (args.num_texts or args.demo_requests):
         p.error("--num-requests 0 and --demo-requests 0: nothing to run")
     if args.max_text_tokens < args.min_text_tokens:
         p.error(f"--max-text-tokens ({args.max_text_tokens}) must be >= --min-text-tokens ({args.min_text_tokens})")
     if args.demo_requests < 0:
         p.error(f"--demo-requests must be >= 0, got {args.demo_requests}")
-    try:
-        args.spec = SpeculativeConfig.ngram(args.num_speculative_tokens, args.ngram_min, args.ngram_max,
-                                            args.speculative_disable_by_batch_size)
-    except ValueError as e:
-        p.error(str(e).replace("num_speculative_tokens", "--num-speculative-tokens", 1)
-                .replace("min_n", "--ngram-min", 1).replace("max_n", "--ngram-max", 1)
-                .replace("disable_by_batch_size", "--speculative-disable-by-batch-size", 1))
+    args.spec = speculative_from_args(p, args)
+    if args.spec is None:
+        p.error("--speculative none: this benchmark compares a method (ngram) against none")
     check_outputs(p, args)
     return args
 
@@ -109,12 +98,12 @@ def repetitive_requests(tokenizer, args) -> list[Request]:
     ``--min-text-tokens`` to ``--max-text-tokens`` tokens, in ShareGPT's
     shuffled order."""
     conversations, _ = sharegpt.load_conversations()
-    pool = sharegpt.sample_requests(conversations, tokenizer.encode_batch, 40 * args.num_requests, seed=args.seed)
+    pool = sharegpt.sample_requests(conversations, tokenizer.encode_batch, 40 * args.num_texts, seed=args.seed)
     texts = [s.prompt for s in pool if args.min_text_tokens <= s.prompt_len <= args.max_text_tokens]
-    if len(texts) < args.num_requests:
+    if len(texts) < args.num_texts:
         raise SystemExit(f"only {len(texts)} ShareGPT texts of {args.min_text_tokens}-{args.max_text_tokens} tokens "
                          f"among {len(pool)} sampled; ask for fewer --num-requests or widen the range")
-    texts = texts[: args.num_requests]
+    texts = texts[: args.num_texts]
     ids = tokenizer.encode_batch([tokenizer.apply_chat_template([{"role": "user", "content": INSTRUCTION + t}])
                                   for t in texts])
     return [Request(request_id=i, prompt_ids=p, max_new_tokens=min(args.max_output_len, serving.MAX_SEQ_LEN - len(p)))
@@ -167,7 +156,7 @@ def main(argv=None) -> dict:
 
     results = {}
     all_rows = []
-    reqs = repetitive_requests(tokenizer, args) if args.num_requests else []
+    reqs = repetitive_requests(tokenizer, args) if args.num_texts else []
     if reqs:
         rows, ratio, same = bench("repetitive", builder(1), reqs, args)
         results["repetitive"] = (ratio, same, rows)
