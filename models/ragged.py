@@ -18,6 +18,8 @@ the layers calling the ``unchecked_*`` attention and K/V writes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -143,6 +145,7 @@ class RaggedModel:
         self.vocab_size = model.config.vocab_size
         self.impl = impl
         self._graphdef, self.params = nnx.split(model)
+        self._early_exits: dict[int, RaggedModel] = {}  # num_layers -> the draft early_exit made of self.params
 
     @property
     def kv_window(self) -> int | None:
@@ -192,6 +195,46 @@ class RaggedModel:
 
     def apply(self, params, batch: RaggedBatch, kv: KVPool) -> tuple[jax.Array, KVPool, jax.Array]:
         return forward_ragged(nnx.merge(self._graphdef, params), batch, kv, impl=self.impl)
+
+    def early_exit(self, num_layers: int, params=None) -> RaggedModel:
+        """The model's first ``num_layers`` decoder blocks, then its own final
+        norm and output projection: an early-exit draft for speculative
+        decoding (LayerSkip, Elhoushi et al., 2024, section 4; here without
+        its early-exit training, so acceptance is what the checkpoint
+        gives). Its K/V for a token equal this model's first layers' K/V
+        for it.
+
+        Args:
+          num_layers: blocks kept, in ``[1, num_layers of this model)``.
+          params: the full model's weights to cut (default: ``self.params``;
+            :meth:`paged_jax.engine.core.Engine.update_weights` passes the new ones).
+
+        Returns:
+          a :class:`RaggedModel` whose blocks' weights are copies of the
+          first ``num_layers`` (a ``num_layers / layers`` share of the
+          blocks' bytes) and whose embedding, final norm and head are this
+          model's arrays; without ``params`` the same object each time
+          (engines of it share compiled programs).
+
+        Raises:
+          ValueError: ``num_layers`` not an int in range.
+        """
+        config = self.config
+        num_layers = check_int("num_layers", num_layers, 1, config.num_layers)
+        cached = self._early_exits.get(num_layers) if params is None else None
+        if cached is not None:  # one draft object per cut: engines of it share compiled programs
+            return cached
+        types = None if config.layer_types is None else config.layer_types[:num_layers]
+        sliding = types is not None and "sliding_attention" in types
+        draft_config = dataclasses.replace(config, num_layers=num_layers, layer_types=types,
+                                           sliding_window=config.sliding_window if types is None or sliding else None)
+        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Llama(draft_config, rngs=nnx.Rngs(0))))
+        full = nnx.merge(self._graphdef, self.params if params is None else params)
+        state = jax.tree.map(lambda a, w: w[:num_layers] if a.shape != w.shape else w, abstract, nnx.state(full))
+        draft = RaggedModel(nnx.merge(graphdef, state), impl=self.impl)
+        if params is None:
+            self._early_exits[num_layers] = draft
+        return draft
 
     def check_kv_pool(self, kv: KVPool) -> None:
         """Raises ValueError unless ``kv`` fits this model (KV heads, head

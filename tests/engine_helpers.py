@@ -63,14 +63,20 @@ class ToyModel:
         return h[batch.logits_rows] @ params["emb"].T, kv  # logits [rows, V]
 
 
+    def make_kv_pool(self, num_pages, page_size, dtype=jnp.float32):
+        """An empty one-layer pool for this model (a draft model's, speculative decoding)."""
+        return toy_pool(num_pages, page_size, dtype)
+
+
 def make_toy_step(params):
     """A fresh toy model: its own traces, its own compiled programs."""
     return ToyModel(params)
 
 
-def toy_pool(num_pages, page_size=PAGE):
+def toy_pool(num_pages, page_size=PAGE, dtype=jnp.float32):
     """An empty one-layer KV pool shaped for the toy model."""
-    return init_kv_pool(num_layers=1, num_kv_heads=KV_HEADS, num_pages=num_pages, page_size=page_size, head_dim=HEAD_DIM)
+    return init_kv_pool(num_layers=1, num_kv_heads=KV_HEADS, num_pages=num_pages, page_size=page_size,
+                        head_dim=HEAD_DIM, dtype=dtype)
 
 
 def toy_requests(n, seed=0, max_new=(5, 30), sampling=None, prompt_len=(1, 40)):

@@ -1,5 +1,6 @@
 """Speculative decoding on the packaged model: tokens per second with and
-without n-gram proposals, side by side in one run, outputs compared token
+without proposals (n-gram prompt lookup, or the model's own first layers
+as an early-exit draft), side by side in one run, outputs compared token
 for token.
 
 Two workloads, greedy:
@@ -19,12 +20,14 @@ Two workloads, greedy:
 
 For each workload both engines share one model object and its compiled
 programs; each runs the workload once to compile (its outputs are the ones
-compared), then the timed runs alternate (no speculation, n-gram,
+compared), then the timed runs alternate (no speculation, the method,
 ``--repeats`` times) on fresh engines (no prefix cache carried over), and
-the table gives each run's tokens per second and the ratio of the medians.
-Writes ``speculative_ngram.{md,csv}`` to ``--out``.
+the table gives each run's tokens per second and the ratio of the medians;
+with a draft model, also the seconds its engine took.
+Writes ``speculative_<method>.{md,csv}`` to ``--out``.
 
-Usage: ``python -m experiments.serving.speculative [--num-requests 8] [--repeats 2]``
+Usage: ``python -m experiments.serving.speculative [--num-requests 8] [--repeats 2]``;
+the early-exit draft: ``--speculative early-exit --draft-layers 8``.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from paged_jax.speculative.config import add_speculative_flags, speculative_from
 INSTRUCTION = "Repeat the following text exactly, fixing only spelling mistakes:\n\n"
 """What wraps each ShareGPT text of the repetitive workload."""
 COLUMNS = ("workload", "speculation", "run", "tokens", "seconds", "tokens_per_s", "acceptance_rate",
-           "mean_accepted_length", "same_outputs")
+           "mean_accepted_length", "draft_seconds", "same_outputs")
 
 
 def parse_args(argv=None):
@@ -73,7 +76,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=2, help="timed runs of each configuration (default %(default)s)")
     add_flag(p, "seed")
     add_flag(p, "out")
-    p.add_argument("--name", default="speculative_ngram", help="stem of the files written (default %(default)s)")
+    p.add_argument("--name", default=None, help="stem of the files written (default speculative_<method>)")
     add_compile_cache_args(p)
     args = p.parse_args(argv)
     check_flags(p, args)
@@ -88,7 +91,10 @@ def parse_args(argv=None):
         p.error(f"--demo-requests must be >= 0, got {args.demo_requests}")
     args.spec = speculative_from_args(p, args)
     if args.spec is None:
-        p.error("--speculative none: this benchmark compares a method (ngram) against none")
+        p.error("--speculative none: this benchmark compares a method (ngram, early-exit) against none")
+    args.method = args.speculative
+    if args.name is None:
+        args.name = "speculative_" + args.method.replace("-", "_")
     check_outputs(p, args)
     return args
 
@@ -111,33 +117,36 @@ def repetitive_requests(tokenizer, args) -> list[Request]:
 
 
 def bench(name: str, build, requests, args) -> tuple[list[dict], float, bool]:
-    """Runs ``requests`` on ``build(spec)`` engines (spec None, then the n-gram
-    config): a compiling run of each, then ``--repeats`` alternating timed
-    runs. Returns the rows, the ratio of median tokens per second (n-gram /
-    none) and whether the outputs were equal."""
-    outputs, rows, rates = {}, [], {"none": [], "ngram": []}
-    for label, spec in (("none", None), ("ngram", args.spec)):
+    """Runs ``requests`` on ``build(spec)`` engines (spec None, then
+    ``--speculative``'s config): a compiling run of each, then ``--repeats``
+    alternating timed runs. Returns the rows, the ratio of median tokens per
+    second (method / none) and whether the outputs were equal."""
+    method = args.method
+    outputs, rows, rates = {}, [], {"none": [], method: []}
+    for label, spec in (("none", None), (method, args.spec)):
         outs = build(spec).run(requests, progress=True)
         outputs[label] = {o.request_id: o.outputs[0].output_ids for o in outs}
-    same = outputs["none"] == outputs["ngram"]
+    same = outputs["none"] == outputs[method]
     for run in range(args.repeats):
-        for label, spec in (("none", None), ("ngram", args.spec)):
+        for label, spec in (("none", None), (method, args.spec)):
             engine = build(spec)
             t0 = time.perf_counter()
             outs = engine.run(requests)
             seconds = time.perf_counter() - t0
             tokens = sum(len(o.outputs[0].output_ids) for o in outs)
             st = engine.stats
+            draft_s = getattr(engine.speculator.proposer, "seconds", None) if spec else None
             rates[label].append(tokens / seconds)
             rows.append({"workload": name, "speculation": label, "run": run + 1, "tokens": tokens,
                          "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 2),
                          "acceptance_rate": round(st.acceptance_rate, 3) if spec else "-",
                          "mean_accepted_length": round(st.mean_accepted_length, 2) if spec else "-",
+                         "draft_seconds": "-" if draft_s is None else round(draft_s, 2),
                          "same_outputs": same, "_positions": st.acceptance_by_position if spec else None,
                          "_compile_s": round(st.compile_s, 1)})
             print(f"{name:10s} {label:5s} run {run + 1}: {tokens} tokens in {seconds:.1f} s, "
                   f"{tokens / seconds:.1f} tokens/s" + (f", acceptance {st.acceptance_rate:.3f}" if spec else ""))
-    return rows, statistics.median(rates["ngram"]) / statistics.median(rates["none"]), same
+    return rows, statistics.median(rates[method]) / statistics.median(rates["none"]), same
 
 
 def main(argv=None) -> dict:
@@ -168,22 +177,32 @@ def main(argv=None) -> dict:
         all_rows += rows
     summary = []
     for name, (ratio, same, rows) in results.items():
-        spec_rows = [r for r in rows if r["speculation"] == "ngram"]
+        spec_rows = [r for r in rows if r["speculation"] == args.method]
         summary.append({"workload": name, "ratio": f"{ratio:.2f}x", "same": "yes" if same else "NO",
                         "acceptance": spec_rows[-1]["acceptance_rate"],
                         "length": spec_rows[-1]["mean_accepted_length"],
                         "by_position": ", ".join(f"{a:.2f}" for a in spec_rows[-1]["_positions"])})
+    title, what = {
+        "ngram": ("n-gram prompt lookup", f"n-gram: k = {args.num_speculative_tokens} tokens proposed at most, "
+                  f"n-grams of {args.ngram_min} to {args.ngram_max} tokens (`SpeculativeConfig.ngram`)"),
+        "early-exit": (f"early-exit draft of the first {args.draft_layers} layers",
+                       f"early exit: the model's first {args.draft_layers} of {model.config.num_layers} layers, its "
+                       f"final norm and head propose k = {args.num_speculative_tokens} greedy tokens, run in an "
+                       "engine of their own (`SpeculativeConfig.draft(num_layers=...)`, its pool as many pages as "
+                       "the target's, prefix caching on); draft_seconds: that engine's share of the run"),
+    }[args.method]
     table = markdown_table(summary, ("workload", "ratio", "same", "acceptance", "length", "by_position"),
-                           headers=["workload", "n-gram / none, tokens/s (median runs)", "greedy outputs identical",
+                           headers=["workload", f"{args.method} / none, tokens/s (median runs)",
+                                    "greedy outputs identical",
                                     "acceptance rate", "mean accepted length (tokens a call)",
                                     "acceptance by position"])
-    runs = markdown_table(all_rows, COLUMNS[:6] + ("acceptance_rate", "mean_accepted_length"))
+    runs = markdown_table(all_rows, COLUMNS[:6] + ("acceptance_rate", "mean_accepted_length")
+                          + (("draft_seconds",) if args.method == "early-exit" else ()))
     lens = [len(r.prompt_ids) for r in reqs] or [0]
     cap = args.speculative_disable_by_batch_size
     batching = "proposing at any batch size" if cap is None else f"no proposals while {cap} or more sequences run"
-    text = (f"# Speculative decoding, n-gram prompt lookup ({model_name})\n\n{table}\n\nEvery timed run:\n\n{runs}\n\n"
-            f"n-gram: k = {args.num_speculative_tokens} tokens proposed at most, n-grams of {args.ngram_min} to "
-            f"{args.ngram_max} tokens (`SpeculativeConfig.ngram`), {batching}. "
+    text = (f"# Speculative decoding, {title} ({model_name})\n\n{table}\n\nEvery timed run:\n\n{runs}\n\n"
+            f"{what}, {batching}. "
             + (f"Repetitive: {len(reqs)} ShareGPT texts of {args.min_text_tokens}-{args.max_text_tokens} tokens (seed "
                f"{args.seed}), prompts of {min(lens)}-{max(lens)} tokens, each alone (max_seqs=1), greedy, EOS ends "
                f"it, at most {args.max_output_len} tokens. " if reqs else "")

@@ -21,7 +21,10 @@ loop (``add_request``, ``abort``, ``step``, ``run``) and reads the results:
   pages out of a sliding window, free, share, fork, grow with
   copy-on-write, forward, sample); the model is an
   object the caller passes in, this package never imports one;
-- :mod:`paged_jax.engine.beam_search`: beams chosen after each call.
+- :mod:`paged_jax.engine.beam_search`: beams chosen after each call;
+- :mod:`paged_jax.engine.speculation`: speculative decoding's proposals
+  before a call and verdicts after it (a draft model runs in an engine of
+  its own).
 
 The host gets back the sampled tokens, ``ok`` and the free-page count in
 one transfer and checks them against its plan (the whole page state with
@@ -63,6 +66,7 @@ from paged_jax.engine.requests import CompletionOutput, Request, RequestLimits, 
 from paged_jax.engine.sampling import SamplingParams
 from paged_jax.engine.scheduler import ScheduledSeq, Scheduler
 from paged_jax.engine.sequence import BeamCandidates, Sequence, SequenceGroup
+from paged_jax.engine.speculation import Speculator
 from paged_jax.engine.stats import CallRecord, EngineStats, compile_seconds
 from paged_jax.engine.step import PagedModel, check_model, device_step, engine_kv_groups, num_traces
 from paged_jax.paging.kv_cache import KVPool
@@ -175,6 +179,9 @@ class Engine:
         self._failed: BaseException | None = None
         self._t0: float | None = None
         self._busy_since: float | None = None  # the last iteration's end, if it left work
+        self.speculator = None if config.speculative is None else Speculator.build(
+            config.speculative, model=model, kv_pool=kv_pool, engine_config=config, vocab_size=vocab_size,
+            make_engine=Engine)
 
     # ------------------------------------------------------------ views
 
@@ -281,8 +288,11 @@ class Engine:
 
     def reset_prefix_cache(self) -> int:
         """Forgets every cached page: no later request hits K/V computed
-        before now (vLLM's ``reset_prefix_cache``). Pages running sequences
-        hold stay theirs. Returns the pages forgotten."""
+        before now (vLLM's ``reset_prefix_cache``); a draft model's engine
+        forgets its own too. Pages running sequences hold stay theirs.
+        Returns the pages forgotten (the target's)."""
+        if self.speculator is not None:
+            self.speculator.reset_prefix_cache()
         cache = self.kv_manager.prefix_cache
         if cache is None:
             return 0
@@ -333,6 +343,8 @@ class Engine:
             lambda new, old: jax.device_put(new, old.sharding) if isinstance(old, jax.Array) else new,
             params, self.params)
         self.reset_prefix_cache()
+        if self.speculator is not None:
+            self.speculator.update_weights(self.model, self.params)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
@@ -406,7 +418,8 @@ class Engine:
         busy_from = t_start if self._busy_since is None else self._busy_since
         # Named phases for a profiler's trace (paged_jax.profiling): nearly free when none runs.
         with jax.profiler.TraceAnnotation("schedule"):
-            self._propose()
+            if self.speculator is not None:
+                self.speculator.propose(self.scheduler.running)
             scheduled = self.scheduler.schedule()
         prev, self._inflight = self._inflight, None
         with jax.profiler.TraceAnnotation("dispatch"):
@@ -418,7 +431,8 @@ class Engine:
                 self._complete(prev, finished, touched)
             if current is not None:
                 # A call with proposals, or one before proposals may come, is read now: they follow from it.
-                if self.config.async_scheduling and not current.verifiers and not self._may_propose():
+                if self.config.async_scheduling and not current.verifiers and not (
+                        self.speculator is not None and self.speculator.active(len(self.scheduler.running))):
                     self._inflight = current
                 else:
                     self._complete(current, finished, touched)
@@ -552,7 +566,8 @@ class Engine:
             self._refuse_poison(call, kv_ok)
         self._prompt_lps.record(call.prompt_rows, prompt)
         now = self.clock()
-        emitted = self._verify(call, verify, sampled)  # a verifying sequence's tokens; the others' one each
+        # A verifying sequence's tokens; the others' one each.
+        emitted = self.speculator.verify(call.verifiers, verify, sampled, self.stats) if call.verifiers else {}
         bad = [seq.request.request_id for seq, slot in zip(call.samplers, call.sampler_slots)
                if not seq.done and (np.isnan(top_lps[slot]).any() if seq.group.beam
                                     else min(emitted.get(seq, [sampled[slot]])) < 0)]
@@ -609,75 +624,6 @@ class Engine:
             seq.stop_reason = stop_str if stop_str is not None else (tok if stop else None)
             return True
         return False
-
-    def _may_propose(self) -> bool:
-        """Whether the next iteration may propose tokens: then this one's
-        call is read before the next is dispatched (the proposals follow
-        from what it kept), else it may stay in flight
-        (``async_scheduling``)."""
-        spec = self.config.speculative
-        return spec is not None and (spec.disable_by_batch_size is None
-                                     or len(self.scheduler.running) < spec.disable_by_batch_size)
-
-    def _propose(self) -> None:
-        """Speculative decoding: each running sequence that decodes and may
-        speculate (:class:`paged_jax.speculative.config.SpeculativeConfig`)
-        gets its proposals (``Sequence.draft``) before the scheduler plans
-        the call, which reserves their slots and may cut them.
-
-        Raises:
-          ValueError: the proposer returned something other than at most
-            ``k`` token ids of the vocabulary (named, with the request).
-          RuntimeError: the proposer raised (named, with the request).
-        """
-        spec = self.config.speculative
-        if not self._may_propose():
-            return
-        for seq in self.scheduler.running:
-            if (seq.pending or seq.done or seq.group.beam or seq.logprobs is not None or not seq.num_generated
-                    or seq.num_computed != len(seq.tokens) - 1):
-                continue  # a token in flight, beam search, logprobs, or before its first token (its samples fork)
-            k = min(spec.num_speculative_tokens, seq.request.max_new_tokens - seq.num_generated - 1)
-            if k < 1:
-                continue
-            try:  # a copy: a proposer never changes the sequence it reads
-                draft = spec.proposer.propose(tuple(seq.tokens), k)
-            except Exception as e:
-                raise RuntimeError(f"proposer {spec.proposer!r:.80} raised {type(e).__name__}: {e} for request "
-                                   f"{seq.request.request_id!r}") from e
-            if (not isinstance(draft, (list, tuple)) or len(draft) > k
-                    or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
-                               and 0 <= t < self.vocab_size for t in draft)):
-                raise ValueError(f"proposer {spec.proposer!r:.80} returned {draft!r:.120} for request "
-                                 f"{seq.request.request_id!r}: expected a list of at most k={k} token ids in "
-                                 f"[0, {self.vocab_size})")
-            seq.draft = [int(t) for t in draft]
-
-    def _verify(self, call: _InFlight, verify, sampled: np.ndarray) -> dict[Sequence, list[int]]:
-        """The tokens each sequence that verified proposals in ``call``
-        emits: its accepted proposals, then the target's own token (the
-        correction at the first rejection, read from ``verify``, or the
-        bonus from ``sampled`` when all are accepted). Their K/V past the
-        accepted ones are forgotten (``num_computed`` rewound; the pages
-        follow in :meth:`paged_jax.engine.kv_manager.KVCacheManager.rollback`),
-        and the counts go to ``stats`` and the sequence."""
-        out = {}
-        if not call.verifiers:
-            return out
-        accept, tokens = verify
-        for seq, proposals, first in call.verifiers:
-            seq.draft = []
-            if seq.done:
-                continue
-            d = len(proposals)
-            rows = accept[first:first + d]
-            a = d if rows.all() else int(np.argmin(rows))  # leading accepted proposals
-            out[seq] = proposals[:a] + [int(sampled[seq.slot]) if a == d else int(tokens[first + a])]
-            seq.num_computed -= d - a
-            seq.num_proposed += d
-            seq.num_accepted += a
-            self.stats.record_verification(d, a)
-        return out
 
     def _refuse_poison(self, call: _InFlight, kv_ok: np.ndarray) -> None:
         """A call computed non-finite values for some sequences' tokens (their

@@ -10,6 +10,7 @@ is :meth:`SpeculativeConfig.ngram`; a researcher's own proposer is any
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from paged_jax.checks import check_int
 from paged_jax.speculative.proposers import NgramProposer, Proposer
@@ -17,6 +18,77 @@ from paged_jax.speculative.proposers import NgramProposer, Proposer
 MAX_SPECULATIVE_TOKENS = 64
 """Most tokens a sequence may propose per call: each is a query token of
 the call and a slot of its pages reserved ahead."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DraftModel:
+    """A draft model as the proposer: its greedy continuation is proposed
+    (vLLM's ``method="draft_model"``; a draft's argmax is a deterministic
+    proposal, which :func:`paged_jax.engine.sampling.verify_proposals`
+    verifies exactly for sampled requests too).
+
+    Each engine runs the draft in an engine of its own
+    (:class:`paged_jax.engine.speculation.DraftModelProposer`): its own
+    pool and block tables, its own prefix cache. Own pages, not a layer
+    group of the target's pool: a draft checkpoint's layers rarely have
+    the target's KV heads and head size, and even the early-exit draft,
+    whose K/V equal the target's first layers', writes them for proposals
+    the target later rejects. The cost: at the default size the early
+    exit's pool is ``num_layers / target layers`` of the target's bytes,
+    and each round recomputes the draft K/V of the tokens past the last
+    full cached page, then makes ``k - 1`` one-token calls (SmolLM2's first
+    8 layers: ``results/speculative_early_exit.md``).
+
+    Give one of:
+      model: a ``PagedModel`` (:class:`paged_jax.engine.step.PagedModel`)
+        with the target's vocabulary and ``make_kv_pool(num_pages,
+        page_size, dtype)`` (``models.ragged.RaggedModel``): a separate
+        checkpoint.
+      num_layers: the target's own first ``num_layers`` blocks, then its
+        final norm and head (early exit, LayerSkip;
+        ``models.ragged.RaggedModel.early_exit``): the target must have
+        ``early_exit(num_layers, params)``.
+
+    Attributes:
+      kv_tokens: tokens the draft's pool holds (whole pages); default: as
+        many tokens as the target's pool.
+      page_size: tokens per page of the draft's pool; default the
+        target's. A round recomputes the draft K/V past the sequence's last
+        full page, about ``page_size / 2`` tokens a sequence; on SmolLM2's
+        early exit and the demo's 48 requests, pages of 4 instead of 16
+        changed the draft's time by 1% (``results/speculative_early_exit_page4.md``):
+        its ``k`` calls a round cost, not those tokens.
+
+    Raises:
+      ValueError: neither or both of ``model`` and ``num_layers``, a model
+        without ``params``, ``apply`` and ``make_kv_pool``, or
+        ``num_layers`` / ``kv_tokens`` / ``page_size`` not an int >= 1
+        (checked against the target when an engine is built).
+    """
+
+    model: Any = None
+    num_layers: int | None = None
+    kv_tokens: int | None = None
+    page_size: int | None = None
+
+    def __post_init__(self):
+        if (self.model is None) == (self.num_layers is None):
+            raise ValueError(f"DraftModel needs one of model (a separate draft) and num_layers (the target's first "
+                             f"layers), got model={self.model!r:.60} num_layers={self.num_layers!r}")
+        if self.num_layers is not None:
+            check_int("num_layers", self.num_layers)
+        if self.model is not None and not (hasattr(self.model, "params") and all(
+                callable(getattr(self.model, f, None)) for f in ("apply", "make_kv_pool"))):
+            raise ValueError(f"DraftModel's model must have params, apply(params, batch, kv) and "
+                             f"make_kv_pool(num_pages, page_size, dtype) (models.ragged.RaggedModel), got a "
+                             f"{type(self.model).__name__}")
+        for name in ("kv_tokens", "page_size"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name))
+
+    def __repr__(self) -> str:
+        what = f"num_layers={self.num_layers}" if self.model is None else f"model={type(self.model).__name__}"
+        return f"DraftModel({what}, kv_tokens={self.kv_tokens}, page_size={self.page_size})"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,7 +119,8 @@ class SpeculativeConfig:
         in ``[1, MAX_SPECULATIVE_TOKENS]``.
       proposer: what proposes them (default: n-gram prompt lookup,
         :class:`paged_jax.speculative.proposers.NgramProposer` with
-        ``min_n=2, max_n=4``).
+        ``min_n=2, max_n=4``), or a :class:`DraftModel`, which each engine
+        runs in a draft engine of its own.
       disable_by_batch_size: no sequence proposes in a call while at
         least this many sequences run (vLLM v0's
         ``speculative_disable_by_batch_size``): a large batch is bound by
@@ -57,8 +130,8 @@ class SpeculativeConfig:
     Raises:
       ValueError: ``num_speculative_tokens`` out of range,
         ``disable_by_batch_size`` not None or an int >= 1, or a
-        ``proposer`` without ``propose(token_ids, k)`` (an instance, not
-        its class).
+        ``proposer`` that is neither a :class:`DraftModel` nor has
+        ``propose(token_ids, k)`` (an instance, not its class).
     """
 
     num_speculative_tokens: int = 4
@@ -71,7 +144,8 @@ class SpeculativeConfig:
         if self.disable_by_batch_size is not None:
             object.__setattr__(self, "disable_by_batch_size", check_int("disable_by_batch_size",
                                                                         self.disable_by_batch_size))
-        if isinstance(self.proposer, type) or not callable(getattr(self.proposer, "propose", None)):
+        if not isinstance(self.proposer, DraftModel) and (
+                isinstance(self.proposer, type) or not callable(getattr(self.proposer, "propose", None))):
             raise ValueError(f"proposer must have propose(token_ids, k) -> list[int] "
                              f"(paged_jax.speculative.proposers.Proposer), got {self.proposer!r:.80}")
 
@@ -84,7 +158,22 @@ class SpeculativeConfig:
                    disable_by_batch_size=disable_by_batch_size)
 
 
-SPECULATIVE_METHODS = ("none", "ngram")
+    @classmethod
+    def draft(cls, num_speculative_tokens: int = 4, *, model=None, num_layers: int | None = None,
+              kv_tokens: int | None = None, page_size: int | None = None,
+              disable_by_batch_size: int | None = None) -> SpeculativeConfig:
+        """A draft model's greedy tokens (vLLM's ``method="draft_model"``):
+        a separate ``model``, or the target's first ``num_layers`` blocks
+        (early exit); :class:`DraftModel`."""
+        return cls(num_speculative_tokens=num_speculative_tokens,
+                   proposer=DraftModel(model=model, num_layers=num_layers, kv_tokens=kv_tokens, page_size=page_size),
+                   disable_by_batch_size=disable_by_batch_size)
+
+
+SPECULATIVE_METHODS = ("none", "ngram", "early-exit")
+DEFAULT_DRAFT_LAYERS = 8
+"""``--draft-layers``' default: SmolLM2-135M's first 8 of 30 layers
+(``results/speculative_early_exit.md``)."""
 """``--speculative``'s choices (:func:`add_speculative_flags`)."""
 
 
@@ -94,18 +183,25 @@ def add_speculative_flags(parser) -> None:
     ``--speculative {none,ngram}``, ``--num-speculative-tokens``,
     ``--ngram-min``, ``--ngram-max`` and ``--speculative-disable-by-batch-size``
     (vLLM's ``num_speculative_tokens``, ``prompt_lookup_min``,
-    ``prompt_lookup_max`` and ``speculative_disable_by_batch_size``); read them back with
+    ``prompt_lookup_max`` and ``speculative_disable_by_batch_size``) and
+    ``--draft-layers`` and ``--draft-page-size`` (``--speculative
+    early-exit``: the model's first layers as the draft,
+    :class:`DraftModel`); read them back with
     :func:`speculative_from_args`."""
     group = parser.add_argument_group("speculative decoding")
     group.add_argument("--speculative", choices=SPECULATIVE_METHODS, default="none",
-                       help="propose tokens for the model to verify in one call: ngram is prompt lookup "
-                            "(default %(default)s)")
+                       help="propose tokens for the model to verify in one call: ngram is prompt lookup, "
+                            "early-exit the model's first --draft-layers layers as a draft (default %(default)s)")
     group.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
                        help="most tokens proposed per sequence and call (default %(default)s)")
     group.add_argument("--ngram-min", type=int, default=2, metavar="N",
                        help="ngram: shortest suffix n-gram looked up (default %(default)s)")
     group.add_argument("--ngram-max", type=int, default=4, metavar="N",
                        help="ngram: longest suffix n-gram looked up (default %(default)s)")
+    group.add_argument("--draft-layers", type=int, default=DEFAULT_DRAFT_LAYERS, metavar="N",
+                       help="early-exit: the model's first N layers propose (default %(default)s)")
+    group.add_argument("--draft-page-size", type=int, default=None, metavar="L",
+                       help="early-exit: tokens per page of the draft's pool (default: the model's page size)")
     group.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
                        help="no proposals while at least N sequences run (default: always propose)")
 
@@ -117,9 +213,13 @@ def speculative_from_args(parser, args) -> SpeculativeConfig | None:
     try:  # checked whatever --speculative says: a bad value is a mistake either way
         config = SpeculativeConfig.ngram(args.num_speculative_tokens, args.ngram_min, args.ngram_max,
                                          args.speculative_disable_by_batch_size)
-        return None if args.speculative == "none" else config
+        early = SpeculativeConfig.draft(args.num_speculative_tokens, num_layers=args.draft_layers,
+                                        page_size=args.draft_page_size,
+                                        disable_by_batch_size=args.speculative_disable_by_batch_size)
+        return {"none": None, "ngram": config, "early-exit": early}[args.speculative]
     except ValueError as e:
         flag = {"num_speculative_tokens": "--num-speculative-tokens", "min_n": "--ngram-min",
-                "max_n": "--ngram-max", "disable_by_batch_size": "--speculative-disable-by-batch-size"}
+                "max_n": "--ngram-max", "disable_by_batch_size": "--speculative-disable-by-batch-size",
+                "num_layers": "--draft-layers", "page_size": "--draft-page-size"}
         name = next((f for k, f in flag.items() if str(e).startswith(k)), "--speculative")
         parser.error(f"{name}: {e}")
