@@ -190,3 +190,47 @@ def test_a_bad_draft_layers_flag_is_named(capsys):
     with pytest.raises(SystemExit):
         speculative_from_args(p, p.parse_args(["--speculative", "early-exit", "--draft-layers", "0"]))
     assert "--draft-layers: num_layers must be an int >= 1" in capsys.readouterr().err
+
+
+class _BatchOfWrongLength:
+    def propose(self, token_ids, k):
+        return []
+
+    def propose_batch(self, token_ids, ks):
+        return [[]] * (len(token_ids) + 1)
+
+
+def test_a_batch_proposer_returning_the_wrong_number_of_lists_is_named():
+    engine = _engine(speculative=SpeculativeConfig(num_speculative_tokens=2, proposer=_BatchOfWrongLength()))
+    engine.add_request(Request(request_id="r", prompt_ids=[1, 2, 3], max_new_tokens=6))
+    with pytest.raises(ValueError, match="from propose_batch: expected a list of 1 proposal lists"):
+        while engine.has_unfinished():
+            engine.step()
+
+
+def test_a_hybrid_targets_early_exit_pool_holds_its_share_of_the_bytes():
+    # Sliding and full layers (Gemma 2's alternation): the target's pool holds a table per layer group; its first
+    # three layers have a group more. The draft's pool holds as many tokens per group as the target's, so its
+    # bytes are the layers' share, and greedy outputs stay those without speculation.
+    config = LlamaConfig(vocab_size=61, model_dim=32, mlp_dim=48, num_layers=4, num_q_heads=4, num_kv_heads=2,
+                         head_dim=8, max_seq_len=128, sliding_window=8,
+                         layer_types=("sliding_attention", "full_attention") * 2)
+    target = RaggedModel(Llama(config, rngs=nnx.Rngs(0)))
+    make = lambda **c: Engine(target, target.make_budget_kv_pool(25, 4), EngineConfig(  # noqa: E731
+        max_seqs=4, max_seq_len=48, max_num_batched_tokens=32, **c))
+    reqs = lambda: [Request(request_id=i, prompt_ids=[(5 * i + j) % 61 for j in range(6 + 4 * i)],  # noqa: E731
+                            max_new_tokens=10) for i in range(3)]
+    engine = make(speculative=SpeculativeConfig.draft(3, num_layers=3))
+    assert _ids(engine.run(reqs())) == _ids(make().run(reqs()))
+    nbytes = lambda kv: kv.k.nbytes + kv.v.nbytes  # noqa: E731
+    assert nbytes(engine.speculator.proposer.engine.kv) / nbytes(engine.kv) == pytest.approx(3 / 4, rel=0.05)
+
+
+def test_an_engine_checking_prompts_against_fewer_ids_still_speculates():
+    # vocab_size below the model's bounds prompt ids only: the target samples from its whole vocabulary, and so
+    # may the draft.
+    make = lambda spec=None: Engine(shared_step(), ToyModel.make_kv_pool(None, 100, 4), EngineConfig(  # noqa: E731
+        max_seqs=4, max_seq_len=80, max_num_batched_tokens=64, speculative=spec), vocab_size=30)
+    reqs = lambda: [Request(request_id=i, prompt_ids=[(3 * i + j) % 30 for j in range(6 + i)],  # noqa: E731
+                            max_new_tokens=12) for i in range(3)]
+    assert _ids(make(SpeculativeConfig.draft(3, model=shared_step())).run(reqs())) == _ids(make().run(reqs()))

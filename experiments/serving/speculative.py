@@ -62,7 +62,7 @@ COLUMNS = ("workload", "speculation", "run", "tokens", "seconds", "tokens_per_s"
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m experiments.serving.speculative",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--num-requests", dest="num_texts", type=int, default=8,
+    p.add_argument("--num-requests", dest="num_texts", type=int, default=8, metavar="N",
                    help="requests of the repetitive workload (default %(default)s); 0 skips it")
     add_flag(p, "max_output_len", default=256, help="cap on each repetitive request's output (default %(default)s)")
     p.add_argument("--min-text-tokens", type=int, default=64, help="shortest ShareGPT text repeated (default "
@@ -114,6 +114,10 @@ def repetitive_requests(tokenizer, args) -> list[Request]:
                                   for t in texts])
     return [Request(request_id=i, prompt_ids=p, max_new_tokens=min(args.max_output_len, serving.MAX_SEQ_LEN - len(p)))
             for i, p in enumerate(ids)]
+
+
+def _span(values) -> str:
+    return f"{min(values)}" if min(values) == max(values) else f"{min(values)}-{max(values)}"
 
 
 def bench(name: str, build, requests, args) -> tuple[list[dict], float, bool]:
@@ -188,8 +192,9 @@ def main(argv=None) -> dict:
         "early-exit": (f"early-exit draft of the first {args.draft_layers} layers",
                        f"early exit: the model's first {args.draft_layers} of {model.config.num_layers} layers, its "
                        f"final norm and head propose k = {args.num_speculative_tokens} greedy tokens, run in an "
-                       "engine of their own (`SpeculativeConfig.draft(num_layers=...)`, its pool as many pages as "
-                       "the target's, prefix caching on); draft_seconds: that engine's share of the run"),
+                       "engine of their own (`SpeculativeConfig.draft(num_layers=...)`: its pool as many tokens as "
+                       f"the target's in pages of {args.draft_page_size or 16}, prefix caching on). draft_seconds: "
+                       "the seconds of the run spent in that engine"),
     }[args.method]
     table = markdown_table(summary, ("workload", "ratio", "same", "acceptance", "length", "by_position"),
                            headers=["workload", f"{args.method} / none, tokens/s (median runs)",
@@ -201,15 +206,18 @@ def main(argv=None) -> dict:
     lens = [len(r.prompt_ids) for r in reqs] or [0]
     cap = args.speculative_disable_by_batch_size
     batching = "proposing at any batch size" if cap is None else f"no proposals while {cap} or more sequences run"
-    text = (f"# Speculative decoding, {title} ({model_name})\n\n{table}\n\nEvery timed run:\n\n{runs}\n\n"
-            f"{what}, {batching}. "
-            + (f"Repetitive: {len(reqs)} ShareGPT texts of {args.min_text_tokens}-{args.max_text_tokens} tokens (seed "
-               f"{args.seed}), prompts of {min(lens)}-{max(lens)} tokens, each alone (max_seqs=1), greedy, EOS ends "
-               f"it, at most {args.max_output_len} tokens. " if reqs else "")
-            + f"Demo: {args.demo_requests} ShareGPT requests as `serve_sharegpt`'s defaults (outputs capped "
-            "at 48 tokens, EOS ignored, 64 sequences at once). Both: 8,192-token pool, pages of 16, 256 tokens a "
-            "call; the engine without speculation runs its default async scheduling, the speculating one reads "
-            "each call before the next while sequences may propose. Timed runs alternate on fresh engines after a "
+    text = (f"# Speculative decoding, {title} ({model_name})\n\n{table}\n\nAcceptance rate, mean accepted "
+            "length and acceptance by position (of the proposals at each position, the share kept) are the last "
+            f"timed run's (every run's are below; greedy runs repeat them).\n\nEvery timed run:\n\n{runs}\n\n"
+            f"{what}. Proposals: {batching}. "
+            + (f"Repetitive: {len(reqs)} ShareGPT text{'s' if len(reqs) > 1 else ''} of {args.min_text_tokens}-"
+               f"{args.max_text_tokens} tokens (seed {args.seed}), prompts of {_span(lens)} tokens, each alone "
+               f"(max_seqs=1), greedy, EOS ends it, at most {args.max_output_len} tokens. " if reqs else "")
+            + (f"Demo: {args.demo_requests} ShareGPT requests built as `serve_sharegpt` builds them (outputs capped "
+               "at 48 tokens, EOS ignored, 64 sequences at once). " if args.demo_requests else "")
+            + "Every target engine: 8,192-token pool, pages of 16, 256 tokens a call; the one without speculation "
+            "runs its default async scheduling, the speculating one reads each call before the next while "
+            "sequences may propose. Timed runs alternate on fresh engines after a "
             f"compiling run of each (whose outputs are compared).\n\n{machine()}. The run took "
             f"{time.perf_counter() - t_start:.0f} s; load average {load_start:.1f} when it began, "
             f"{os.getloadavg()[0]:.1f} at the end.")

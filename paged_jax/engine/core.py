@@ -180,7 +180,8 @@ class Engine:
         self._t0: float | None = None
         self._busy_since: float | None = None  # the last iteration's end, if it left work
         self.speculator = None if config.speculative is None else Speculator.build(
-            config.speculative, model=model, kv_pool=kv_pool, engine_config=config, vocab_size=vocab_size,
+            config.speculative, model=model, kv_pool=kv_pool, engine_config=config,
+            vocab_size=getattr(model, "vocab_size", None) or vocab_size, num_groups=groups.num_groups,
             make_engine=Engine)
 
     # ------------------------------------------------------------ views

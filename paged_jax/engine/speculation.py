@@ -49,7 +49,8 @@ class DraftModelProposer:
     Attributes:
       engine: that engine; its ``stats`` count the draft's calls and its
         prefix-cache hits.
-      seconds: wall time spent proposing, seconds.
+      seconds: wall time spent proposing, seconds (the draft's compilations
+        included: its engine's ``stats.compile_s`` says how much).
       rounds: calls of :meth:`propose_batch`.
     """
 
@@ -95,7 +96,8 @@ class Speculator:
       config: the engine's :class:`paged_jax.speculative.config.SpeculativeConfig`.
       proposer: what proposes: ``config.proposer``, or the
         :class:`DraftModelProposer` built for its :class:`DraftModel`.
-      vocab_size: proposals must be ids below it.
+      vocab_size: proposals must be ids below it (the model's vocabulary:
+        the target samples from all of it, whatever ids prompts may use).
       draft_layers: the early-exit draft's ``num_layers`` (its weights
         follow :meth:`update_weights`), else None.
     """
@@ -108,13 +110,17 @@ class Speculator:
 
     @classmethod
     def build(cls, config: SpeculativeConfig, *, model, kv_pool: KVPool, engine_config: EngineConfig,
-              vocab_size: int | None, make_engine: Callable) -> Speculator:
-        """The speculator of an engine over ``model`` and ``kv_pool``; a
-        :class:`DraftModel` proposer gets a draft engine
-        (``make_engine(draft_model, draft_pool, draft_config)``) whose pool
-        has the target's K/V dtype, ``page_size`` (default the target's)
-        and ``kv_tokens`` (default the target pool's), and whose limits are the target's
-        ``max_seqs``, ``max_seq_len`` and ``max_num_batched_tokens``.
+              vocab_size: int | None, num_groups: int, make_engine: Callable) -> Speculator:
+        """The speculator of an engine over ``model`` and ``kv_pool`` (whose
+        pages serve ``num_groups`` layer groups); a :class:`DraftModel`
+        proposer gets a draft engine (``make_engine(draft_model, draft_pool,
+        draft_config)``) whose pool has the target's K/V dtype,
+        ``page_size`` (default the target's) and ``kv_tokens`` tokens in
+        each of the draft's layer groups (default: as many as the target's
+        pool holds in each of its groups, so the draft's bytes are the
+        target's times draft layers / target layers), and whose limits are
+        the target's ``max_seqs``, ``max_seq_len`` and
+        ``max_num_batched_tokens``.
 
         Raises:
           ValueError: an early-exit draft of a model without
@@ -130,7 +136,10 @@ class Speculator:
                 raise ValueError(f"DraftModel(num_layers={spec.num_layers}) drafts with the model's first layers: "
                                  f"the model must have early_exit(num_layers) (models.ragged.RaggedModel), got a "
                                  f"{type(model).__name__}")
-            draft = model.early_exit(spec.num_layers)
+            try:
+                draft = model.early_exit(spec.num_layers)
+            except ValueError as e:  # named as the config says it (the flag is --draft-layers)
+                raise ValueError(f"DraftModel(num_layers={spec.num_layers!r}) (--draft-layers): {e}") from None
         else:
             draft = spec.model
         draft_vocab, target_vocab = getattr(draft, "vocab_size", None), getattr(model, "vocab_size", None)
@@ -138,11 +147,15 @@ class Speculator:
             raise ValueError(f"the draft model's vocabulary ({draft_vocab} tokens) is not the target's "
                              f"({target_vocab}): a draft must share the target's tokenizer")
         page = kv_pool.page_size if spec.page_size is None else spec.page_size
-        tokens = (kv_pool.num_pages - 1) * kv_pool.page_size if spec.kv_tokens is None else spec.kv_tokens
-        num_pages = tokens // page + 1
-        if (num_pages - 1) * page < engine_config.max_seq_len:
-            raise ValueError(f"DraftModel kv_tokens={spec.kv_tokens} holds {(num_pages - 1) * page} tokens in whole "
-                             f"pages of {page}, fewer than one sequence of max_seq_len={engine_config.max_seq_len}")
+        tokens = ((kv_pool.num_pages - 1) * kv_pool.page_size // num_groups if spec.kv_tokens is None
+                  else spec.kv_tokens)  # per layer group
+        if tokens // page * page < engine_config.max_seq_len:
+            raise ValueError(f"the draft's pool (DraftModel kv_tokens={tokens} per layer group, page_size={page}) "
+                             f"holds {tokens // page * page} tokens in whole pages, fewer than one sequence of "
+                             f"max_seq_len={engine_config.max_seq_len}")
+        groups = getattr(draft, "kv_groups", None)
+        draft_groups = 1 if groups is None else groups.num_groups  # the draft engine keeps a table per group
+        num_pages = tokens // page * draft_groups + 1
         draft_config = EngineConfig(max_seqs=engine_config.max_seqs, max_seq_len=engine_config.max_seq_len,
                                     max_num_batched_tokens=engine_config.max_num_batched_tokens,
                                     enable_prefix_caching=True, async_scheduling=False)
@@ -169,7 +182,8 @@ class Speculator:
 
         Raises:
           ValueError: the proposer returned something other than at most
-            ``k`` token ids of the vocabulary (named, with the request).
+            ``k`` token ids of the vocabulary (named, with the request), or
+            ``propose_batch`` returned other than one list per sequence.
           RuntimeError: the proposer raised (named, with the request, or
             with every request of a batch).
         """
@@ -190,9 +204,6 @@ class Speculator:
         try:  # copies: a proposer never changes the sequence it reads
             if callable(batch):
                 drafts = batch([tuple(seq.tokens) for seq, _ in asks], [k for _, k in asks])
-                if not isinstance(drafts, (list, tuple)) or len(drafts) != len(asks):
-                    raise ValueError(f"propose_batch returned {drafts!r:.120}: expected a list of {len(asks)} "
-                                     "proposal lists")
             else:
                 drafts = []
                 for seq, k in asks:
@@ -202,6 +213,9 @@ class Speculator:
             names = [seq.request.request_id for seq, _ in asks] if callable(batch) else [who.request.request_id]
             which = f"request {names[0]!r}" if len(names) == 1 else f"requests {names!r:.200}"
             raise RuntimeError(f"proposer {proposer!r:.80} raised {type(e).__name__}: {e} for {which}") from e
+        if not isinstance(drafts, (list, tuple)) or len(drafts) != len(asks):
+            raise ValueError(f"proposer {proposer!r:.80} returned {drafts!r:.120} from propose_batch: expected a "
+                             f"list of {len(asks)} proposal lists, one per sequence asked")
         for (seq, k), draft in zip(asks, drafts):
             if (not isinstance(draft, (list, tuple)) or len(draft) > k
                     or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)

@@ -3,8 +3,11 @@ proposes per call (``EngineConfig.speculative``).
 
 vLLM's ``speculative_config`` (``method="ngram"``,
 ``num_speculative_tokens``, ``prompt_lookup_min`` / ``prompt_lookup_max``)
-is :meth:`SpeculativeConfig.ngram`; a researcher's own proposer is any
-:class:`paged_jax.speculative.proposers.Proposer` passed as ``proposer``.
+is :meth:`SpeculativeConfig.ngram`; its ``method="draft_model"`` is
+:meth:`SpeculativeConfig.draft` (a :class:`DraftModel`: a separate
+checkpoint, or the model's own first layers); a researcher's own proposer
+is any :class:`paged_jax.speculative.proposers.Proposer` passed as
+``proposer``.
 """
 
 from __future__ import annotations
@@ -50,14 +53,17 @@ class DraftModel:
         ``early_exit(num_layers, params)``.
 
     Attributes:
-      kv_tokens: tokens the draft's pool holds (whole pages); default: as
-        many tokens as the target's pool.
+      kv_tokens: tokens the draft's pool holds in each of its layer groups
+        (whole pages; one group unless the draft mixes sliding-window and
+        full layers); default: as many as the target's pool holds in each
+        of its groups, which makes the early exit's pool ``num_layers /
+        target layers`` of the target's bytes.
       page_size: tokens per page of the draft's pool; default the
         target's. A round recomputes the draft K/V past the sequence's last
-        full page, about ``page_size / 2`` tokens a sequence; on SmolLM2's
-        early exit and the demo's 48 requests, pages of 4 instead of 16
-        changed the draft's time by 1% (``results/speculative_early_exit_page4.md``):
-        its ``k`` calls a round cost, not those tokens.
+        full page, about ``page_size / 2`` tokens a sequence (SmolLM2's
+        early exit with pages of 4 and of 16 on the demo's requests:
+        ``results/speculative_early_exit_page4.md`` and
+        ``results/speculative_early_exit.md``).
 
     Raises:
       ValueError: neither or both of ``model`` and ``num_layers``, a model
@@ -76,15 +82,15 @@ class DraftModel:
             raise ValueError(f"DraftModel needs one of model (a separate draft) and num_layers (the target's first "
                              f"layers), got model={self.model!r:.60} num_layers={self.num_layers!r}")
         if self.num_layers is not None:
-            check_int("num_layers", self.num_layers)
+            object.__setattr__(self, "num_layers", check_int("num_layers", self.num_layers))
         if self.model is not None and not (hasattr(self.model, "params") and all(
                 callable(getattr(self.model, f, None)) for f in ("apply", "make_kv_pool"))):
             raise ValueError(f"DraftModel's model must have params, apply(params, batch, kv) and "
                              f"make_kv_pool(num_pages, page_size, dtype) (models.ragged.RaggedModel), got a "
                              f"{type(self.model).__name__}")
-        for name in ("kv_tokens", "page_size"):
+        for name in ("kv_tokens", "page_size"):  # slot ids are int32
             if getattr(self, name) is not None:
-                check_int(name, getattr(self, name))
+                object.__setattr__(self, name, check_int(name, getattr(self, name), 1, 2**31))
 
     def __repr__(self) -> str:
         what = f"num_layers={self.num_layers}" if self.model is None else f"model={type(self.model).__name__}"
@@ -135,7 +141,7 @@ class SpeculativeConfig:
     """
 
     num_speculative_tokens: int = 4
-    proposer: Proposer = dataclasses.field(default_factory=lambda: NgramProposer(2, 4))
+    proposer: Proposer | DraftModel = dataclasses.field(default_factory=lambda: NgramProposer(2, 4))
     disable_by_batch_size: int | None = None
 
     def __post_init__(self):
@@ -171,16 +177,17 @@ class SpeculativeConfig:
 
 
 SPECULATIVE_METHODS = ("none", "ngram", "early-exit")
+"""``--speculative``'s choices (:func:`add_speculative_flags`)."""
+
 DEFAULT_DRAFT_LAYERS = 8
 """``--draft-layers``' default: SmolLM2-135M's first 8 of 30 layers
 (``results/speculative_early_exit.md``)."""
-"""``--speculative``'s choices (:func:`add_speculative_flags`)."""
 
 
 def add_speculative_flags(parser) -> None:
     """Adds the ``--speculative`` family of flags to an
     ``argparse.ArgumentParser`` (the scripts' and the server's):
-    ``--speculative {none,ngram}``, ``--num-speculative-tokens``,
+    ``--speculative {none,ngram,early-exit}``, ``--num-speculative-tokens``,
     ``--ngram-min``, ``--ngram-max`` and ``--speculative-disable-by-batch-size``
     (vLLM's ``num_speculative_tokens``, ``prompt_lookup_min``,
     ``prompt_lookup_max`` and ``speculative_disable_by_batch_size``) and

@@ -1,0 +1,130 @@
+"""MLA over latent pages: the absorbed form (multi-query attention over the
+latent, keys and values the same pages) equals the expanded form (per-head
+K/V projected up) equals dense attention in float64 over the same latents,
+for page sizes and lengths 0, 1, L - 1, L, L + 1, decode and prefill rows,
+with NaN in every slot no sequence owns."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paged_jax.attention.batch import RaggedBatch, Tiling, batch_shape
+from paged_jax.attention.latent import absorbed_paged_attention, absorbed_ragged_attention, expanded_paged_attention
+
+N, H, R, C, O = 4, 8, 4, 16, 6  # noqa: E741 (heads, nope dim, rope dim, latent rank, value dim)
+
+
+def _dense(q_nope, q_pe, latents, w_uk, w_uv, kv_len, q_len, scale):
+    """One sequence in float64: q [T, N, *], latents [kv_len, C + R] -> [q_len, N, O]."""
+    c, k_pe = latents[:, :C], latents[:, C:]
+    k = np.einsum("SC,NHC->SNH", c, w_uk)
+    v = np.einsum("SC,NCO->SNO", c, w_uv)
+    out = np.zeros((q_len, N, O))
+    for t in range(q_len):
+        pos = kv_len - q_len + t
+        logits = (np.einsum("NH,SNH->NS", q_nope[t], k[: pos + 1]) + np.einsum("NR,SR->NS", q_pe[t], k_pe[: pos + 1]))
+        logits *= scale
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out[t] = np.einsum("NS,SNO->NO", p, v[: pos + 1])
+    return out
+
+
+def _case(page_size, kv_lens, q_lens, layers=None, seed=0):
+    rng = np.random.default_rng(seed)
+    B, T = len(kv_lens), max(max(q_lens), 1)
+    pages_per_seq = max(-(-max(kv_lens) // page_size), 1)
+    num_pages = 1 + B * pages_per_seq
+    pool = np.full((layers or 1, 1, num_pages, page_size, C + R), np.nan, np.float32)  # unowned: NaN
+    tables = np.zeros((B, pages_per_seq), np.int32)
+    perm = rng.permutation(np.arange(1, num_pages))  # pages scattered through the pool
+    latents = []
+    for b, n in enumerate(kv_lens):
+        tables[b] = perm[b * pages_per_seq:(b + 1) * pages_per_seq]
+        lat = rng.normal(size=(layers or 1, n, C + R)).astype(np.float32)
+        latents.append(lat)
+        for i in range(n):
+            pool[:, 0, tables[b, i // page_size], i % page_size] = lat[:, i]
+    q_nope = rng.normal(size=(B, T, N, H)).astype(np.float32)
+    q_pe = rng.normal(size=(B, T, N, R)).astype(np.float32)
+    w_uk = (rng.normal(size=(N, H, C)) / np.sqrt(C)).astype(np.float32)
+    w_uv = (rng.normal(size=(N, C, O)) / np.sqrt(C)).astype(np.float32)
+    return pool if layers else pool[0], tables, latents, q_nope, q_pe, w_uk, w_uv
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 5])
+def test_absorbed_equals_expanded_equals_dense(page_size):
+    L = page_size
+    kv_lens = [0, 1, max(L - 1, 1), L, L + 1, 3 * L + 2]
+    q_lens = [0, 1, 1, min(2, L), L + 1, 3]  # decode rows and prefill chunks
+    pool, tables, latents, q_nope, q_pe, w_uk, w_uv = _case(L, kv_lens, q_lens)
+    scale = 1 / np.sqrt(H + R)
+    args = (jnp.asarray(q_nope), jnp.asarray(q_pe), jnp.asarray(pool), jnp.asarray(tables),
+            jnp.asarray(kv_lens, jnp.int32), jnp.asarray(q_lens, jnp.int32), jnp.asarray(w_uk), jnp.asarray(w_uv))
+    absorbed = np.asarray(absorbed_paged_attention(*args, kv_lora_rank=C, scale=scale))
+    expanded = np.asarray(expanded_paged_attention(*args, kv_lora_rank=C, scale=scale))
+    for b, (n, q) in enumerate(zip(kv_lens, q_lens)):
+        want = _dense(q_nope[b].astype(np.float64), q_pe[b].astype(np.float64), latents[b][0].astype(np.float64),
+                      w_uk.astype(np.float64), w_uv.astype(np.float64), n, q, scale)
+        np.testing.assert_allclose(absorbed[b, :q], want, atol=2e-5, rtol=1e-4)
+        np.testing.assert_allclose(expanded[b, :q], want, atol=2e-5, rtol=1e-4)
+    assert np.isfinite(absorbed).all() and np.isfinite(expanded).all()  # NaN in unowned slots never reaches a row
+    np.testing.assert_array_equal(absorbed[0], 0)  # an empty sequence's rows are zeros
+    np.testing.assert_array_equal(expanded[0], 0)
+
+
+def test_a_stacked_pool_reads_its_layer():
+    kv_lens, q_lens = [5, 9], [1, 4]
+    pool, tables, latents, q_nope, q_pe, w_uk, w_uv = _case(4, kv_lens, q_lens, layers=3, seed=1)
+    for form in (absorbed_paged_attention, expanded_paged_attention):
+        got = np.asarray(form(jnp.asarray(q_nope), jnp.asarray(q_pe), jnp.asarray(pool), jnp.asarray(tables),
+                              jnp.asarray(kv_lens, jnp.int32), jnp.asarray(q_lens, jnp.int32), jnp.asarray(w_uk),
+                              jnp.asarray(w_uv), kv_lora_rank=C, scale=0.3, layer=2))
+        for b, (n, q) in enumerate(zip(kv_lens, q_lens)):
+            want = _dense(q_nope[b].astype(np.float64), q_pe[b].astype(np.float64), latents[b][2].astype(np.float64),
+                          w_uk.astype(np.float64), w_uv.astype(np.float64), n, q, 0.3)
+            np.testing.assert_allclose(got[b, :q], want, atol=2e-5, rtol=1e-4)
+
+
+def test_bad_shapes_are_named():
+    pool, tables, _, q_nope, q_pe, w_uk, w_uv = _case(4, [3], [1])
+    args = dict(block_tables=jnp.asarray(tables), kv_lens=jnp.asarray([3]), q_lens=jnp.asarray([1]), scale=0.3)
+    for change, needle in ((dict(kv_lora_rank=C + 1), "latent pages"),
+                           (dict(kv_lora_rank=0), "kv_lora_rank"),
+                           (dict(w_uk=jnp.asarray(w_uk[:, :, :-1])), "w_uk"),
+                           (dict(w_uv=jnp.asarray(w_uv[1:])), "w_uv"),
+                           (dict(q_pe=jnp.asarray(q_pe[:, :, :1])), "q_pe"),
+                           (dict(latent_pages=jnp.concatenate([jnp.asarray(pool)] * 2)), "one KV head"),
+                           (dict(kv_lens=jnp.asarray([99])), "kv_lens"),
+                           (dict(scale=-1.0), "scale")):
+        kwargs = dict(q_nope=jnp.asarray(q_nope), q_pe=jnp.asarray(q_pe), latent_pages=jnp.asarray(pool),
+                      w_uk=jnp.asarray(w_uk), w_uv=jnp.asarray(w_uv), kv_lora_rank=C, **args)
+        kwargs.update(change)
+        for form in (absorbed_paged_attention, expanded_paged_attention):
+            with pytest.raises(ValueError, match=needle):
+                form(**kwargs)
+
+
+def test_the_flat_batch_through_the_one_door_equals_the_padded_form():
+    kv_lens, q_lens = [7, 1, 12, 4], [1, 1, 5, 3]  # decode rows and chunks, packed
+    pool, tables, latents, q_nope, q_pe, w_uk, w_uv = _case(4, kv_lens, q_lens, layers=2, seed=3)
+    ql = np.asarray(q_lens, np.int32)
+    shape = batch_shape(ql, num_seq_rows=len(ql), tiling=Tiling(prefill_tile_q=4, min_tokens=8))
+    starts = np.concatenate([[0], np.cumsum(ql)[:-1]]).astype(np.int32)
+    T = shape.num_tokens
+    flat_nope, flat_pe = np.zeros((T, N, H), np.float32), np.zeros((T, N, R), np.float32)
+    for b, (s0, q) in enumerate(zip(starts, q_lens)):
+        flat_nope[s0:s0 + q], flat_pe[s0:s0 + q] = q_nope[b, :q], q_pe[b, :q]
+    z = jnp.zeros(T, jnp.int32)
+    batch = RaggedBatch(tokens=z, positions=z, slots=z, block_tables=jnp.asarray(tables), q_starts=jnp.asarray(starts),
+                        q_lens=jnp.asarray(ql), kv_lens=jnp.asarray(kv_lens, jnp.int32),
+                        logits_rows=jnp.zeros(1, jnp.int32), shape=shape)
+    got = np.asarray(absorbed_ragged_attention(jnp.asarray(flat_nope), jnp.asarray(flat_pe), jnp.asarray(pool),
+                                               jnp.int32(1), batch, jnp.asarray(w_uk), jnp.asarray(w_uv),
+                                               kv_lora_rank=C, scale=0.25))
+    for b, (s0, n, q) in enumerate(zip(starts, kv_lens, q_lens)):
+        want = _dense(q_nope[b].astype(np.float64), q_pe[b].astype(np.float64), latents[b][1].astype(np.float64),
+                      w_uk.astype(np.float64), w_uv.astype(np.float64), n, q, 0.25)
+        np.testing.assert_allclose(got[s0:s0 + q], want, atol=2e-5, rtol=1e-4)
+    np.testing.assert_array_equal(got[int(ql.sum()):], 0)
+
