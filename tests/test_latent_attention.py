@@ -1,4 +1,5 @@
-"""MLA over latent pages: the absorbed form (multi-query attention over the
+"""MLA over latent pages (the latent pool: its bytes, writes, copy-on-write
+and swap; then attention): the absorbed form (multi-query attention over the
 latent, keys and values the same pages) equals the expanded form (per-head
 K/V projected up) equals dense attention in float64 over the same latents,
 for page sizes and lengths 0, 1, L - 1, L, L + 1, decode and prefill rows,
@@ -10,6 +11,9 @@ import pytest
 
 from paged_jax.attention.batch import RaggedBatch, Tiling, batch_shape
 from paged_jax.attention.latent import absorbed_paged_attention, absorbed_ragged_attention, expanded_paged_attention
+from paged_jax.memory import get_preset
+from paged_jax.paging.kv_cache import copy_pages, init_latent_pool, write_layer_kv, write_layer_latent
+from paged_jax.paging.swap import gather_pages, scatter_pages
 
 N, H, R, C, O = 4, 8, 4, 16, 6  # noqa: E741 (heads, nope dim, rope dim, latent rank, value dim)
 
@@ -128,3 +132,39 @@ def test_the_flat_batch_through_the_one_door_equals_the_padded_form():
         np.testing.assert_allclose(got[s0:s0 + q], want, atol=2e-5, rtol=1e-4)
     np.testing.assert_array_equal(got[int(ql.sum()):], 0)
 
+
+
+# ------------------------------------------------------------ the latent pool
+
+
+def test_a_latent_pool_holds_what_the_maths_says_and_moves_with_swap_and_copy_on_write():
+    v3 = get_preset("deepseek-v3")
+    for dtype, name in ((jnp.bfloat16, "bfloat16"), (jnp.int8, None)):
+        pool = init_latent_pool(num_layers=v3.num_layers, num_pages=3, page_size=4, latent_dim=576, dtype=dtype)
+        assert pool.latent and pool.v is None
+        per_token = pool.nbytes // (3 * 4)
+        # bf16: 61 layers x 576 x 2 = 70,272 bytes a token, the maths'; int8: 576 + a 4-byte scale per layer.
+        assert per_token == (v3.kv_bytes_per_token(name) if name else v3.num_layers * (576 + 4))
+    pool = init_latent_pool(num_layers=2, num_pages=6, page_size=4, latent_dim=C + R)
+    rng = np.random.default_rng(0)
+    lat = jnp.asarray(rng.normal(size=(8, C + R)), jnp.float32)
+    pool = write_layer_latent(pool, 1, lat, jnp.arange(4, 12, dtype=jnp.int32))  # pages 1 and 2 of layer 1
+    np.testing.assert_array_equal(np.asarray(pool.k[1, 0, 1:3]).reshape(8, -1), np.asarray(lat))
+    copied = copy_pages(pool, jnp.asarray([1]), jnp.asarray([4]))  # copy-on-write of page 1 to page 4
+    assert copied.v is None
+    np.testing.assert_array_equal(np.asarray(copied.k[:, :, 4]), np.asarray(pool.k[:, :, 1]))
+    out = gather_pages(pool, [2, 1])  # swap out and back in, bit for bit
+    back = scatter_pages(init_latent_pool(num_layers=2, num_pages=6, page_size=4, latent_dim=C + R), [5, 3], out)
+    np.testing.assert_array_equal(np.asarray(back.k[:, :, [5, 3]]), np.asarray(pool.k[:, :, [2, 1]]))
+
+
+def test_a_latent_pool_refuses_kv_writes_and_bad_latents():
+    pool = init_latent_pool(num_layers=2, num_pages=4, page_size=4, latent_dim=20)
+    with pytest.raises(ValueError, match="write_layer_latent"):
+        write_layer_kv(pool, 0, jnp.zeros((1, 1, 20)), jnp.zeros((1, 1, 20)), jnp.asarray([4]))
+    for latent, slots, layer, needle in ((jnp.zeros((2, 19)), [4, 5], 0, "latent must be"),
+                                         (jnp.zeros((2, 20), jnp.int32), [4, 5], 0, "latent must be"),
+                                         (jnp.zeros((2, 20)), [4, 4], 0, "slots"),
+                                         (jnp.zeros((2, 20)), [4, 5], 2, "layer")):
+        with pytest.raises(ValueError, match=needle):
+            write_layer_latent(pool, layer, latent, jnp.asarray(slots, jnp.int32))

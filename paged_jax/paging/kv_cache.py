@@ -32,7 +32,11 @@ class KVPool:
       k: [num_layers, num_kv_heads, num_pages, page_size, head_dim], float
         (f32, bf16, f16), or quantized (int8, float8_e4m3fn, float8_e5m2)
         with scales.
-      v: same shape and dtype as ``k``.
+      v: same shape and dtype as ``k``; None in a *latent* pool (MLA,
+        :func:`init_latent_pool`): one KV head whose vector per token is
+        the compressed K/V and the RoPE key, the values its first
+        ``kv_lora_rank`` entries (:mod:`paged_jax.attention.latent`), so
+        nothing is stored twice.
       k_scale, v_scale: f32[num_layers, num_kv_heads, num_pages, page_size]
         per-token, per-KV-head scales of a quantized pool (``x ~= x_q *
         scale``, ``pallas_kernels.common.quantize_kv``); None for a float
@@ -42,9 +46,14 @@ class KVPool:
     """
 
     k: jax.Array  # [layers, K, P, L, H]
-    v: jax.Array  # [layers, K, P, L, H]
+    v: jax.Array | None  # [layers, K, P, L, H]; None in a latent pool
     k_scale: jax.Array | None = None  # f32[layers, K, P, L] (quantized pools)
     v_scale: jax.Array | None = None  # f32[layers, K, P, L] (quantized pools)
+
+    @property
+    def latent(self) -> bool:
+        """A latent pool (MLA): K pages only, the values read from them."""
+        return self.v is None
 
     @property
     def quantized(self) -> bool:
@@ -164,6 +173,9 @@ def check_pool(kv: KVPool) -> None:
     (int8, fp8) with f32 scales ``k.shape[:-1]`` (quantized pages without
     scales would store truncated K/V; float ones with scales would be read
     as if scaled). Static facts only, so it runs under ``jit``."""
+    if kv.v is None:
+        _check_latent_pool(kv)
+        return
     if getattr(kv.k, "ndim", None) != 5 or getattr(kv.v, "shape", None) != kv.k.shape:
         raise ValueError(f"kv pool K and V must both be [layers, K, P, L, H] of one shape, got "
                          f"{getattr(kv.k, 'shape', kv.k)} and {getattr(kv.v, 'shape', kv.v)}")
@@ -181,6 +193,89 @@ def check_pool(kv: KVPool) -> None:
         if x is not None and (getattr(x, "shape", None) != kv.k.shape[:-1] or x.dtype != jnp.float32):
             raise ValueError(f"kv pool {name} must be f32{list(kv.k.shape[:-1])}, got "
                              f"{getattr(x, 'dtype', type(x).__name__)}{list(getattr(x, 'shape', ()))}")
+
+
+def _check_latent_pool(kv: KVPool) -> None:
+    """:func:`check_pool` for a latent pool (``v`` None): K of one head
+    ``[layers, 1, P, L, D]``, no ``v_scale``, a ``k_scale`` exactly when
+    quantized."""
+    if getattr(kv.k, "ndim", None) != 5 or kv.k.shape[1] != 1:
+        raise ValueError(f"a latent kv pool (v None) must hold K as [layers, 1, P, L, D] (one KV head), got "
+                         f"{getattr(kv.k, 'shape', kv.k)}")
+    check_kv_dtype("kv pool dtype", kv.k.dtype)
+    quantized = is_quantized(kv.k.dtype)
+    if kv.v_scale is not None or quantized != (kv.k_scale is not None):
+        raise ValueError(f"a latent {kv.k.dtype} kv pool takes {'a k_scale' if quantized else 'no k_scale'} and no "
+                         f"v_scale; got k_scale {'set' if kv.k_scale is not None else 'None'}, v_scale "
+                         f"{'set' if kv.v_scale is not None else 'None'}")
+    if kv.k_scale is not None and (getattr(kv.k_scale, "shape", None) != kv.k.shape[:-1]
+                                   or kv.k_scale.dtype != jnp.float32):
+        raise ValueError(f"kv pool k_scale must be f32{list(kv.k.shape[:-1])}, got "
+                         f"{getattr(kv.k_scale, 'dtype', type(kv.k_scale).__name__)}"
+                         f"{list(getattr(kv.k_scale, 'shape', ()))}")
+
+
+def _check_layer(pool: KVPool, layer) -> None:
+    """(eager ``layer`` only) an integer scalar in ``[0, num_layers)``, or a ValueError naming it."""
+    if isinstance(layer, jax.core.Tracer):
+        return
+    index = None if isinstance(layer, (bool, str)) else np.asarray(layer)
+    if index is None or index.ndim != 0 or index.dtype.kind not in "iu":
+        raise ValueError(f"layer must be an integer scalar, got layer={layer!r}")
+    if not 0 <= int(index) < pool.num_layers:
+        raise ValueError(f"layer must be in [0, num_layers={pool.num_layers}), got layer={layer!r}")
+
+
+def init_latent_pool(*, num_layers: int, num_pages: int, page_size: int, latent_dim: int,
+                     dtype=jnp.float32) -> KVPool:
+    """A zeroed latent pool for multi-head latent attention (MLA, DeepSeek-V2
+    section 2.1; DeepSeek-V3, Kimi K2): per layer and token one vector of
+    ``latent_dim`` = ``kv_lora_rank + qk_rope_head_dim`` values (576 for
+    DeepSeek-V3), K of one head ``[num_layers, 1, P, L, latent_dim]`` and no
+    V (``KVPool.v`` None). Memory: ``num_layers * latent_dim * itemsize``
+    bytes a token (``paged_jax.memory.ModelSpec.kv_bytes_per_token``), plus
+    ``num_layers * 4`` for a quantized pool's per-token scale.
+
+    Page state, block tables, copy-on-write (:func:`copy_pages`) and swap
+    (:mod:`paged_jax.paging.swap`) work on it unchanged: they map over the
+    pool's leaves.
+
+    Raises:
+      ValueError: as :func:`init_kv_pool` (``latent_dim`` for ``head_dim``).
+    """
+    pool = init_kv_pool(num_layers=num_layers, num_kv_heads=1, num_pages=num_pages, page_size=page_size,
+                        head_dim=latent_dim, dtype=dtype)
+    return KVPool(k=pool.k, v=None, k_scale=pool.k_scale)
+
+
+def write_layer_latent(pool: KVPool, layer: jax.Array, latent: jax.Array, slots: jax.Array) -> KVPool:
+    """Writes new tokens' latents ``f32[N_tok, D]`` (``[c, k_pe]``) into one
+    layer of a latent pool at flat ``slots`` (i32[N_tok], -1 dropped),
+    quantized per token for an int8 / fp8 pool.
+
+    Raises:
+      ValueError: not a latent pool; ``latent`` not a float ``[N_tok, D]``
+        with the pool's D; (eager) a ``layer`` outside the pool or
+        ``slots`` that are not distinct slots of the pool or -1, one per
+        token (:func:`check_slots`).
+    """
+    if not pool.latent:
+        raise ValueError("write_layer_latent takes a latent pool (init_latent_pool, v None); write K and V with "
+                         "write_layer_kv")
+    check_pool(pool)
+    _check_layer(pool, layer)
+    if getattr(latent, "ndim", None) != 2 or latent.shape[1] != pool.head_dim or not jnp.issubdtype(
+            latent.dtype, jnp.floating):
+        raise ValueError(f"latent must be a float [N_tok, {pool.head_dim}] array, got "
+                         f"{getattr(latent, 'dtype', type(latent).__name__)}{list(getattr(latent, 'shape', ()))}")
+    check_slots(pool, slots, latent.shape[0])
+    slots = jnp.asarray(slots, jnp.int32)
+    new = latent[:, None, :]  # [N_tok, 1, D]: one KV head
+    if not pool.quantized:
+        return KVPool(k=write_layer_pages(pool.k, layer, new, slots), v=None)
+    q, scale = quantize_kv(new, pool.k.dtype)
+    return KVPool(k=write_layer_pages(pool.k, layer, q, slots), v=None,
+                  k_scale=write_layer_pages(pool.k_scale, layer, scale, slots))
 
 
 def write_layer_kv(pool: KVPool, layer: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> KVPool:
@@ -206,12 +301,9 @@ def write_layer_kv(pool: KVPool, layer: jax.Array, k: jax.Array, v: jax.Array, s
         that are not distinct slots of the pool or -1, one per token.
     """
     check_pool(pool)
-    if not isinstance(layer, jax.core.Tracer):
-        index = None if isinstance(layer, (bool, str)) else np.asarray(layer)
-        if index is None or index.ndim != 0 or index.dtype.kind not in "iu":
-            raise ValueError(f"layer must be an integer scalar, got layer={layer!r}")
-        if not 0 <= int(index) < pool.num_layers:
-            raise ValueError(f"layer must be in [0, num_layers={pool.num_layers}), got layer={layer!r}")
+    if pool.latent:
+        raise ValueError("write_layer_kv takes a K/V pool; a latent pool (v None) takes write_layer_latent")
+    _check_layer(pool, layer)
     want = (pool.num_kv_heads, pool.head_dim)
     for name, x in (("k", k), ("v", v)):
         if getattr(x, "ndim", None) != 3 or tuple(x.shape[1:]) != want or not jnp.issubdtype(x.dtype, jnp.floating):
