@@ -71,7 +71,7 @@ from paged_jax.checks import check_bool, check_int
 from paged_jax.paging.page_state import NULL_PAGE
 from paged_jax.paging.sliding_window import window_first_kept
 
-_ROOT = b"paged-jax prefix cache v1"
+ROOT_KEY = b"paged-jax prefix cache v1"  # the first page's parent key
 
 
 def extra_key_bytes(extra: Hashable) -> bytes:
@@ -94,7 +94,7 @@ def chain_keys(tokens: Sequence[int], page_size: int, extra: Hashable, keys: lis
     """
     salt = extra_key_bytes(extra)
     for j in range(len(keys), len(tokens) // page_size):
-        parent = keys[j - 1] if j else _ROOT
+        parent = keys[j - 1] if j else ROOT_KEY
         run = np.asarray(tokens[j * page_size : (j + 1) * page_size], dtype="<i8").tobytes()
         keys.append(hashlib.sha256(parent + salt + run).digest())
     return keys
@@ -105,7 +105,7 @@ class _Entry:
     group: int
     key: bytes
     parent: int  # page id of the previous page in the chain (same group), -1 for the first or none cached
-    parent_key: bytes  # the previous page's key (_ROOT for the first)
+    parent_key: bytes  # the previous page's key (ROOT_KEY for the first)
     tokens: tuple[int, ...]
     extra: Hashable
 
@@ -152,7 +152,7 @@ class PrefixCache:
             return None
         if parent is not None:
             return page if e.parent == parent else None
-        return page if e.parent_key == (keys[j - 1] if j else _ROOT) else None
+        return page if e.parent_key == (keys[j - 1] if j else ROOT_KEY) else None
 
     def lookup(self, tokens: Sequence[int], keys: Sequence[bytes], extra: Hashable, max_pages: int, *,
                group: int = 0) -> list[int]:
@@ -268,7 +268,7 @@ class PrefixCache:
         L = self.page_size
         self._by_key[key] = page
         self._by_page[page] = _Entry(group=group, key=keys[j], parent=parent,
-                                     parent_key=keys[j - 1] if j else _ROOT,
+                                     parent_key=keys[j - 1] if j else ROOT_KEY,
                                      tokens=tuple(tokens[j * L : (j + 1) * L]), extra=extra)
         return True
 
