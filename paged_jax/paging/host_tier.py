@@ -34,7 +34,7 @@ import numpy as np
 
 from paged_jax.checks import check_int
 from paged_jax.paging.kv_cache import KVPool
-from paged_jax.paging.prefix_cache import ROOT_KEY
+from paged_jax.paging.prefix_cache import holds_page
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,12 +189,11 @@ class HostTier:
           ValueError: ``start``, ``max_pages`` or ``group`` below 0.
         """
         group, start = check_int("group", group, 0), check_int("start", start, 0)
-        max_pages, L = check_int("max_pages", max_pages, 0), self.page_size
+        max_pages = check_int("max_pages", max_pages, 0)
         run: list[HostPage] = []
         for j in range(start, min(max_pages, len(keys))):
             page = self._pages.get((group, keys[j]))
-            if (page is None or page.extra != extra or page.tokens != tuple(tokens[j * L : (j + 1) * L])
-                    or page.parent_key != (keys[j - 1] if j else ROOT_KEY)):
+            if page is None or not holds_page(page, tokens, extra, j, self.page_size, keys=keys):
                 break
             run.append(page)
         return run

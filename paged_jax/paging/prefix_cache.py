@@ -100,6 +100,19 @@ def chain_keys(tokens: Sequence[int], page_size: int, extra: Hashable, keys: lis
     return keys
 
 
+def holds_page(entry, tokens: Sequence[int], extra: Hashable, j: int, page_size: int, *,
+               keys: Sequence[bytes] | None = None) -> bool:
+    """Whether a cached page's record (anything with ``tokens``, ``extra``
+    and ``parent_key``: this cache's entries, the host tier's pages) holds
+    page ``j`` of ``tokens`` under ``extra``: its tokens and extra key equal,
+    and, given ``keys``, its parent's key the key of page ``j - 1`` (the
+    chain's root for the first page)."""
+    L = page_size
+    if entry.extra != extra or entry.tokens != tuple(tokens[j * L : (j + 1) * L]):
+        return False
+    return keys is None or entry.parent_key == (keys[j - 1] if j else ROOT_KEY)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Entry:
     group: int
@@ -147,12 +160,11 @@ class PrefixCache:
         if page is None:
             return None
         e = self._by_page[page]
-        L = self.page_size
-        if e.extra != extra or e.tokens != tuple(tokens[j * L : (j + 1) * L]):
-            return None
         if parent is not None:
-            return page if e.parent == parent else None
-        return page if e.parent_key == (keys[j - 1] if j else ROOT_KEY) else None
+            ok = holds_page(e, tokens, extra, j, self.page_size) and e.parent == parent
+        else:
+            ok = holds_page(e, tokens, extra, j, self.page_size, keys=keys)
+        return page if ok else None
 
     def lookup(self, tokens: Sequence[int], keys: Sequence[bytes], extra: Hashable, max_pages: int, *,
                group: int = 0) -> list[int]:
