@@ -83,6 +83,25 @@ class _EngineCollector(Collector):
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prompt_tokens)
         yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_hit_tokens)
+        by_tier = CounterMetricFamily(PREFIX + "prefix_cache_hits_by_tier",
+                                      "Prompt tokens served from the prefix cache, by the tier that held them "
+                                      "(device: the KV pool; host: loaded back from host memory).",
+                                      labels=labels + ["tier"])
+        by_tier.add_metric(value + ["device"], s.prefix_hit_tokens - s.host_hit_tokens)
+        by_tier.add_metric(value + ["host"], s.host_hit_tokens)
+        yield by_tier
+        for unit, spilled, loaded in (("pages", s.host_spilled_pages, s.host_loaded_pages),
+                                      ("bytes", s.host_spilled_bytes, s.host_loaded_bytes)):
+            moved = CounterMetricFamily(PREFIX + f"kv_tier_{unit}_moved",
+                                        f"KV {unit} moved between the device pool and the host tier: spilled (a "
+                                        "cached page the pool evicted) and loaded (a hit brought back).",
+                                        labels=labels + ["tier", "direction"])
+            moved.add_metric(value + ["host", "spilled"], spilled)
+            moved.add_metric(value + ["host", "loaded"], loaded)
+            yield moved
+        yield gauge("kv_tier_host_used_bytes", "Bytes of K/V the host tier holds.", s.host_used_bytes)
+        yield gauge("kv_tier_host_capacity_bytes", "Bytes of K/V the host tier may hold (--host-cache-gib).",
+                    s.host_capacity_bytes)
         yield counter("num_preemptions", "Preemptions (recompute or swap).", s.preemptions)
         yield counter("engine_iterations", "Engine scheduler iterations.", s.iterations)
         yield counter("compile_seconds", "Seconds JAX spent tracing, lowering and compiling (or loading from the "

@@ -1,9 +1,9 @@
-"""The host tier's store (paged_jax.paging.host_tier): pages leave the pool and
+"""The host tier's store (paged_jax.tiers.host): pages leave the pool and
 come back bit for bit (float, int8, fp8, latent), least recently used out by
 exact bytes and keys, a chain found only where tokens, salt and parent agree,
 and a tier too small for a page degrades to holding nothing.
 
-The engine's spill and load through it are the next increment of issue 38.
+The engine's spill and load through it: tests/test_kv_tiers.py.
 """
 
 import jax
@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.paging.host_tier import HostPage, HostTier, page_copies, stack_pages
 from paged_jax.paging.kv_cache import KVPool, init_latent_pool
 from paged_jax.paging.prefix_cache import ROOT_KEY, chain_keys
 from paged_jax.paging.swap import gather_pages, scatter_pages
+from paged_jax.tiers.host import HostPage, HostTier, page_copies, stack_pages
 from pallas_kernels.common import QUANTIZED_KV_DTYPES, is_quantized
 
 L = 4  # tokens per page

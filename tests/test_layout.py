@@ -2,7 +2,8 @@
 
 Packages, lowest first: ``pallas_kernels`` (arrays in, arrays out) <- ``paged_jax`` <- ``models`` <-
 ``server`` <- ``experiments``. Inside ``paged_jax`` the rooms run the same way: the shared helpers at
-the top level <- ``paging`` <- ``attention`` <- ``engine`` <- ``distributed`` <- ``simulator``. Experiment scripts import
+the top level <- ``paging`` <- ``attention`` <- ``speculative`` <- ``tiers`` <- ``engine`` <- ``distributed``
+<- ``simulator``. Experiment scripts import
 ``experiments.lib`` and never one another. Function-local imports count: an arrow hidden inside a
 function is still an arrow.
 """
@@ -17,7 +18,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("pallas_kernels", "paged_jax", "models", "server", "experiments")
 """Lowest first: a module may import its own package or one to its left, never one to its right."""
-PAGED_JAX_ROOMS = ("paging", "attention", "speculative", "engine", "distributed", "simulator")
+PAGED_JAX_ROOMS = ("paging", "attention", "speculative", "tiers", "engine", "distributed", "simulator")
 """``paged_jax``'s sub-packages, lowest first; its top-level modules (checks, memory, ...) sit below them all."""
 SCRIPT_TOPICS = ("memory", "serving", "kernels", "simulator")
 MAX_MODULES_PER_FOLDER = 15

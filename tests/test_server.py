@@ -59,9 +59,9 @@ def llm():
         smollm2_gguf_path()
     except FileNotFoundError as e:
         pytest.skip(f"SmolLM2 GGUF not installed: {e}")
-    # 16 tokens a call for every program; 32 pages of 16 tokens.
+    # 16 tokens a call for every program; 32 pages of 16 tokens; a host tier of 128 pages (720 KiB each).
     return LLM("smollm2", dtype=jnp.float32, kv_tokens=512, page_size=16, max_seqs=8, max_seq_len=256,
-               max_num_batched_tokens=16)
+               max_num_batched_tokens=16, host_cache_bytes=128 * 737_280)
 
 
 @pytest.fixture(scope="module")
@@ -254,6 +254,32 @@ def test_cached_tokens_count_prefix_hits_and_respect_the_salt(client):
     assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16 >= 48  # the last token is computed
     assert salted.usage.prompt_tokens_details.cached_tokens == 0
     assert again.choices[0].text == first.choices[0].text == salted.choices[0].text
+    assert again.usage.prompt_tokens_details.model_dump()["cached_tokens_by_tier"] == {
+        "device": again.usage.prompt_tokens_details.cached_tokens, "host": 0}
+
+
+def test_a_prefix_the_pool_evicted_is_served_from_the_host_tier(http, client):
+    """Prompts that fill the 32-page pool evict a cached prefix; asked
+    again, it comes back from the host tier: the same text, its cached
+    tokens counted by tier in the usage and in /metrics."""
+    prompt = " ".join(f"tier{i}" for i in range(30))
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    for k in range(5):  # about 190 tokens each: 11 full pages cached per prompt
+        client.completions.create(model=MODEL, prompt=" ".join(f"fill{k}x{i}" for i in range(40)), max_tokens=1)
+    before = scrape(http)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    after = scrape(http)
+    n = first.usage.prompt_tokens
+    details = again.usage.prompt_tokens_details
+    tiers = details.model_dump()["cached_tokens_by_tier"]
+    assert again.choices[0].text == first.choices[0].text
+    assert details.cached_tokens == (n - 1) // 16 * 16 and tiers["host"] > 0
+    assert tiers["device"] + tiers["host"] == details.cached_tokens
+    hits = ("paged_jax:prefix_cache_hits_by_tier_total", (("model_name", MODEL), ("tier", "host")))
+    assert after[hits] - before[hits] == tiers["host"]
+    loaded = ("paged_jax:kv_tier_bytes_moved_total", (("direction", "loaded"), ("model_name", MODEL), ("tier", "host")))
+    assert after[loaded] - before[loaded] == tiers["host"] // 16 * 737_280
+    assert 0 < after[("paged_jax:kv_tier_host_used_bytes", (("model_name", MODEL),))] <= 128 * 737_280
 
 
 # ------------------------------------------------------------------ errors
@@ -470,7 +496,8 @@ def test_request_limits_defaults_flags_and_refusals(capsys):
         with pytest.raises(ValueError, match=re.escape(words)):
             RequestLimits.for_context(256, token_floor=floor, vocab_size=10, **bad)
     args = server_main.parse_args(["--max-body-bytes", "5000", "--max-stop-chars", "9"])
-    assert args.limit_bounds == {"max_body_bytes": 5000, "max_stop_chars": 9}
+    assert args.limit_bounds == {"max_body_bytes": 5000, "max_stop_chars": 9} and args.host_cache_bytes == 0
+    assert server_main.parse_args(["--host-cache-gib", "0.5"]).host_cache_bytes == 1 << 29
     with pytest.raises(SystemExit):
         server_main.parse_args(["--max-prompts", "0"])
     assert "--max-prompts must be >= 1, got 0" in capsys.readouterr().err
@@ -801,8 +828,11 @@ def test_server_profile_traces_steps_after_the_first_request(llm, tmp_path):
     (["--profile-skip", "-1"], "--profile-skip must be >= 0, got -1"),
     (["--profile-steps", "0"], "--profile-steps must be >= 1, got 0"),
     (["--profile", "/proc/no-such-folder"], "--profile '/proc/no-such-folder' is not a folder that can be created"),
+    (["--host-cache-gib", "-1"], "--host-cache-gib must be a finite number >= 0, got -1.0"),
+    (["--host-cache-gib", "nan"], "--host-cache-gib must be a finite number >= 0, got nan"),
+    (["--host-cache-gib", "1", "--no-prefix-caching"], "--host-cache-gib keeps the prefix cache's evicted pages"),
 ])
-def test_server_refuses_bad_profile_flags(argv, words, capsys):
+def test_server_refuses_bad_profile_and_tier_flags(argv, words, capsys):
     with pytest.raises(SystemExit):
         server_main.parse_args(argv)
     assert words in capsys.readouterr().err

@@ -125,6 +125,11 @@ class EngineConfig:
         group that does not fit in the swap space is recomputed.
       swap_space_pages: pages the swap space holds; default as many as the
         KV pool's usable pages.
+      host_cache_bytes: bytes of K/V the prefix cache's host tier holds
+        (:mod:`paged_jax.tiers`): a cached page the pool evicts is copied
+        there, and a prefix hit that runs on into it loads it back before
+        the request's first call; 0 (the default): no host tier. Needs
+        prefix caching and a model whose layers all attend every token.
       drop_out_of_window_pages: when every layer of the model attends a
         sliding window (``PagedModel.kv_window``), or a hybrid model's
         pool is laid out by layer group (``PagedModel.kv_groups``,
@@ -153,6 +158,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     swap_space_pages: int | None = None
+    host_cache_bytes: int = 0
     drop_out_of_window_pages: bool = True
     call_records: int | None = DEFAULT_CALL_RECORDS
     speculative: SpeculativeConfig | None = None
@@ -178,6 +184,10 @@ class EngineConfig:
             check_choice("allocator", self.allocator, RESERVATION_ALLOCATORS)
         if self.swap_space_pages is not None:
             check_int("swap_space_pages", self.swap_space_pages, 0)
+        object.__setattr__(self, "host_cache_bytes", check_int("host_cache_bytes", self.host_cache_bytes, 0))
+        if self.host_cache_bytes and not self.enable_prefix_caching:
+            raise ValueError(f"host_cache_bytes={self.host_cache_bytes} needs enable_prefix_caching=True (the host "
+                             "tier keeps the prefix cache's evicted pages); pass 0 or turn prefix caching on")
         for name in ("async_scheduling", "enable_prefix_caching", "drop_out_of_window_pages"):
             check_bool(name, getattr(self, name))
         if self.call_records is not None:  # a plain int, as deque(maxlen=...) needs

@@ -162,7 +162,8 @@ class Engine:
         self.kv_manager = KVCacheManager(
             kv_pool, max_seqs=config.max_seqs, max_seq_len=config.max_seq_len, reservation=config.reservation,
             enable_prefix_caching=config.enable_prefix_caching, swap_space_pages=swap_pages, stats=self.stats,
-            groups=groups, max_num_batched_tokens=config.max_num_batched_tokens, allocator=config.allocator)
+            groups=groups, max_num_batched_tokens=config.max_num_batched_tokens, allocator=config.allocator,
+            host_cache_bytes=config.host_cache_bytes)
         self.scheduler = Scheduler(
             max_seqs=config.max_seqs, max_num_batched_tokens=config.max_num_batched_tokens, tiling=config.tiling,
             preemption_mode=config.preemption_mode, kv=self.kv_manager, stats=self.stats)
@@ -288,18 +289,14 @@ class Engine:
         return out
 
     def reset_prefix_cache(self) -> int:
-        """Forgets every cached page: no later request hits K/V computed
-        before now (vLLM's ``reset_prefix_cache``); a draft model's engine
-        forgets its own too. Pages running sequences hold stay theirs.
-        Returns the pages forgotten (the target's)."""
+        """Forgets every cached page, in the device pool and in the host
+        tier: no later request hits K/V computed before now (vLLM's
+        ``reset_prefix_cache``); a draft model's engine forgets its own too.
+        Pages running sequences hold stay theirs. Returns the device pages
+        forgotten (the target's)."""
         if self.speculator is not None:
             self.speculator.reset_prefix_cache()
-        cache = self.kv_manager.prefix_cache
-        if cache is None:
-            return 0
-        n = len(cache)
-        cache.clear()
-        return n
+        return self.kv_manager.clear_cache()
 
     def update_weights(self, params) -> None:
         """Serves ``params`` from now on, without recompiling: new weights

@@ -62,6 +62,18 @@ does not do: same-step prefix sharing (a request hits only pages a call
 already dispatched computes) and reservation policies other than
 ``"paged"`` (refused by name).
 
+Tiers. With a host tier (``host_cache_bytes``,
+:mod:`paged_jax.tiers.offload`), a cached page the pool hands out for new
+content is copied to host memory first: the pages a round evicts are
+recorded as they leave (:meth:`KVCacheManager._evict`) and copied in one
+gather before the round's call, or before a scatter into the pool, is
+dispatched (:meth:`KVCacheManager._spill`). An admission's device hit is
+continued into the host tier; those pages are new pages in its cost (as
+prefilled ones would be), loaded into fresh pages at admission, cached on
+device again, and handed to the row with its device hit in the next call,
+computed. One layer group of full attention only (refused by name
+otherwise).
+
 Reservations. Under a reservation policy other than ``"paged"``
 (:mod:`paged_jax.engine.config`) a sequence holds pages for
 :func:`paged_jax.engine.config.reserved_tokens` tokens from its admission on: every
@@ -102,6 +114,8 @@ from paged_jax.paging.kv_groups import KVGroups, single_group
 from paged_jax.paging.prefix_cache import PrefixCache, chain_keys
 from paged_jax.paging.sliding_window import drop_pages_before, window_first_kept
 from paged_jax.paging.swap import SwappedGroup, SwapSpace, gather_pages, scatter_pages
+from paged_jax.tiers.host import HostPage, HostTier
+from paged_jax.tiers.offload import HostOffload
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +132,9 @@ class Admission:
       swapped: its pages in the swap space, or None.
       members: the group's live sequences it admits.
       computed: per member, the tokens whose K/V it has once admitted.
+      host: per member, the host tier's pages that continue its device
+        hit (loaded into fresh pages at admission, counted in ``cost``);
+        empty without a host tier.
     """
 
     cost: int
@@ -125,6 +142,7 @@ class Admission:
     swapped: SwappedGroup | None
     members: list[Sequence]
     computed: list[int]
+    host: list[list[HostPage]] = dataclasses.field(default_factory=list)
 
     @property
     def first_chunk(self) -> int:
@@ -187,16 +205,22 @@ class KVCacheManager:
       allocator: under a reservation policy, "buddy" or "first_fit" places
         each reservation as one contiguous run too
         (:mod:`paged_jax.paging.contiguous`); None or "pages": none.
+      host_cache_bytes: bytes of K/V the prefix cache's host tier holds
+        (:mod:`paged_jax.tiers.offload`: pages the pool evicts are kept
+        there, a hit that runs on into them loads them back); 0: none.
 
     Raises:
       ValueError: ``groups`` whose ``group_size`` is not the pool's layer
-        count; several groups with a ``reservation`` other than "paged".
+        count; several groups with a ``reservation`` other than "paged"; a
+        ``host_cache_bytes`` below 0, or above 0 without prefix caching or
+        with a sliding window.
     """
 
     def __init__(self, kv_pool: KVPool, *, max_seqs: int, max_seq_len: int, reservation: str,
                  enable_prefix_caching: bool, swap_space_pages: int, stats: EngineStats,
                  sliding_window: int | None = None, groups: KVGroups | None = None,
-                 max_num_batched_tokens: int | None = None, allocator: str | None = None):
+                 max_num_batched_tokens: int | None = None, allocator: str | None = None,
+                 host_cache_bytes: int = 0):
         self.kv = kv_pool
         self.max_num_batched_tokens = max_seq_len if max_num_batched_tokens is None else check_int(
             "max_num_batched_tokens", max_num_batched_tokens)
@@ -219,8 +243,17 @@ class KVCacheManager:
         self.state = ps.init_page_state(num_pages=kv_pool.num_pages, max_seqs=rows,
                                         max_pages_per_seq=self.max_pages_per_seq, page_size=L)
         self.prefix_cache = PrefixCache(L) if enable_prefix_caching else None
+        self.offload = None  # the host tier's traffic (module docstring, "Tiers")
+        if check_int("host_cache_bytes", host_cache_bytes, 0):
+            if self.prefix_cache is None:
+                raise ValueError(f"host_cache_bytes={host_cache_bytes} needs prefix caching (the host tier keeps "
+                                 "the prefix cache's evicted pages); turn enable_prefix_caching on or pass 0")
+            if groups.num_groups > 1 or groups.windows[0] is not None:
+                raise ValueError(f"host_cache_bytes={host_cache_bytes}: the host tier serves models whose layers "
+                                 f"all attend every token; this one has sliding windows {list(groups.windows)}")
+            self.offload = HostOffload(HostTier(host_cache_bytes, L), stats.host)
         self.pool = BlockPool(num_pages=kv_pool.num_pages, max_seqs=rows, max_pages_per_seq=self.max_pages_per_seq,
-                              page_size=L, on_evict=self.prefix_cache.evict if self.prefix_cache is not None else None)
+                              page_size=L, on_evict=self._evict if self.prefix_cache is not None else None)
         self.swap = SwapSpace(swap_space_pages)
         self.stats = stats
         self.num_free = kv_pool.num_pages - 1  # free pages once this round's plan is done
@@ -236,6 +269,33 @@ class KVCacheManager:
     def rows(self, seq: Sequence) -> list[int]:
         """``seq``'s page-state rows, one per layer group."""
         return self.groups.rows(seq.slot, self.num_slots)
+
+    def _evict(self, page: int) -> None:
+        """``page`` leaves the free queue for new content: the prefix cache
+        forgets it, and the host tier, if any, is to keep a copy."""
+        if self.offload is not None:
+            entry = self.prefix_cache.entry(page)
+            if entry is not None:
+                self.offload.note_evicted(page, entry)
+        self.prefix_cache.evict(page)
+
+    def _spill(self) -> None:
+        """Dispatches the copy of the pages evicted since the last one to
+        the host tier; called before anything that overwrites them is
+        dispatched (a call, a scatter into the pool)."""
+        if self.offload is not None:
+            self.offload.dispatch(self.kv)
+
+    def clear_cache(self) -> int:
+        """Forgets every cached page in every tier (their K/V are stale).
+        Returns the device pages forgotten."""
+        if self.offload is not None:
+            self.offload.clear()
+        if self.prefix_cache is None:
+            return 0
+        n = len(self.prefix_cache)
+        self.prefix_cache.clear()
+        return n
 
     # -------------------------------------------------------------- costs
 
@@ -283,6 +343,8 @@ class KVCacheManager:
             return Admission(cost=cost, hits=[[[]] * G for _ in members], swapped=swapped, members=members,
                              computed=[swapped.num_tokens[s.index] for s in members])
         hits = [self._lookup(s) for s in members]
+        host = [self._host_lookup(s, len(h[0])) for s, h in zip(members, hits)]
+        # A host hit's pages are new pages in the pool: counted by _known_pages past the device hit.
         if self.reservation != "paged":  # Orca shares nothing: a hit saves compute, not pages
             cost = sum(self._known_pages(s) for s in members) + self._children_pages(group, members)
         else:
@@ -290,7 +352,7 @@ class KVCacheManager:
             taken = set().union(*(pages for h in hits for pages in h)) - {ps.NULL_PAGE}
             cost = new_pages + sum(1 for p in taken if self.pool.ref_counts[p] == 0)
         return Admission(cost=cost, hits=hits, swapped=None, members=members,
-                         computed=[len(h[0]) * self.page_size for h in hits])
+                         computed=[(len(h[0]) + len(x)) * self.page_size for h, x in zip(hits, host)], host=host)
 
     def runs_fit(self, group: SequenceGroup, members: list[Sequence]) -> bool:
         """Whether admitting ``members`` could place its runs now (always,
@@ -377,6 +439,15 @@ class KVCacheManager:
         return self.prefix_cache.longest_hit(seq.tokens, seq.keys, seq.extra_key,
                                              (len(seq.tokens) - 1) // self.page_size, self.groups.windows)
 
+    def _host_lookup(self, seq: Sequence, start: int) -> list[HostPage]:
+        """The host tier's pages continuing ``seq``'s device hit of
+        ``start`` pages (none without a host tier, or for a request whose
+        lookup :meth:`_lookup` skips)."""
+        if self.offload is None or seq.request.sampling.prompt_logprobs is not None:
+            return []
+        return self.offload.lookup(seq.tokens, seq.keys, seq.extra_key, start,
+                                   (len(seq.tokens) - 1) // self.page_size)
+
     # ------------------------------------------------------------ actions
 
     def slide(self, running: list[Sequence]) -> None:
@@ -429,8 +500,12 @@ class KVCacheManager:
         else:
             # Every member's hits leave the free queue before any page is
             # taken off its head for new content, so none is handed out.
-            for seq, hits in zip(members, adm.hits):
-                self._admit_hits(seq, hits)
+            host = adm.host or [[] for _ in members]
+            for seq, hits, pages in zip(members, adm.hits, host):
+                self._admit_hits(seq, hits, len(pages))
+            for seq, pages in zip(members, host):
+                if pages:
+                    self._load_host(seq, pages)
             if self.prefix_cache is not None and self.groups.num_groups == 1:
                 for seq, n in zip(members, chunks):
                     self._take_filled_pages(seq, n)
@@ -443,21 +518,27 @@ class KVCacheManager:
                 self._held[row] += need
                 self._min_pages[row] = reserved
 
-    def _admit_hits(self, seq: Sequence, hits: list[list[int]]) -> None:
+    def _admit_hits(self, seq: Sequence, hits: list[list[int]], num_host: int = 0) -> None:
         """Gives ``seq``'s rows their prefix hits (one table per group, the
-        same length in each)."""
+        same length in each); ``num_host`` pages more come from the host
+        tier (:meth:`_load_host`), counted here."""
         st = self.stats
         hit_tokens = len(hits[0]) * self.page_size
+        host_tokens = num_host * self.page_size
         if seq.group.num_cached_tokens is None:  # first admission
-            seq.group.num_cached_tokens = hit_tokens
+            seq.group.num_cached_tokens = hit_tokens + host_tokens
+            seq.group.num_host_cached_tokens = host_tokens
             st.prompt_tokens += seq.num_prompt
-            st.prefix_hit_tokens += hit_tokens
+            st.prefix_hit_tokens += hit_tokens + host_tokens
+            st.host.hit_tokens += host_tokens
         else:
-            st.recompute_hit_tokens += hit_tokens
-            st.recomputed_tokens += len(seq.tokens) - hit_tokens
-        seq.num_computed = hit_tokens
+            st.recompute_hit_tokens += hit_tokens + host_tokens
+            st.recomputed_tokens += len(seq.tokens) - hit_tokens - host_tokens
+        seq.num_computed = hit_tokens + host_tokens
         if not hit_tokens:
             return
+        if self.offload is not None:
+            self.offload.touch(seq.keys[: len(hits[0])])
         for row, pages in zip(self.rows(seq), hits):
             live = [p for p in pages if p != ps.NULL_PAGE]
             st.prefix_hit_pages += len(live)
@@ -465,6 +546,23 @@ class KVCacheManager:
             taken = self.pool.share(row, pages, hit_tokens)
             self.num_free -= taken if self.reservation == "paged" else len(live)  # Orca holds a copy of a shared hit
             self._hits[row] = (pages, hit_tokens, 0)
+
+    def _load_host(self, seq: Sequence, pages: list[HostPage]) -> None:
+        """Loads ``pages`` from the host tier into fresh pages after
+        ``seq``'s device hit (one layer group), caches them on device again,
+        and gives them to its row for the next call, computed."""
+        L = self.page_size
+        fresh = self.pool.take_free(len(pages))
+        self.num_free -= len(fresh)
+        self._spill()  # the pages the take evicted leave before the load overwrites them
+        self.kv = self.offload.load(self.kv, fresh, pages)
+        hits, _, _ = self._hits.get(seq.slot, ([], 0, 0))
+        self.pool.append_full_pages(seq.slot, fresh)
+        table = hits + fresh
+        self._hits[seq.slot] = (table, len(table) * L, 0)
+        for j, page in enumerate(fresh, start=len(hits)):
+            self.prefix_cache.insert(page, seq.tokens, seq.keys, seq.extra_key, j)
+        seq.num_keyed = len(table)
 
     def _take_filled_pages(self, seq: Sequence, n: int) -> None:
         """Same-step sharing: the pages ``seq``'s first chunk of ``n``
@@ -496,6 +594,7 @@ class KVCacheManager:
             len(set(swapped.tables[s.index]) - {-1}) for s in members)
         new_page = {-1: ps.NULL_PAGE, **dict(zip(needed, fresh))}
         if fresh:
+            self._spill()  # the pages the take evicted leave before the copy in overwrites them
             self.kv = scatter_pages(self.kv, fresh, swapped.pages, source=needed)
         for seq in members:
             tables = swapped.tables[seq.index]
@@ -685,6 +784,7 @@ class KVCacheManager:
         self._held[:] = self.pool.num_seq_pages
         for group, pages in self._reserving.items():  # child rows' reservations are counted: their growth is not
             self._held[group.child_slots] = np.maximum(self._held[group.child_slots], pages)
+        self._spill()  # the pages this round evicted, copied before the call overwrites them
         return self.pool.num_free
 
     def flush_frees(self) -> None:

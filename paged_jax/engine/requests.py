@@ -237,7 +237,10 @@ class RequestOutput:
         its sequences together).
       num_cached_tokens: prompt tokens served from the prefix cache when
         it was first admitted (always 0 for a request asking for
-        ``prompt_logprobs``: it computes its whole prompt).
+        ``prompt_logprobs``: it computes its whole prompt), from the
+        device pool and the host tier together.
+      num_host_cached_tokens: of ``num_cached_tokens``, those loaded from
+        the host tier (:mod:`paged_jax.tiers`); the rest were in the pool.
       arrival_s, first_token_s, finish_s: seconds on the engine's clock
         (:meth:`Engine.clock`) when it was added, when its first token
         reached the host (None before that, or when aborted before it) and
@@ -261,6 +264,7 @@ class RequestOutput:
     first_token_s: float | None
     finish_s: float | None
     num_cached_tokens: int = 0
+    num_host_cached_tokens: int = 0
     finished: bool = True
     arrival_s: float = 0.0
     prompt_logprobs: list[dict[int, float] | None] | None = None

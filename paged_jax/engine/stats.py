@@ -16,6 +16,7 @@ import dataclasses
 
 from paged_jax.attention.batch import BatchShape
 from paged_jax.jit_stats import CompileMonitor
+from paged_jax.tiers.offload import TierStats
 
 DEFAULT_CALL_RECORDS = 1024
 """Call records an engine keeps by default (``EngineConfig.call_records``)."""
@@ -110,6 +111,11 @@ class EngineStats:
     of the target's own, vLLM's "mean acceptance length"), and
     ``acceptance_by_position`` the rate at each position.
 
+    KV tiers (:mod:`paged_jax.tiers`): ``host`` counts the host tier's
+    hits (``host.hit_tokens`` is the part of ``prefix_hit_tokens`` it
+    served), pages and bytes spilled to it and loaded back, pages it
+    refused and dropped (:class:`paged_jax.tiers.offload.TierStats`).
+
     Poison: ``nonfinite_kv`` counts sequences a call wrote non-finite K/V
     for (a running one stops the engine by name; an aborted one's pages are
     only kept out of the prefix cache).
@@ -138,6 +144,7 @@ class EngineStats:
     spec_accepted: int = 0
     spec_proposed_by_position: list = dataclasses.field(default_factory=list)
     spec_accepted_by_position: list = dataclasses.field(default_factory=list)
+    host: TierStats = dataclasses.field(default_factory=TierStats)
     nonfinite_kv: int = 0  # sequences a call wrote non-finite K/V for (their pages never cached)
     fragmentation_blocked_steps: int = 0
     fragmentation_blocked_requests: int = 0

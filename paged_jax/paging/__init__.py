@@ -13,8 +13,6 @@
 - :mod:`~paged_jax.paging.block_pool`: the host's exact twin of the page state;
 - :mod:`~paged_jax.paging.prefix_cache`: full pages keyed by a hash chain;
 - :mod:`~paged_jax.paging.swap`: preempted sequences' pages in host memory.
-- :mod:`~paged_jax.paging.host_tier`: cached pages the pool evicted, kept in
-  host memory (least recently used out by bytes).
 
 Nothing here imports the attention, the engine or a model.
 """

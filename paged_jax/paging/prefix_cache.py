@@ -151,6 +151,13 @@ class PrefixCache:
         """Every cached page id."""
         return list(self._by_page)
 
+    def entry(self, page: int):
+        """What the cache records for ``page`` (its ``group``, ``key``,
+        ``parent_key``, ``tokens`` and ``extra``), or None if it is not
+        cached; read before the page is evicted, to keep it in another tier
+        (:mod:`paged_jax.tiers.offload`)."""
+        return self._by_page.get(page)
+
     def _verified(self, group: int, tokens: Sequence[int], keys: Sequence[bytes], extra: Hashable, j: int,
                   parent: int | None) -> int | None:
         """The cached page holding page ``j`` of ``tokens`` in ``group``, its

@@ -20,7 +20,7 @@ checked through the hash chain alone, the one place a host hit rests on
 SHA-256 (as a sliding-window group's device hit does).
 
 Everything here is host-side bookkeeping and NumPy; which pages leave and
-return, and when the copies run, is the KV manager's.
+return, and when the copies run, is :mod:`paged_jax.tiers.offload`'s.
 """
 
 from __future__ import annotations
