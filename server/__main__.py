@@ -34,7 +34,7 @@ from models.llm import LLM
 from paged_jax.jit_stats import enable_persistent_cache
 from paged_jax.profiling import ProfileSpec, add_profile_args, check_profile_args
 from paged_jax.speculative.config import add_speculative_flags, speculative_from_args
-from paged_jax.tiers.offload import add_tier_flags, host_cache_bytes_from_args
+from paged_jax.tiers.offload import add_tier_flags, tier_options_from_args
 from server.app import build_app
 from server.limits import RequestLimits, add_limit_args, limit_args
 
@@ -75,9 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_tier_flags(p)
     args = p.parse_args(argv)
     args.speculative_config = speculative_from_args(p, args)
-    args.host_cache_bytes = host_cache_bytes_from_args(p, args)
-    if args.host_cache_bytes and args.no_prefix_caching:
-        p.error("--host-cache-gib keeps the prefix cache's evicted pages: it needs prefix caching "
+    args.tier_options = tier_options_from_args(p, args)
+    if (args.tier_options["host_cache_bytes"] or args.disk_cache_dir) and args.no_prefix_caching:
+        p.error("--host-cache-gib and --disk-cache-dir keep the prefix cache's pages: they need prefix caching "
                 "(drop --no-prefix-caching)")
     check_profile_args(p, args)
     args.limit_bounds = limit_args(p, args)
@@ -119,7 +119,7 @@ def main(argv=None) -> None:
                   page_size=args.page_size, max_seqs=args.max_seqs, max_seq_len=args.max_seq_len,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=not args.no_prefix_caching, speculative=args.speculative_config,
-                  host_cache_bytes=args.host_cache_bytes)
+                  **args.tier_options)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"python -m server: {e}") from None
     limits = RequestLimits.for_context(llm.engine.config.max_seq_len, vocab_size=llm.engine.vocab_size,

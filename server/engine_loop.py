@@ -95,10 +95,10 @@ class EngineSnapshot:
     (``time.time()``). Counters are totals since the engine was made
     (:class:`paged_jax.engine.stats.EngineStats`: ``prompt_tokens`` are counted at
     a request's first admission, ``prefix_hit_tokens`` of them came from the
-    prefix cache, ``host_hit_tokens`` of those from the host tier; ``spec_*``
-    count speculative decoding's verifications, proposed and accepted
-    tokens; ``host_*`` the host tier's traffic and bytes,
-    :class:`paged_jax.tiers.offload.TierStats`); pages are
+    prefix cache; ``spec_*`` count speculative decoding's verifications,
+    proposed and accepted tokens; ``tiers`` the host and disk tiers'
+    counters, :class:`paged_jax.tiers.offload.TierStats`, and their bytes
+    used and allowed); pages are
     :meth:`Engine.accounting`'s (free + cached + used = total), counted at
     most every :data:`PAGES_EVERY_S` seconds while the engine is busy."""
 
@@ -121,13 +121,7 @@ class EngineSnapshot:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_by_position: tuple[int, ...] = ()
-    host_hit_tokens: int = 0
-    host_spilled_pages: int = 0
-    host_spilled_bytes: int = 0
-    host_loaded_pages: int = 0
-    host_loaded_bytes: int = 0
-    host_used_bytes: int = 0
-    host_capacity_bytes: int = 0
+    tiers: dict = dataclasses.field(default_factory=dict)  # tier -> TierStats fields + used and capacity bytes
 
 
 @dataclasses.dataclass
@@ -519,11 +513,10 @@ class EngineLoop:
             spec_drafts=stats.spec_verifications, spec_draft_tokens=stats.spec_proposed,
             spec_accepted_tokens=stats.spec_accepted,
             spec_accepted_by_position=tuple(stats.spec_accepted_by_position),
-            host_hit_tokens=stats.host.hit_tokens, host_spilled_pages=stats.host.spilled_pages,
-            host_spilled_bytes=stats.host.spilled_bytes, host_loaded_pages=stats.host.loaded_pages,
-            host_loaded_bytes=stats.host.loaded_bytes,
-            host_used_bytes=0 if offload is None else offload.tier.used_bytes,
-            host_capacity_bytes=0 if offload is None else offload.tier.capacity_bytes,
+            tiers={name: {**dataclasses.asdict(getattr(stats, name)),
+                          "used_bytes": 0 if tier is None else tier.used_bytes,
+                          "capacity_bytes": 0 if tier is None else tier.capacity_bytes}
+                   for name, tier in (("host", offload and offload.host), ("disk", offload and offload.disk))},
         )
 
 

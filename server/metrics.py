@@ -87,21 +87,29 @@ class _EngineCollector(Collector):
                                       "Prompt tokens served from the prefix cache, by the tier that held them "
                                       "(device: the KV pool; host: loaded back from host memory).",
                                       labels=labels + ["tier"])
-        by_tier.add_metric(value + ["device"], s.prefix_hit_tokens - s.host_hit_tokens)
-        by_tier.add_metric(value + ["host"], s.host_hit_tokens)
+        tiers = {t: s.tiers.get(t, {}) for t in ("host", "disk")}
+        by_tier.add_metric(value + ["device"], s.prefix_hit_tokens - sum(t.get("hit_tokens", 0)
+                                                                          for t in tiers.values()))
+        for name, t in tiers.items():
+            by_tier.add_metric(value + [name], t.get("hit_tokens", 0))
         yield by_tier
-        for unit, spilled, loaded in (("pages", s.host_spilled_pages, s.host_loaded_pages),
-                                      ("bytes", s.host_spilled_bytes, s.host_loaded_bytes)):
+        for unit in ("pages", "bytes"):
             moved = CounterMetricFamily(PREFIX + f"kv_tier_{unit}_moved",
-                                        f"KV {unit} moved between the device pool and the host tier: spilled (a "
-                                        "cached page the pool evicted) and loaded (a hit brought back).",
-                                        labels=labels + ["tier", "direction"])
-            moved.add_metric(value + ["host", "spilled"], spilled)
-            moved.add_metric(value + ["host", "loaded"], loaded)
+                                        f"KV {unit} moved between the device pool and a tier: spilled (to the host "
+                                        "tier when the pool evicts a cached page, to the disk tier once computed) "
+                                        "and loaded (a hit brought back).", labels=labels + ["tier", "direction"])
+            for name, t in tiers.items():
+                moved.add_metric(value + [name, "spilled"], t.get(f"spilled_{unit}", 0))
+                moved.add_metric(value + [name, "loaded"], t.get(f"loaded_{unit}", 0))
             yield moved
-        yield gauge("kv_tier_host_used_bytes", "Bytes of K/V the host tier holds.", s.host_used_bytes)
-        yield gauge("kv_tier_host_capacity_bytes", "Bytes of K/V the host tier may hold (--host-cache-gib).",
-                    s.host_capacity_bytes)
+        for kind, doc in (("used", "holds"), ("capacity", "may hold (--host-cache-gib, --disk-cache-gib)")):
+            g = GaugeMetricFamily(PREFIX + f"kv_tier_{kind}_bytes", f"Bytes of K/V each tier {doc}.",
+                                  labels=labels + ["tier"])
+            for name, t in tiers.items():
+                g.add_metric(value + [name], t.get(f"{kind}_bytes", 0))
+            yield g
+        yield counter("kv_tier_refused_files", "Disk tier files refused when read (short, corrupted, another "
+                      "model's, or gone): never served.", tiers["disk"].get("refused_files", 0))
         yield counter("num_preemptions", "Preemptions (recompute or swap).", s.preemptions)
         yield counter("engine_iterations", "Engine scheduler iterations.", s.iterations)
         yield counter("compile_seconds", "Seconds JAX spent tracing, lowering and compiling (or loading from the "

@@ -17,11 +17,13 @@ from models.config import LlamaConfig
 from models.llm import LLM
 from models.presets import PRESETS
 from paged_jax.engine.core import Engine, EngineConfig, Request
+from paged_jax.engine.sampling import SamplingParams
 from paged_jax.paging.kv_cache import KVPool, init_kv_pool
 from paged_jax.paging.prefix_cache import ROOT_KEY, PrefixCache, chain_keys
 from paged_jax.simulator.engine import SimulatedEngine
 from paged_jax.tiers.host import HostTier
-from paged_jax.tiers.offload import HostOffload, TierStats
+from paged_jax.tiers.disk import DiskTier
+from paged_jax.tiers.offload import Offload, TierStats
 from tests.engine_helpers import PAGE, VOCAB, ToyModel, check_accounting, make_engine, toy_params, toy_pool
 
 PAGE_BYTES = 2 * toy_pool(2).k[:, :, :1].nbytes  # K and V of one page of the toy pool (f32)
@@ -85,22 +87,30 @@ def test_pages_come_back_bit_for_bit():
         np.testing.assert_array_equal(np.asarray(jax.device_get(new))[:, :, after], old)
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_outputs_equal_with_the_tier_on_and_off_under_pressure(overlap):
-    """Repeated prompts in a pool that cannot keep them, recompute
-    preemption included: greedy outputs with the tier equal those without,
-    and the tier served some of the hits."""
+@pytest.mark.parametrize("overlap, sampling, mode", [
+    (True, None, "recompute"), (False, None, "recompute"),
+    (True, SamplingParams(n=2, temperature=0.8, seed=3), "swap"),
+    pytest.param(True, SamplingParams(beam_width=2), "recompute", marks=pytest.mark.slow)],
+    ids=["greedy", "greedy-sync", "parallel-swap", "beams"])
+def test_outputs_equal_with_the_tier_on_and_off_under_pressure(overlap, sampling, mode):
+    """Repeated prompts in a pool that cannot keep them, preemption
+    included (by recompute, or swap for parallel samples): outputs with
+    the tier equal those without, and the tier served some of the hits."""
     rng = np.random.default_rng(7)
     bases = _prompts(8, 5, length=30)
     reqs = [Request(request_id=i, prompt_ids=bases[i % 5] + rng.integers(0, VOCAB, size=3).tolist(),
-                    max_new_tokens=int(rng.integers(5, 25))) for i in range(20)]
+                    max_new_tokens=int(rng.integers(5, 25)), sampling=sampling or SamplingParams())
+            for i in range(20)]
     outs = {}
     for host in (0, 200 * PAGE_BYTES):
-        engine = make_engine(num_pages=30, max_seqs=4, overlap=overlap, host_cache_bytes=host)
-        outs[host] = {o.request_id: o.output_ids for o in engine.run(reqs)}
+        engine = make_engine(num_pages=30 if sampling is None else 32, max_seqs=4 if sampling is None else 6,
+                             overlap=overlap, host_cache_bytes=host,
+                             preemption_mode=mode)
+        outs[host] = {o.request_id: [c.output_ids for c in o.outputs] for o in engine.run(reqs)}
         check_accounting(engine)
     assert outs[0] == outs[200 * PAGE_BYTES]
-    assert engine.stats.host.hit_tokens > 0 and engine.stats.host.spilled_pages > 0
+    assert engine.stats.host.hit_tokens > 0 and engine.stats.host.spilled_pages > 0 and engine.stats.preemptions > 0
+    assert (engine.stats.swap_outs > 0) == (mode == "swap")
 
 
 @pytest.fixture()
@@ -146,11 +156,11 @@ def test_a_tier_too_small_degrades_to_none_and_a_small_one_evicts():
     _, again = _churn(none, prompt, others)
     assert again.output_ids == base.output_ids and again.num_cached_tokens == base.num_cached_tokens
     st = none.stats.host
-    assert st.refused_pages > 0 and st.spilled_pages == st.hit_tokens == 0 and len(none.kv_manager.offload.tier) == 0
+    assert st.refused_pages > 0 and st.spilled_pages == st.hit_tokens == 0 and len(none.kv_manager.offload.host) == 0
     small = make_engine(num_pages=24, host_cache_bytes=3 * PAGE_BYTES)
     _, again = _churn(small, prompt, others)
     assert again.output_ids == base.output_ids
-    tier = small.kv_manager.offload.tier
+    tier = small.kv_manager.offload.host
     assert len(tier) == 3 and tier.used_bytes == 3 * PAGE_BYTES and small.stats.host.evicted_pages > 0
 
 
@@ -158,20 +168,21 @@ def test_reset_prefix_cache_forgets_the_host_tier_too():
     prompt, *others = _prompts(2, 4)
     engine = make_engine(num_pages=24, host_cache_bytes=1000 * PAGE_BYTES)
     _churn(engine, prompt, others)
-    assert len(engine.kv_manager.offload.tier) > 0
+    assert len(engine.kv_manager.offload.host) > 0
     engine.reset_prefix_cache()
-    assert len(engine.kv_manager.offload.tier) == 0 and engine.kv_manager.offload.pending_pages == 0
+    assert len(engine.kv_manager.offload.host) == 0 and engine.kv_manager.offload.pending_pages == 0
     (out,) = engine.run([Request(request_id="after", prompt_ids=prompt, max_new_tokens=3)])
     assert out.num_cached_tokens == 0
 
 
-def test_a_non_finite_page_is_never_stored():
-    """A page whose K/V hold NaN (a poisoned call's) is refused when its
-    copy reaches the host, and counted."""
+def test_a_non_finite_page_is_never_stored(tmp_path):
+    """A page whose K/V hold NaN (a poisoned call's) is refused by every
+    tier when its copy reaches the host, and counted; a finite one is
+    stored in both."""
     pool = init_kv_pool(num_layers=1, num_kv_heads=1, num_pages=4, page_size=PAGE, head_dim=8, dtype=jnp.float32)
     pool = KVPool(k=pool.k.at[:, :, 2].set(jnp.nan), v=pool.v)
-    cache, stats = PrefixCache(PAGE), TierStats()
-    offload = HostOffload(HostTier(1 << 20, PAGE), stats)
+    cache, host_stats, disk_stats = PrefixCache(PAGE), TierStats(), TierStats()
+    offload = Offload(HostTier(1 << 20, PAGE), DiskTier(tmp_path, 1 << 20, PAGE, "ab" * 32), host_stats, disk_stats)
     tokens = list(range(2 * PAGE))
     keys = chain_keys(tokens, PAGE, (), [])
     cache.insert(1, tokens, keys, (), 0)
@@ -180,10 +191,12 @@ def test_a_non_finite_page_is_never_stored():
         offload.note_evicted(page, cache.entry(page))
     assert offload.pending_pages == 2
     offload.dispatch(pool)
-    assert offload.lookup(tokens + [0], keys, (), 0, 2) == offload.tier.lookup(tokens, keys, (), 0, 2)
-    assert [p.key for p in offload.tier.lookup(tokens, keys, (), 0, 2)] == [keys[0]]
-    assert stats.spilled_pages == 1 and stats.refused_pages == 1 and offload.pending_pages == 0
-    assert offload.tier.lookup(tokens, keys, (), 0, 2)[0].parent_key == ROOT_KEY
+    run = offload.lookup(tokens + [0], keys, (), 0, 2)
+    assert [p.key for p in run.host] == [keys[0]] and run.disk == []  # the disk run starts after the host's
+    assert [p.key for p in offload.disk.lookup(tokens, keys, (), 0, 2)] == [keys[0]]
+    for st in (host_stats, disk_stats):
+        assert st.spilled_pages == 1 and st.refused_pages == 1
+    assert offload.pending_pages == 0 and run.host[0].parent_key == ROOT_KEY
 
 
 class _FixedStepTime:
@@ -196,9 +209,108 @@ def test_bad_settings_are_refused_by_name():
         EngineConfig(host_cache_bytes=-1)
     with pytest.raises(ValueError, match=r"host_cache_bytes=8 needs enable_prefix_caching=True"):
         EngineConfig(host_cache_bytes=8, enable_prefix_caching=False)
-    with pytest.raises(ValueError, match=r"host_cache_bytes=8: the host tier serves models whose layers all attend"):
+    with pytest.raises(ValueError, match=r"host_cache_bytes=8: the KV tiers serve models whose layers all attend"):
         Engine(ToyModel(toy_params(), window=8), toy_pool(40),
                EngineConfig(max_seqs=2, max_seq_len=40, max_num_batched_tokens=16, host_cache_bytes=8),
                vocab_size=VOCAB)
-    with pytest.raises(ValueError, match=r"config.host_cache_bytes=8: the simulated accelerator has no K/V"):
+    with pytest.raises(ValueError, match=r"config.host_cache_bytes=8, disk_cache_dir=None: the simulated accelerator has no K/V"):
         SimulatedEngine(_FixedStepTime(), EngineConfig(host_cache_bytes=8), num_pages=300, page_size=16, vocab_size=100)
+
+
+# ------------------------------------------------------------------ disk
+
+
+def _disk_engine(folder, num_pages=24, disk_bytes=1 << 20, **kw):
+    return make_engine(num_pages=num_pages, disk_cache_dir=str(folder), disk_cache_bytes=disk_bytes, **kw)
+
+
+def test_a_second_engine_on_the_same_folder_hits_what_the_first_computed(tmp_path):
+    """The disk tier outlives its engine: a new engine of the same model on
+    the folder serves the whole prompt from it, bit for bit (the same
+    tokens); a model of other weights hits nothing and names the folder's
+    other fingerprint."""
+    prompt = _prompts(2, 1)[0]
+    first = _disk_engine(tmp_path)
+    (a,) = first.run([Request(request_id="a", prompt_ids=prompt, max_new_tokens=20)])
+    assert first.stats.disk.spilled_pages == (40 + 20 - 1) // PAGE == len(first.kv_manager.offload.disk)
+    second = _disk_engine(tmp_path)
+    (b,) = second.run([Request(request_id="b", prompt_ids=prompt, max_new_tokens=20)])
+    assert b.output_ids == a.output_ids and b.num_cached_tokens == b.num_disk_cached_tokens == 36
+    assert second.stats.disk.loaded_pages == second.stats.disk.hit_pages == 9 and second.stats.disk.hit_tokens == 36
+    other = Engine(ToyModel(toy_params(seed=1)), toy_pool(24),
+                   EngineConfig(max_seqs=8, max_seq_len=80, max_num_batched_tokens=64, disk_cache_dir=str(tmp_path),
+                                disk_cache_bytes=1 << 20), vocab_size=VOCAB)
+    (c,) = other.run([Request(request_id="c", prompt_ids=prompt, max_new_tokens=2)])
+    assert c.num_cached_tokens == 0 and other.kv_manager.offload.disk.foreign_fingerprints == [
+        first.kv_manager.offload.disk.fingerprint[:32]]
+
+
+def test_bad_files_mid_run_are_refused_and_recomputed(tmp_path):
+    prompt = _prompts(2, 1)[0]
+    (a,) = _disk_engine(tmp_path).run([Request(request_id="a", prompt_ids=prompt, max_new_tokens=20)])
+    keys = chain_keys(prompt, PAGE, (None,), [])
+    second = _disk_engine(tmp_path)
+    disk = second.kv_manager.offload.disk
+    path = disk.path(0, keys[3])
+    path.write_bytes(path.read_bytes()[:-7])  # torn after the engine opened the folder
+    disk.path(0, keys[6]).unlink()  # deleted
+    (b,) = second.run([Request(request_id="b", prompt_ids=prompt, max_new_tokens=20)])
+    assert b.output_ids == a.output_ids and b.num_disk_cached_tokens == 3 * PAGE  # pages 0-2, then the torn one
+    assert second.stats.disk.refused_files == 1 and disk.refused == {"truncated": 1}
+    assert disk.read(0, keys[3]) is not None  # deleted, recomputed and stored whole again
+
+
+def test_one_hit_spans_device_host_and_disk(tmp_path):
+    """A small pool keeps a chain's head, a small host tier the middle it
+    spilled last, the disk every page: one hit takes all three."""
+    prompt, other = _prompts(2, 2)
+    engine = _disk_engine(tmp_path, host_cache_bytes=3 * PAGE_BYTES)
+    # The prompt's 15 pages are freed tail first; the other request's 20 take the 8 never used, then 12 of
+    # them from the tail: pages 0-2 stay on device, the host keeps the last 3 it took (3-5), the disk all.
+    first, again = _churn(engine, prompt, [other])
+    assert again.output_ids == first.output_ids and again.num_cached_tokens == 36
+    device = again.num_cached_tokens - again.num_host_cached_tokens - again.num_disk_cached_tokens
+    assert (device, again.num_host_cached_tokens, again.num_disk_cached_tokens) == (12, 12, 12)
+
+
+def test_a_full_or_failing_disk_degrades_to_no_tier(tmp_path, monkeypatch):
+    prompt, *others = _prompts(2, 4)
+    _, base = _churn(make_engine(num_pages=24), prompt, others)
+    full = _disk_engine(tmp_path / "full", disk_bytes=100)  # smaller than one page file
+    _, again = _churn(full, prompt, others)
+    assert again.output_ids == base.output_ids and again.num_disk_cached_tokens == 0
+    assert full.stats.disk.refused_pages > 0 and full.stats.disk.spilled_pages == 0
+
+    def fail(self, page):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(DiskTier, "put", fail)
+    failing = _disk_engine(tmp_path / "failing")
+    _, again = _churn(failing, prompt, others)
+    assert again.output_ids == base.output_ids and failing.stats.disk.refused_pages > 0
+
+
+def test_reset_and_new_weights_leave_no_stale_page_on_disk(tmp_path):
+    prompt = _prompts(2, 1)[0]
+    engine = _disk_engine(tmp_path)
+    engine.run([Request(request_id="a", prompt_ids=prompt, max_new_tokens=4)])
+    disk = engine.kv_manager.offload.disk
+    assert len(disk) > 0
+    engine.reset_prefix_cache()
+    assert len(disk) == 0 and not list(disk.root.rglob("*.kv"))
+    engine.run([Request(request_id="b", prompt_ids=prompt, max_new_tokens=4)])
+    old = engine.kv_manager.offload.disk.fingerprint
+    engine.update_weights(toy_params(seed=2))
+    assert engine.kv_manager.offload.disk.fingerprint != old
+    (c,) = engine.run([Request(request_id="c", prompt_ids=prompt, max_new_tokens=4)])
+    assert c.num_cached_tokens == 0
+
+
+def test_disk_settings_are_refused_by_name(tmp_path):
+    for kwargs, words in [(dict(disk_cache_dir=str(tmp_path)), "needs disk_cache_bytes > 0"),
+                          (dict(disk_cache_bytes=5), "disk_cache_bytes=5 without disk_cache_dir"),
+                          (dict(disk_cache_dir=str(tmp_path), disk_cache_bytes=5, enable_prefix_caching=False),
+                           "needs enable_prefix_caching=True"),
+                          (dict(disk_cache_dir=7, disk_cache_bytes=5), "disk_cache_dir must be a folder path")]:
+        with pytest.raises(ValueError, match=words):
+            EngineConfig(**kwargs)

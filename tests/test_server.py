@@ -255,7 +255,7 @@ def test_cached_tokens_count_prefix_hits_and_respect_the_salt(client):
     assert salted.usage.prompt_tokens_details.cached_tokens == 0
     assert again.choices[0].text == first.choices[0].text == salted.choices[0].text
     assert again.usage.prompt_tokens_details.model_dump()["cached_tokens_by_tier"] == {
-        "device": again.usage.prompt_tokens_details.cached_tokens, "host": 0}
+        "device": again.usage.prompt_tokens_details.cached_tokens, "host": 0, "disk": 0}
 
 
 def test_a_prefix_the_pool_evicted_is_served_from_the_host_tier(http, client):
@@ -274,12 +274,13 @@ def test_a_prefix_the_pool_evicted_is_served_from_the_host_tier(http, client):
     tiers = details.model_dump()["cached_tokens_by_tier"]
     assert again.choices[0].text == first.choices[0].text
     assert details.cached_tokens == (n - 1) // 16 * 16 and tiers["host"] > 0
-    assert tiers["device"] + tiers["host"] == details.cached_tokens
+    assert tiers["device"] + tiers["host"] == details.cached_tokens and tiers["disk"] == 0
     hits = ("paged_jax:prefix_cache_hits_by_tier_total", (("model_name", MODEL), ("tier", "host")))
     assert after[hits] - before[hits] == tiers["host"]
     loaded = ("paged_jax:kv_tier_bytes_moved_total", (("direction", "loaded"), ("model_name", MODEL), ("tier", "host")))
     assert after[loaded] - before[loaded] == tiers["host"] // 16 * 737_280
-    assert 0 < after[("paged_jax:kv_tier_host_used_bytes", (("model_name", MODEL),))] <= 128 * 737_280
+    assert 0 < after[("paged_jax:kv_tier_used_bytes", (("model_name", MODEL), ("tier", "host")))] <= 128 * 737_280
+    assert after[("paged_jax:kv_tier_capacity_bytes", (("model_name", MODEL), ("tier", "disk")))] == 0
 
 
 # ------------------------------------------------------------------ errors
@@ -496,8 +497,11 @@ def test_request_limits_defaults_flags_and_refusals(capsys):
         with pytest.raises(ValueError, match=re.escape(words)):
             RequestLimits.for_context(256, token_floor=floor, vocab_size=10, **bad)
     args = server_main.parse_args(["--max-body-bytes", "5000", "--max-stop-chars", "9"])
-    assert args.limit_bounds == {"max_body_bytes": 5000, "max_stop_chars": 9} and args.host_cache_bytes == 0
-    assert server_main.parse_args(["--host-cache-gib", "0.5"]).host_cache_bytes == 1 << 29
+    assert args.limit_bounds == {"max_body_bytes": 5000, "max_stop_chars": 9}
+    assert args.tier_options == {"host_cache_bytes": 0, "disk_cache_bytes": 0, "disk_cache_dir": None}
+    assert server_main.parse_args(["--host-cache-gib", "0.5", "--disk-cache-dir", "d", "--disk-cache-gib", "2"
+                                   ]).tier_options == {"host_cache_bytes": 1 << 29, "disk_cache_bytes": 1 << 31,
+                                                       "disk_cache_dir": "d"}
     with pytest.raises(SystemExit):
         server_main.parse_args(["--max-prompts", "0"])
     assert "--max-prompts must be >= 1, got 0" in capsys.readouterr().err
@@ -830,7 +834,9 @@ def test_server_profile_traces_steps_after_the_first_request(llm, tmp_path):
     (["--profile", "/proc/no-such-folder"], "--profile '/proc/no-such-folder' is not a folder that can be created"),
     (["--host-cache-gib", "-1"], "--host-cache-gib must be a finite number >= 0, got -1.0"),
     (["--host-cache-gib", "nan"], "--host-cache-gib must be a finite number >= 0, got nan"),
-    (["--host-cache-gib", "1", "--no-prefix-caching"], "--host-cache-gib keeps the prefix cache's evicted pages"),
+    (["--host-cache-gib", "1", "--no-prefix-caching"], "--host-cache-gib and --disk-cache-dir keep the prefix"),
+    (["--disk-cache-dir", "/tmp/x"], "--disk-cache-dir and --disk-cache-gib go together"),
+    (["--disk-cache-gib", "1"], "--disk-cache-dir and --disk-cache-gib go together"),
 ])
 def test_server_refuses_bad_profile_and_tier_flags(argv, words, capsys):
     with pytest.raises(SystemExit):

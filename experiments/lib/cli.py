@@ -34,6 +34,10 @@ def kv_dtype_name(value: str) -> str:
 
 
 FLAGS: dict[str, dict] = {
+    "model": dict(default="smollm2",
+                  help="'smollm2' (the packaged GGUF, default), a Hugging Face checkpoint folder, a random-weight "
+                       "preset or 'toy' (a two-layer random decoder; packaged ShareGPT lengths, random ids)"),
+    "max_batched_tokens": dict(type=int, default=256, help="tokens per model call (default %(default)s)"),
     "out": dict(type=pathlib.Path, default=RESULTS,
                 help="results folder (default: the repository's results/, replacing the tables committed there)"),
     "seed": dict(type=int, default=0, help="ShareGPT shuffle seed (default %(default)s)"),
@@ -53,7 +57,7 @@ FLAGS: dict[str, dict] = {
 arguments of ``ArgumentParser.add_argument``. A script that needs another
 default for its experiment (``--num-requests 12``) says so where it adds
 the flag."""
-POSITIVE = frozenset({"num_requests", "max_output_len", "page_size", "max_seqs"})
+POSITIVE = frozenset({"num_requests", "max_output_len", "page_size", "max_seqs", "max_batched_tokens"})
 """Flags of :data:`FLAGS` that :func:`check_flags` requires to be >= 1."""
 
 

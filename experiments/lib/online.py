@@ -35,6 +35,13 @@ The pieces, in the order a run uses them:
   reservation differs: same engine, model, batching and kernels. A name
   ending ``-nocache`` (``oracle-nocache``) serves without prefix caching.
 * the workloads (:mod:`experiments.lib.workloads`): what the requests ask for.
+* :func:`run_conversations`: multi-turn chat replayed turn by turn: first
+  turns arrive as a Poisson process, each later turn a think time after the
+  previous answer's last token, its prompt the previous prompt, the answer
+  the engine *generated* (its ids, as a chat client sends back what it was
+  shown) and the new user message, so the whole conversation so far is a
+  prefix a cache can serve, if it kept it while the engine served the other
+  conversations (:func:`experiments.lib.workloads.sharegpt_conversations`).
 * :func:`warm_up`: compiles every program an engine of the same model
   object can run (each token bucket with decode tokens only, prefill chunks
   only, and both), so that compilation, which an engine's programs share
@@ -49,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import heapq
 import pathlib
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -82,12 +90,12 @@ from experiments.lib.latency import (  # noqa: E402
 )
 from experiments.lib.policies import ALL_POLICIES, POLICIES, POLICY_LABELS, engine_options, split_policy  # noqa: E402, F401
 from experiments.lib.sharegpt import MAX_SEQ_LEN, PACKAGED_LIMIT  # noqa: E402
-from experiments.lib.workloads import Workload, describe, workload  # noqa: E402, F401  (re-exported: bench_serving)
+from experiments.lib.workloads import Conversation, Workload, describe, workload  # noqa: E402, F401  (re-exported: bench_serving)
 from models.config import LlamaConfig  # noqa: E402
 from models.llama import Llama  # noqa: E402
 from models.presets import PRESETS  # noqa: E402
 from models.ragged import RaggedModel  # noqa: E402
-from paged_jax.checks import check_bool, check_choice  # noqa: E402
+from paged_jax.checks import check_bool, check_choice, check_float  # noqa: E402
 from paged_jax.engine.core import Engine  # noqa: E402
 from paged_jax.engine.requests import Request, RequestOutput  # noqa: E402
 from paged_jax.jit_stats import CompileCounts, CompileMonitor  # noqa: E402
@@ -199,6 +207,97 @@ def run_online(engine: Engine, requests: Sequence[Request], arrivals: Sequence[f
     end = max((r.finish_s for r in records), default=start)
     return OnlineRun(outputs=outs, records=records, start_s=start, end_s=end, running_times=times,
                      running_counts=counts)
+
+
+# ------------------------------------------------------------ multi-turn
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ConversationRun:
+    """What :func:`run_conversations` saw.
+
+    Attributes:
+      outputs: every turn's output, by ``(conv_id, turn)``.
+      records: every turn's record, in the order the turns finished.
+      turns: ``(conv_id, turn)`` of each record.
+      start_s, end_s: the engine-clock times of the first arrival and the
+        last finish.
+    """
+
+    outputs: dict
+    records: list[RequestRecord]
+    turns: list[tuple[int, int]]
+    start_s: float
+    end_s: float
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+def run_conversations(engine: Engine, conversations: Sequence[Conversation], *, conversation_rate: float,
+                      think_s: float, seed: int = 0) -> ConversationRun:
+    """Replays ``conversations`` on ``engine`` (greedy, EOS ignored, each
+    answer exactly its length): first turns arrive as a Poisson process of
+    ``conversation_rate`` conversations a second (``inf``: all at once),
+    each later turn a think time after the previous answer finished, drawn
+    exponential with mean ``think_s`` seconds (0: at once) from ``seed``.
+
+    Raises:
+      ValueError: an argument out of range, or the engine busy.
+    """
+    think_s = check_float("think_s", think_s, 0.0)
+    if engine.has_unfinished():
+        raise ValueError("the engine already has unfinished requests")
+    rng = np.random.default_rng(seed)
+    start = engine.clock()
+    firsts = arrival_times(len(conversations), conversation_rate, seed=seed) if conversations else []
+    due: list[tuple[float, int, int, list[int]]] = [
+        (start + float(t), c.conv_id, 0, list(c.turns[0][0])) for c, t in zip(conversations, firsts)]
+    heapq.heapify(due)
+    by_id = {c.conv_id: c for c in conversations}
+    arrival: dict = {}
+    outputs: dict = {}
+    records, turns = [], []
+    while due or engine.has_unfinished():
+        now = engine.clock()
+        while due and due[0][0] <= now:
+            t, conv, turn, prompt = heapq.heappop(due)
+            arrival[(conv, turn)] = t
+            engine.add_request(Request(request_id=(conv, turn), prompt_ids=prompt,
+                                       max_new_tokens=by_id[conv].turns[turn][1], ignore_eos=True))
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, due[0][0] - engine.clock()))
+            continue
+        for out in engine.step():
+            if not out.finished:
+                continue
+            key = out.request_id
+            outputs[key] = out
+            records.append(RequestRecord.from_output(out, arrival_s=arrival[key]))
+            turns.append(key)
+            conv, turn = key
+            turns_left = by_id[conv].turns
+            if turn + 1 < len(turns_left):
+                prompt = list(out.prompt_ids) + list(out.outputs[0].output_ids) + list(turns_left[turn + 1][0])
+                wait = float(rng.exponential(think_s)) if think_s else 0.0
+                heapq.heappush(due, (engine.clock() + wait, conv, turn + 1, prompt))
+    end = max((r.finish_s for r in records), default=start)
+    return ConversationRun(outputs=outputs, records=records, turns=turns, start_s=start, end_s=end)
+
+
+def check_outputs_equal(runs: Sequence[ConversationRun]) -> int:
+    """Turns whose output ids are the same in every run (greedy replays of
+    the same conversations)."""
+    keys = set.intersection(*(set(r.outputs) for r in runs)) if runs else set()
+    return sum(all(r.outputs[k].outputs[0].output_ids == runs[0].outputs[k].outputs[0].output_ids for r in runs)
+               for k in keys)
+
+
+def hit_tokens(outputs: Sequence[RequestOutput]) -> tuple[int, int, int]:
+    """``(prompt tokens, cached tokens, of them from the host tier)`` over
+    ``outputs``."""
+    return (sum(len(o.prompt_ids) for o in outputs), sum(o.num_cached_tokens for o in outputs),
+            sum(o.num_host_cached_tokens for o in outputs))
 
 
 # ---------------------------------------------------------------- warm-up

@@ -321,3 +321,26 @@ def plot_plan(path: pathlib.Path, by_fraction: Sequence[dict], by_page: Sequence
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
+
+
+def plot_host_tier(path: pathlib.Path, rows: Sequence[dict], *, title: str) -> None:
+    """The KV tiers' benchmark (:mod:`experiments.serving.kv_tiers`): prefix
+    hit rate (left axis) and TTFT p50 of the turns after the first (right
+    axis) against the host tier's size, in multiples of the working set's
+    K/V; ``rows`` hold ``host_over_working_set``, ``hit_rate``,
+    ``later_ttft_p50_ms``."""
+    x = [r["host_over_working_set"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    ax.plot(x, [r["hit_rate"] for r in rows], "o-", color=COLORS[0], label="prefix hit rate")
+    ax.set_xlabel("host tier size / working set's K/V")
+    ax.set_ylabel("prefix hit rate (prompt tokens served from a cache)", color=COLORS[0])
+    ax.set_ylim(0, 1)
+    right = ax.twinx()
+    right.plot(x, [r["later_ttft_p50_ms"] for r in rows], "s--", color=COLORS[1], label="TTFT p50, turns 2+")
+    right.set_ylabel("TTFT p50 of turns 2+ (ms)", color=COLORS[1])
+    right.set_ylim(0, None)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

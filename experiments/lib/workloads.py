@@ -35,6 +35,17 @@ consecutive packaged rounds (prompt ids and random answer ids of the
 round's output length) before the next round's prompt, cut to the last
 ``max_prompt_len``.
 
+Multi-turn chat (:func:`sharegpt_conversations`, the KV tiers' benchmark,
+:mod:`experiments.serving.kv_tiers`): whole conversations, replayed turn by
+turn (:func:`experiments.lib.online.run_conversations`). A conversation is a
+list of turns, each the user's message as token ids in the chat template
+(the end of the previous answer, the user's turn, the assistant's header)
+and the length of the answer it gets: ShareGPT conversations of two or more
+complete rounds, in an order shuffled with the seed, the dataset's answer
+lengths capped; a conversation ends at its last round or before the turn
+whose prompt and answer would pass ``max_context`` tokens. Without a
+tokenizer, the turns are the packaged lengths with random ids.
+
 Every workload is deterministic in its seed: the ShareGPT shuffle, the
 drawn rounds, the random ids.
 """
@@ -423,6 +434,105 @@ def chatbot_requests(tokenizer, *, max_prompt_len: int, num_requests: int, max_o
                 return requests
     raise ValueError(f"only {len(requests)} of {len(chats)} conversations of two or more rounds qualify; asked for "
                      f"num_requests={num_requests}")
+
+
+# ------------------------------------------------------------ multi-turn
+
+_SENTINEL = "\x00paged-jax-answer\x00"
+"""An answer's stand-in while the template around it is rendered."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversation:
+    """Turns of one conversation.
+
+    Attributes:
+      conv_id: its index.
+      turns: per turn, ``(user ids, answer tokens)``: the first turn's ids
+        are the whole templated prompt (system prompt included), a later
+        turn's the template's tokens that follow the previous answer.
+    """
+
+    conv_id: int
+    turns: tuple[tuple[tuple[int, ...], int], ...]
+
+    def context_len(self, turns: int | None = None) -> int:
+        """Tokens of its context once ``turns`` turns (default all) are
+        answered: every user turn's ids and every answer."""
+        return sum(len(ids) + n for ids, n in self.turns[:turns])
+
+
+def _continuation(tokenizer, user_text: str) -> list[int]:
+    """The template's ids between an answer and the assistant's next
+    answer: the answer's end, the user's turn, the assistant's header."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "x"},
+                                          {"role": "assistant", "content": _SENTINEL},
+                                          {"role": "user", "content": user_text}])
+    return tokenizer.encode(text.split(_SENTINEL, 1)[1])
+
+
+def sharegpt_conversations(tokenizer, *, num_conversations: int, max_turns: int, max_context: int,
+                           max_output_len: int, seed: int = 0, vocab_size: int | None = None,
+                           conversations: Sequence[dict] | None = None) -> list[Conversation]:
+    """``num_conversations`` conversations of 2 to ``max_turns`` turns (the
+    module docstring).
+
+    Args:
+      tokenizer: a chat tokenizer, or None for packaged lengths and random
+        ids below ``vocab_size``.
+      max_context: most tokens a conversation's context reaches (the
+        engine's ``max_seq_len``).
+      max_output_len: cap on each answer, tokens.
+      conversations: ShareGPT records (default
+        :func:`experiments.lib.sharegpt.load_conversations`'s).
+
+    Raises:
+      ValueError: an argument out of range, or too few conversations of two
+        turns that fit.
+    """
+    num_conversations = check_int("num_conversations", num_conversations)
+    max_turns = check_int("max_turns", max_turns, 2)
+    max_context = check_int("max_context", max_context, 8)
+    max_output_len = check_int("max_output_len", max_output_len)
+    seed = check_int("seed", seed, 0)
+    out: list[Conversation] = []
+
+    def keep(turns):
+        kept, total = [], 0
+        for ids, answer in turns[:max_turns]:
+            answer = min(answer, max_output_len)
+            if answer < 1 or not ids or total + len(ids) + answer > max_context:
+                break
+            kept.append((tuple(ids), answer))
+            total += len(ids) + answer
+        if len(kept) >= 2:
+            out.append(Conversation(len(out), tuple(kept)))
+        return len(out) == num_conversations
+
+    if tokenizer is None:
+        check_int("vocab_size", vocab_size)
+        base = packaged_requests(PACKAGED_LIMIT, max_context, vocab_size=vocab_size, seed=seed)
+        rng = np.random.default_rng(seed)
+        cursor = 0
+        while cursor + max_turns <= len(base):
+            n = int(rng.integers(2, max_turns + 1))
+            if keep([(r.prompt_ids, r.max_new_tokens) for r in base[cursor:cursor + n]]):
+                return out
+            cursor += n
+    else:
+        if conversations is None:
+            conversations, _ = load_conversations()
+        chats = [rounds for rounds in map(conversation_rounds, conversations) if len(rounds) >= 2]
+        random.Random(seed).shuffle(chats)
+        for rounds in chats:
+            rounds = rounds[:max_turns]
+            first = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": rounds[0][0]}]))
+            users = [first] + [_continuation(tokenizer, user) for user, _ in rounds[1:]]
+            answers = [len(ids) for ids in tokenizer.encode_batch([answer for _, answer in rounds])]
+            if keep(list(zip(users, answers))):
+                return out
+    raise ValueError(f"only {len(out)} conversations of two turns fit max_context={max_context}; asked for "
+                     f"num_conversations={num_conversations}")
 
 
 def describe(requests: Sequence[Request]) -> str:

@@ -40,6 +40,7 @@ same programs; the runs decide only what is admitted when.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from paged_jax.attention.batch import Tiling
 from paged_jax.checks import check_bool, check_choice, check_instance, check_int
@@ -130,6 +131,15 @@ class EngineConfig:
         there, and a prefix hit that runs on into it loads it back before
         the request's first call; 0 (the default): no host tier. Needs
         prefix caching and a model whose layers all attend every token.
+      disk_cache_dir: a folder for the prefix cache's disk tier
+        (:mod:`paged_jax.tiers.disk`): every cached page is stored there
+        once computed, under the model's fingerprint, and a hit that runs
+        on past the device and host tiers loads it back, in this process
+        or a later one; None (the default): no disk tier. Needs prefix
+        caching, a model whose layers all attend every token, and
+        ``disk_cache_bytes``.
+      disk_cache_bytes: bytes of page files the disk tier keeps (least
+        recently used deleted first).
       drop_out_of_window_pages: when every layer of the model attends a
         sliding window (``PagedModel.kv_window``), or a hybrid model's
         pool is laid out by layer group (``PagedModel.kv_groups``,
@@ -159,6 +169,8 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     swap_space_pages: int | None = None
     host_cache_bytes: int = 0
+    disk_cache_dir: str | None = None
+    disk_cache_bytes: int = 0
     drop_out_of_window_pages: bool = True
     call_records: int | None = DEFAULT_CALL_RECORDS
     speculative: SpeculativeConfig | None = None
@@ -188,6 +200,19 @@ class EngineConfig:
         if self.host_cache_bytes and not self.enable_prefix_caching:
             raise ValueError(f"host_cache_bytes={self.host_cache_bytes} needs enable_prefix_caching=True (the host "
                              "tier keeps the prefix cache's evicted pages); pass 0 or turn prefix caching on")
+        object.__setattr__(self, "disk_cache_bytes", check_int("disk_cache_bytes", self.disk_cache_bytes, 0))
+        if self.disk_cache_dir is not None:
+            if not isinstance(self.disk_cache_dir, (str, os.PathLike)) or not str(self.disk_cache_dir):
+                raise ValueError(f"disk_cache_dir must be a folder path (str), got {self.disk_cache_dir!r}")
+            object.__setattr__(self, "disk_cache_dir", os.fspath(self.disk_cache_dir))
+            if not self.disk_cache_bytes:
+                raise ValueError(f"disk_cache_dir={self.disk_cache_dir!r} needs disk_cache_bytes > 0 (the files it "
+                                 "may keep), got disk_cache_bytes=0")
+            if not self.enable_prefix_caching:
+                raise ValueError(f"disk_cache_dir={self.disk_cache_dir!r} needs enable_prefix_caching=True (the disk "
+                                 "tier keeps the prefix cache's pages)")
+        elif self.disk_cache_bytes:
+            raise ValueError(f"disk_cache_bytes={self.disk_cache_bytes} without disk_cache_dir: name the folder")
         for name in ("async_scheduling", "enable_prefix_caching", "drop_out_of_window_pages"):
             check_bool(name, getattr(self, name))
         if self.call_records is not None:  # a plain int, as deque(maxlen=...) needs

@@ -70,6 +70,7 @@ from paged_jax.engine.speculation import Speculator
 from paged_jax.engine.stats import CallRecord, EngineStats, compile_seconds
 from paged_jax.engine.step import PagedModel, check_model, device_step, engine_kv_groups, num_traces
 from paged_jax.paging.kv_cache import KVPool
+from paged_jax.tiers.disk import DiskTier, kv_fingerprint
 
 __all__ = [  # the engine's API; the types live in their own modules and are re-exported here
     "CallRecord", "CompletionOutput", "Engine", "EngineConfig", "EngineStats", "PagedModel", "Request",
@@ -163,7 +164,7 @@ class Engine:
             kv_pool, max_seqs=config.max_seqs, max_seq_len=config.max_seq_len, reservation=config.reservation,
             enable_prefix_caching=config.enable_prefix_caching, swap_space_pages=swap_pages, stats=self.stats,
             groups=groups, max_num_batched_tokens=config.max_num_batched_tokens, allocator=config.allocator,
-            host_cache_bytes=config.host_cache_bytes)
+            host_cache_bytes=config.host_cache_bytes, disk=self._disk_tier(kv_pool))
         self.scheduler = Scheduler(
             max_seqs=config.max_seqs, max_num_batched_tokens=config.max_num_batched_tokens, tiling=config.tiling,
             preemption_mode=config.preemption_mode, kv=self.kv_manager, stats=self.stats)
@@ -184,6 +185,15 @@ class Engine:
             config.speculative, model=model, kv_pool=kv_pool, engine_config=config,
             vocab_size=getattr(model, "vocab_size", None) or vocab_size, num_groups=groups.num_groups,
             make_engine=Engine)
+
+    def _disk_tier(self, kv_pool: KVPool) -> DiskTier | None:
+        """The prefix cache's disk tier ``config.disk_cache_dir`` asks for,
+        keyed by these weights and this pool's layout
+        (:func:`paged_jax.tiers.disk.kv_fingerprint`); None without one."""
+        c = self.config
+        if c.disk_cache_dir is None:
+            return None
+        return DiskTier(c.disk_cache_dir, c.disk_cache_bytes, kv_pool.page_size, kv_fingerprint(self.params, kv_pool))
 
     # ------------------------------------------------------------ views
 
@@ -289,9 +299,10 @@ class Engine:
         return out
 
     def reset_prefix_cache(self) -> int:
-        """Forgets every cached page, in the device pool and in the host
-        tier: no later request hits K/V computed before now (vLLM's
-        ``reset_prefix_cache``); a draft model's engine forgets its own too.
+        """Forgets every cached page, in the device pool, the host tier and
+        the disk tier (this model's files deleted): no later request hits
+        K/V computed before now (vLLM's ``reset_prefix_cache``); a draft
+        model's engine forgets its own too.
         Pages running sequences hold stay theirs. Returns the device pages
         forgotten (the target's)."""
         if self.speculator is not None:
@@ -341,6 +352,9 @@ class Engine:
             lambda new, old: jax.device_put(new, old.sharding) if isinstance(old, jax.Array) else new,
             params, self.params)
         self.reset_prefix_cache()
+        offload = self.kv_manager.offload
+        if offload is not None and offload.disk is not None:  # the new weights' pages live under a new fingerprint
+            offload.disk = self._disk_tier(self.kv)
         if self.speculator is not None:
             self.speculator.update_weights(self.model, self.params)
 
@@ -510,6 +524,7 @@ class Engine:
             seq.pending += 1
         for seq in self.running:
             kvm.offer(seq)
+        kvm.store_cached()  # after the call that computes them: this round's cached pages to the disk tier
         return _InFlight(
             sampled=new, top=top, sampled_lp=sampled_lp, prompt=prompt, prompt_rows=call.prompt_rows,
             verify=verify, verifiers=call.verifiers, ok=ok,

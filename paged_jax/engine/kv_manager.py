@@ -67,12 +67,14 @@ Tiers. With a host tier (``host_cache_bytes``,
 content is copied to host memory first: the pages a round evicts are
 recorded as they leave (:meth:`KVCacheManager._evict`) and copied in one
 gather before the round's call, or before a scatter into the pool, is
-dispatched (:meth:`KVCacheManager._spill`). An admission's device hit is
-continued into the host tier; those pages are new pages in its cost (as
-prefilled ones would be), loaded into fresh pages at admission, cached on
-device again, and handed to the row with its device hit in the next call,
-computed. One layer group of full attention only (refused by name
-otherwise).
+dispatched (:meth:`KVCacheManager._spill`). With a disk tier, every page
+the prefix cache takes is copied there once the call that computes it is
+dispatched (:meth:`KVCacheManager.store_cached`). An admission's device hit
+is continued into the host tier, then the disk tier; those pages are new
+pages in its cost (as prefilled ones would be), loaded into fresh pages at
+admission, cached on device again, and handed to the row with its device
+hit in the next call, computed. One layer group of full attention only
+(refused by name otherwise).
 
 Reservations. Under a reservation policy other than ``"paged"``
 (:mod:`paged_jax.engine.config`) a sequence holds pages for
@@ -114,8 +116,9 @@ from paged_jax.paging.kv_groups import KVGroups, single_group
 from paged_jax.paging.prefix_cache import PrefixCache, chain_keys
 from paged_jax.paging.sliding_window import drop_pages_before, window_first_kept
 from paged_jax.paging.swap import SwappedGroup, SwapSpace, gather_pages, scatter_pages
-from paged_jax.tiers.host import HostPage, HostTier
-from paged_jax.tiers.offload import HostOffload
+from paged_jax.tiers.disk import DiskTier
+from paged_jax.tiers.host import HostTier
+from paged_jax.tiers.offload import Offload, TierRun
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,9 +135,9 @@ class Admission:
       swapped: its pages in the swap space, or None.
       members: the group's live sequences it admits.
       computed: per member, the tokens whose K/V it has once admitted.
-      host: per member, the host tier's pages that continue its device
-        hit (loaded into fresh pages at admission, counted in ``cost``);
-        empty without a host tier.
+      tiers: per member, the host and disk tiers' pages that continue its
+        device hit (loaded into fresh pages at admission, counted in
+        ``cost``); empty runs without tiers.
     """
 
     cost: int
@@ -142,7 +145,7 @@ class Admission:
     swapped: SwappedGroup | None
     members: list[Sequence]
     computed: list[int]
-    host: list[list[HostPage]] = dataclasses.field(default_factory=list)
+    tiers: list[TierRun] = dataclasses.field(default_factory=list)
 
     @property
     def first_chunk(self) -> int:
@@ -208,19 +211,21 @@ class KVCacheManager:
       host_cache_bytes: bytes of K/V the prefix cache's host tier holds
         (:mod:`paged_jax.tiers.offload`: pages the pool evicts are kept
         there, a hit that runs on into them loads them back); 0: none.
+      disk: the prefix cache's disk tier (every cached page stored there
+        once computed, :mod:`paged_jax.tiers.disk`), or None.
 
     Raises:
       ValueError: ``groups`` whose ``group_size`` is not the pool's layer
         count; several groups with a ``reservation`` other than "paged"; a
-        ``host_cache_bytes`` below 0, or above 0 without prefix caching or
-        with a sliding window.
+        ``host_cache_bytes`` below 0; a host or disk tier without prefix
+        caching or with a sliding window.
     """
 
     def __init__(self, kv_pool: KVPool, *, max_seqs: int, max_seq_len: int, reservation: str,
                  enable_prefix_caching: bool, swap_space_pages: int, stats: EngineStats,
                  sliding_window: int | None = None, groups: KVGroups | None = None,
                  max_num_batched_tokens: int | None = None, allocator: str | None = None,
-                 host_cache_bytes: int = 0):
+                 host_cache_bytes: int = 0, disk: DiskTier | None = None):
         self.kv = kv_pool
         self.max_num_batched_tokens = max_seq_len if max_num_batched_tokens is None else check_int(
             "max_num_batched_tokens", max_num_batched_tokens)
@@ -243,15 +248,17 @@ class KVCacheManager:
         self.state = ps.init_page_state(num_pages=kv_pool.num_pages, max_seqs=rows,
                                         max_pages_per_seq=self.max_pages_per_seq, page_size=L)
         self.prefix_cache = PrefixCache(L) if enable_prefix_caching else None
-        self.offload = None  # the host tier's traffic (module docstring, "Tiers")
-        if check_int("host_cache_bytes", host_cache_bytes, 0):
+        self.offload = None  # the tiers' traffic (module docstring, "Tiers")
+        if check_int("host_cache_bytes", host_cache_bytes, 0) or disk is not None:
+            what = f"host_cache_bytes={host_cache_bytes}" if host_cache_bytes else f"the disk tier in {disk.root}"
             if self.prefix_cache is None:
-                raise ValueError(f"host_cache_bytes={host_cache_bytes} needs prefix caching (the host tier keeps "
-                                 "the prefix cache's evicted pages); turn enable_prefix_caching on or pass 0")
+                raise ValueError(f"{what} needs prefix caching (the tiers keep the prefix cache's pages); turn "
+                                 "enable_prefix_caching on")
             if groups.num_groups > 1 or groups.windows[0] is not None:
-                raise ValueError(f"host_cache_bytes={host_cache_bytes}: the host tier serves models whose layers "
-                                 f"all attend every token; this one has sliding windows {list(groups.windows)}")
-            self.offload = HostOffload(HostTier(host_cache_bytes, L), stats.host)
+                raise ValueError(f"{what}: the KV tiers serve models whose layers all attend every token; this one "
+                                 f"has sliding windows {list(groups.windows)}")
+            self.offload = Offload(HostTier(host_cache_bytes, L) if host_cache_bytes else None, disk, stats.host,
+                                   stats.disk)
         self.pool = BlockPool(num_pages=kv_pool.num_pages, max_seqs=rows, max_pages_per_seq=self.max_pages_per_seq,
                               page_size=L, on_evict=self._evict if self.prefix_cache is not None else None)
         self.swap = SwapSpace(swap_space_pages)
@@ -281,14 +288,28 @@ class KVCacheManager:
 
     def _spill(self) -> None:
         """Dispatches the copy of the pages evicted since the last one to
-        the host tier; called before anything that overwrites them is
+        the tiers; called before anything that overwrites them is
         dispatched (a call, a scatter into the pool)."""
         if self.offload is not None:
             self.offload.dispatch(self.kv)
 
+    def _cached(self, page: int) -> None:
+        """The prefix cache took ``page``: the disk tier, if any, is to
+        store it once computed (:meth:`store_cached`)."""
+        if self.offload is not None:
+            self.offload.note_cached(page, self.prefix_cache.entry(page))
+
+    def store_cached(self) -> None:
+        """Dispatches the copy of the pages cached this round to the disk
+        tier; called right after the call that computes them is
+        dispatched."""
+        if self.offload is not None:
+            self.offload.dispatch(self.kv, computed=True)
+
     def clear_cache(self) -> int:
-        """Forgets every cached page in every tier (their K/V are stale).
-        Returns the device pages forgotten."""
+        """Forgets every cached page in every tier (their K/V are stale;
+        the disk tier's files of this model deleted). Returns the device
+        pages forgotten."""
         if self.offload is not None:
             self.offload.clear()
         if self.prefix_cache is None:
@@ -343,8 +364,8 @@ class KVCacheManager:
             return Admission(cost=cost, hits=[[[]] * G for _ in members], swapped=swapped, members=members,
                              computed=[swapped.num_tokens[s.index] for s in members])
         hits = [self._lookup(s) for s in members]
-        host = [self._host_lookup(s, len(h[0])) for s, h in zip(members, hits)]
-        # A host hit's pages are new pages in the pool: counted by _known_pages past the device hit.
+        tiers = [self._tier_lookup(s, len(h[0])) for s, h in zip(members, hits)]
+        # A tier hit's pages are new pages in the pool: counted by _known_pages past the device hit.
         if self.reservation != "paged":  # Orca shares nothing: a hit saves compute, not pages
             cost = sum(self._known_pages(s) for s in members) + self._children_pages(group, members)
         else:
@@ -352,7 +373,7 @@ class KVCacheManager:
             taken = set().union(*(pages for h in hits for pages in h)) - {ps.NULL_PAGE}
             cost = new_pages + sum(1 for p in taken if self.pool.ref_counts[p] == 0)
         return Admission(cost=cost, hits=hits, swapped=None, members=members,
-                         computed=[(len(h[0]) + len(x)) * self.page_size for h, x in zip(hits, host)], host=host)
+                         computed=[(len(h[0]) + len(x)) * self.page_size for h, x in zip(hits, tiers)], tiers=tiers)
 
     def runs_fit(self, group: SequenceGroup, members: list[Sequence]) -> bool:
         """Whether admitting ``members`` could place its runs now (always,
@@ -439,12 +460,12 @@ class KVCacheManager:
         return self.prefix_cache.longest_hit(seq.tokens, seq.keys, seq.extra_key,
                                              (len(seq.tokens) - 1) // self.page_size, self.groups.windows)
 
-    def _host_lookup(self, seq: Sequence, start: int) -> list[HostPage]:
-        """The host tier's pages continuing ``seq``'s device hit of
-        ``start`` pages (none without a host tier, or for a request whose
+    def _tier_lookup(self, seq: Sequence, start: int) -> TierRun:
+        """The host and disk tiers' pages continuing ``seq``'s device hit
+        of ``start`` pages (none without tiers, or for a request whose
         lookup :meth:`_lookup` skips)."""
         if self.offload is None or seq.request.sampling.prompt_logprobs is not None:
-            return []
+            return TierRun()
         return self.offload.lookup(seq.tokens, seq.keys, seq.extra_key, start,
                                    (len(seq.tokens) - 1) // self.page_size)
 
@@ -500,12 +521,12 @@ class KVCacheManager:
         else:
             # Every member's hits leave the free queue before any page is
             # taken off its head for new content, so none is handed out.
-            host = adm.host or [[] for _ in members]
-            for seq, hits, pages in zip(members, adm.hits, host):
-                self._admit_hits(seq, hits, len(pages))
-            for seq, pages in zip(members, host):
-                if pages:
-                    self._load_host(seq, pages)
+            tiers = adm.tiers or [TierRun() for _ in members]
+            for seq, hits, run in zip(members, adm.hits, tiers):
+                self._admit_hits(seq, hits, run)
+            for seq, run in zip(members, tiers):
+                if len(run):
+                    self._load_tiers(seq, run)
             if self.prefix_cache is not None and self.groups.num_groups == 1:
                 for seq, n in zip(members, chunks):
                     self._take_filled_pages(seq, n)
@@ -518,23 +539,26 @@ class KVCacheManager:
                 self._held[row] += need
                 self._min_pages[row] = reserved
 
-    def _admit_hits(self, seq: Sequence, hits: list[list[int]], num_host: int = 0) -> None:
+    def _admit_hits(self, seq: Sequence, hits: list[list[int]], run: TierRun | None = None) -> None:
         """Gives ``seq``'s rows their prefix hits (one table per group, the
-        same length in each); ``num_host`` pages more come from the host
-        tier (:meth:`_load_host`), counted here."""
-        st = self.stats
-        hit_tokens = len(hits[0]) * self.page_size
-        host_tokens = num_host * self.page_size
+        same length in each); ``run``'s pages more come from the tiers
+        (:meth:`_load_tiers`), counted here."""
+        st, L = self.stats, self.page_size
+        hit_tokens = len(hits[0]) * L
+        host_tokens, disk_tokens = (0, 0) if run is None else (len(run.host) * L, len(run.disk) * L)
+        tier_tokens = host_tokens + disk_tokens
         if seq.group.num_cached_tokens is None:  # first admission
-            seq.group.num_cached_tokens = hit_tokens + host_tokens
+            seq.group.num_cached_tokens = hit_tokens + tier_tokens
             seq.group.num_host_cached_tokens = host_tokens
+            seq.group.num_disk_cached_tokens = disk_tokens
             st.prompt_tokens += seq.num_prompt
-            st.prefix_hit_tokens += hit_tokens + host_tokens
+            st.prefix_hit_tokens += hit_tokens + tier_tokens
             st.host.hit_tokens += host_tokens
+            st.disk.hit_tokens += disk_tokens
         else:
-            st.recompute_hit_tokens += hit_tokens + host_tokens
-            st.recomputed_tokens += len(seq.tokens) - hit_tokens - host_tokens
-        seq.num_computed = hit_tokens + host_tokens
+            st.recompute_hit_tokens += hit_tokens + tier_tokens
+            st.recomputed_tokens += len(seq.tokens) - hit_tokens - tier_tokens
+        seq.num_computed = hit_tokens + tier_tokens
         if not hit_tokens:
             return
         if self.offload is not None:
@@ -547,21 +571,22 @@ class KVCacheManager:
             self.num_free -= taken if self.reservation == "paged" else len(live)  # Orca holds a copy of a shared hit
             self._hits[row] = (pages, hit_tokens, 0)
 
-    def _load_host(self, seq: Sequence, pages: list[HostPage]) -> None:
-        """Loads ``pages`` from the host tier into fresh pages after
+    def _load_tiers(self, seq: Sequence, run: TierRun) -> None:
+        """Loads ``run``'s pages from the tiers into fresh pages after
         ``seq``'s device hit (one layer group), caches them on device again,
         and gives them to its row for the next call, computed."""
         L = self.page_size
-        fresh = self.pool.take_free(len(pages))
+        fresh = self.pool.take_free(len(run))
         self.num_free -= len(fresh)
         self._spill()  # the pages the take evicted leave before the load overwrites them
-        self.kv = self.offload.load(self.kv, fresh, pages)
+        self.kv = self.offload.load(self.kv, fresh, run)
         hits, _, _ = self._hits.get(seq.slot, ([], 0, 0))
         self.pool.append_full_pages(seq.slot, fresh)
         table = hits + fresh
         self._hits[seq.slot] = (table, len(table) * L, 0)
         for j, page in enumerate(fresh, start=len(hits)):
-            self.prefix_cache.insert(page, seq.tokens, seq.keys, seq.extra_key, j)
+            if self.prefix_cache.insert(page, seq.tokens, seq.keys, seq.extra_key, j):
+                self._cached(page)
         seq.num_keyed = len(table)
 
     def _take_filled_pages(self, seq: Sequence, n: int) -> None:
@@ -579,8 +604,9 @@ class KVCacheManager:
         self._hits[seq.slot] = (pages, len(pages) * L, len(fresh) * L)
         chain_keys(seq.tokens, L, seq.extra_key, seq.keys)
         for j, page in enumerate(fresh, start=len(hits)):
-            self.prefix_cache.insert(page, seq.tokens, seq.keys, seq.extra_key, j,
-                                     windowed=self.sliding_window is not None)
+            if self.prefix_cache.insert(page, seq.tokens, seq.keys, seq.extra_key, j,
+                                        windowed=self.sliding_window is not None):
+                self._cached(page)
         seq.num_keyed = len(pages)
 
     def _swap_in(self, members: list[Sequence], swapped: SwappedGroup) -> None:
@@ -697,9 +723,9 @@ class KVCacheManager:
         for g, (row, window) in enumerate(zip(self.rows(seq), self.groups.windows)):
             table = self.pool.block_tables[row]
             for j in range(seq.num_keyed, full):
-                if table[j] != ps.NULL_PAGE:  # dropped by the window before it could be offered
-                    self.prefix_cache.insert(int(table[j]), seq.tokens, seq.keys, seq.extra_key, j, group=g,
-                                             windowed=window is not None)
+                if table[j] != ps.NULL_PAGE and self.prefix_cache.insert(  # not dropped by a window already
+                        int(table[j]), seq.tokens, seq.keys, seq.extra_key, j, group=g, windowed=window is not None):
+                    self._cached(int(table[j]))
         seq.num_keyed = full
 
     def pages_written(self, seq: Sequence, first: int, n: int) -> list[int]:

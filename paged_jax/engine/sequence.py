@@ -160,6 +160,7 @@ class SequenceGroup:
       num_cached_tokens: prompt tokens served from the prefix cache at its
         first admission, every tier's; None until admitted.
       num_host_cached_tokens: of them, those loaded from the host tier.
+      num_disk_cached_tokens: of them, those loaded from the disk tier.
       candidates: beam search: each live beam's candidates from the last
         call, by sequence index.
       hypotheses: beam search: the finished beams.
@@ -180,6 +181,7 @@ class SequenceGroup:
     first_token_s: float | None = None
     num_cached_tokens: int | None = None
     num_host_cached_tokens: int = 0
+    num_disk_cached_tokens: int = 0
     candidates: dict[int, BeamCandidates] = dataclasses.field(default_factory=dict)
     hypotheses: list[BeamHypothesis] = dataclasses.field(default_factory=list)
     beam_done: bool = False

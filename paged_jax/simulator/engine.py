@@ -143,9 +143,10 @@ class SimulatedEngine(TimedEngine):
         if getattr(config, "speculative", None) is not None:
             raise ValueError(f"config.speculative={config.speculative!r:.80}: the simulated accelerator does not "
                              "speculate (its tokens are not a model's to propose); use EngineConfig(speculative=None)")
-        if getattr(config, "host_cache_bytes", 0):
-            raise ValueError(f"config.host_cache_bytes={config.host_cache_bytes}: the simulated accelerator has no "
-                             "K/V to spill and times no copies; use EngineConfig(host_cache_bytes=0)")
+        if getattr(config, "host_cache_bytes", 0) or getattr(config, "disk_cache_dir", None) is not None:
+            raise ValueError(f"config.host_cache_bytes={config.host_cache_bytes}, disk_cache_dir="
+                             f"{config.disk_cache_dir!r}: the simulated accelerator has no K/V to keep in tiers and "
+                             "times no copies; use EngineConfig(host_cache_bytes=0, disk_cache_dir=None)")
         vocab_size = check_int("vocab_size", vocab_size, 2)
         # One element per slot; K and V two buffers (a swap's copy donates each: one buffer twice is refused).
         k, v = (jnp.zeros((1, 1, num_pages, page_size, 1), jnp.float32) for _ in range(2))

@@ -1,42 +1,52 @@
-"""The engine's traffic with the host tier: cached pages spilled when the
-device pool evicts them, and loaded back when a prefix hit runs on into
-them.
+"""The engine's traffic with the tiers below the pool: cached pages copied
+to the host tier when the device pool evicts them, to the disk tier as soon
+as they are computed, and loaded back when a prefix hit runs on into them.
 
-Spill at eviction (write-back). A page leaves the device prefix cache when
-the pool hands it out for new content (``BlockPool.on_evict``). Its K/V are
-still in the pool at that moment: the call that overwrites them has not
-been dispatched. :meth:`HostOffload.note_evicted` only records the page;
-:meth:`HostOffload.dispatch` then copies every page recorded since the last
-copy in one gather (:func:`paged_jax.paging.swap.gather_pages`), and the KV
-manager calls it before anything is dispatched that could overwrite them:
-at the end of a round's plan (before its call) and before a scatter into
-the pool (a swap-in, a host load). JAX runs work on one pool in the order it
-was dispatched, so the gather reads the pages as they were. The gathered
-batch is split into host pages (:func:`paged_jax.tiers.host.page_copies`)
-at the next dispatch or lookup, by which time the gather has run: the copy
+Spill at eviction (write-back), to the host. A page leaves the device
+prefix cache when the pool hands it out for new content
+(``BlockPool.on_evict``). Its K/V are still in the pool at that moment: the
+call that overwrites them has not been dispatched. :meth:`Offload.note_evicted`
+only records the page; :meth:`Offload.dispatch` then copies every page
+recorded since the last copy in one gather
+(:func:`paged_jax.paging.swap.gather_pages`), and the KV manager calls it
+before anything is dispatched that could overwrite them: at the end of a
+round's plan (before its call) and before a scatter into the pool (a
+swap-in, a tier load). JAX runs work on one pool in the order it was
+dispatched, so the gather reads the pages as they were. The gathered batch
+is split into host pages (:func:`paged_jax.tiers.host.page_copies`) at the
+next dispatch or lookup, by which time the gather has run: the copy
 overlaps the call after it, and the host never waits on the running batch.
 vLLM's CPU offloading is write-through instead (every full block stored as
-it fills, ``vllm/v1/kv_offload``): it copies every page once, whether or not
-the pool would have kept it; write-back copies only what the pool lets go,
-at the price of a copy on the eviction's round.
+it fills, ``vllm/v1/kv_offload``): it copies every page once, whether or
+not the pool would have kept it; write-back copies only what the pool lets
+go, at the price of a copy on the eviction's round.
 
-A page whose key the tier already holds (it was loaded from there, or
-spilled before and computed again) is not copied again: the tier's copy is
+Store when computed (write-through), to disk. The disk tier is there to
+outlive the process, so a page cannot wait for an eviction that may never
+come: :meth:`Offload.note_cached` records every page the prefix cache takes,
+and the KV manager dispatches its copy right after the call that computes
+it (:meth:`paged_jax.engine.kv_manager.KVCacheManager.store_cached`); the
+file is written when the copy reaches the host. A page evicted before that
+is copied by the eviction's gather instead.
+
+A page whose key a tier already holds (it was loaded from there, or spilled
+before and computed again) is not copied to it again: the tier's copy is
 only marked recently used. A copy holding a non-finite value (a call that
 wrote NaN or inf, whose request the engine refuses when it reads the call:
 :meth:`paged_jax.engine.core.Engine._refuse_poison`) is dropped, never
 stored.
 
-Load at admission. :meth:`HostOffload.lookup` continues a device hit into the
-tier (:meth:`paged_jax.tiers.host.HostTier.lookup`: tokens, salt and the
-parent's key checked). The KV manager takes fresh pages for the run, counted
-in the admission's page cost as any prefill's new pages are, and
-:meth:`HostOffload.load` scatters the host copies into them before the
-request's first call; the copy is dispatched asynchronously, so on an
-accelerator the transfer overlaps the call still running. The host copy
-stays in the tier (a second eviction costs no copy).
+Load at admission. :meth:`Offload.lookup` continues a device hit into the
+host tier, and the host's run into the disk tier (tokens, salt and the
+parent's key checked page by page, :meth:`paged_jax.tiers.host.HostTier.lookup`).
+The KV manager takes fresh pages for the run, counted in the admission's
+page cost as any prefill's new pages are, and :meth:`Offload.load` scatters
+the copies into them before the request's first call; the copy is
+dispatched asynchronously, so on an accelerator the transfer overlaps the
+call still running. The copies stay in their tiers (a second eviction costs
+no copy).
 
-Everything is counted in a :class:`TierStats`.
+Everything is counted in a :class:`TierStats` per tier.
 """
 
 from __future__ import annotations
@@ -50,6 +60,7 @@ import numpy as np
 
 from paged_jax.paging.kv_cache import KVPool
 from paged_jax.paging.swap import gather_pages, scatter_pages
+from paged_jax.tiers.disk import DiskTier
 from paged_jax.tiers.host import HostPage, HostTier, page_copies, stack_pages
 
 
@@ -63,11 +74,15 @@ class TierStats:
       hit_pages: pages loaded back from it for a hit (first admissions and
         readmissions after a preemption alike).
       spilled_pages, spilled_bytes: pages (and their K/V bytes, scales
-        included) copied into it.
+        included) copied into it (the host tier's at eviction, the disk
+        tier's once computed).
       loaded_pages, loaded_bytes: pages (and bytes) copied back into the
         device pool.
-      refused_pages: evicted pages it did not take: larger than the whole
-        tier, or holding a non-finite value.
+      refused_pages: pages it did not take: larger than the whole tier,
+        holding a non-finite value, or (disk) a write that failed.
+      refused_files: (disk) files refused when read: short, corrupted,
+        another fingerprint's, or gone (:attr:`paged_jax.tiers.disk.DiskTier.refused`
+        by reason); never served.
       evicted_pages: pages it dropped, least recently used first, to make
         room.
     """
@@ -79,6 +94,7 @@ class TierStats:
     loaded_pages: int = 0
     loaded_bytes: int = 0
     refused_pages: int = 0
+    refused_files: int = 0
     evicted_pages: int = 0
 
 
@@ -88,83 +104,163 @@ def _finite(kv: KVPool) -> bool:
                if jnp.issubdtype(x.dtype, jnp.inexact))
 
 
-class HostOffload:
-    """Spills to and loads from one :class:`paged_jax.tiers.host.HostTier`
-    (module docstring). One layer group (group 0): the KV manager uses it
-    for models whose layers all attend every token.
+@dataclasses.dataclass(frozen=True)
+class TierRun:
+    """The pages that continue a device hit: the host tier's, then the
+    disk tier's, in chain order."""
+
+    host: list[HostPage] = dataclasses.field(default_factory=list)
+    disk: list[HostPage] = dataclasses.field(default_factory=list)
+
+    @property
+    def pages(self) -> list[HostPage]:
+        return self.host + self.disk
+
+    def __len__(self) -> int:
+        return len(self.host) + len(self.disk)
+
+
+@dataclasses.dataclass
+class _Copy:
+    page: int  # pool page id
+    entry: object  # its prefix-cache entry (group, key, parent_key, tokens, extra)
+    to_host: bool
+    to_disk: bool
+    after_call: bool  # computed by a call not dispatched yet when recorded: copied only after it
+
+
+class Offload:
+    """Copies to and from a host tier, a disk tier or both (module
+    docstring). One layer group (group 0): the KV manager uses it for
+    models whose layers all attend every token.
 
     Args:
-      tier: the host store.
-      stats: the counters it adds to.
+      host: the host store, or None.
+      disk: the disk store, or None.
+      host_stats, disk_stats: the counters each tier adds to.
     """
 
-    def __init__(self, tier: HostTier, stats: TierStats):
-        self.tier = tier
-        self.stats = stats
-        self._pending: list[tuple[int, object]] = []  # (page id, its prefix-cache entry), evicted, not copied yet
-        self._in_transit: list[tuple[KVPool, list[object]]] = []  # gathered, not split into host pages yet
+    def __init__(self, host: HostTier | None, disk: DiskTier | None, host_stats: TierStats, disk_stats: TierStats):
+        self.host, self.disk = host, disk
+        self.host_stats, self.disk_stats = host_stats, disk_stats
+        self._pending: dict[int, _Copy] = {}  # pool page -> its copy, recorded, not dispatched yet
+        self._in_transit: list[tuple[KVPool, list[_Copy]]] = []  # gathered, not stored yet
 
     @property
     def pending_pages(self) -> int:
-        """Evicted pages not yet in the tier (recorded or being copied)."""
-        return len(self._pending) + sum(len(entries) for _, entries in self._in_transit)
+        """Pages recorded or being copied, not yet in their tiers."""
+        return len(self._pending) + sum(len(copies) for _, copies in self._in_transit)
+
+    def _record(self, page: int, entry, *, to_host: bool, to_disk: bool, after_call: bool) -> None:
+        key = (entry.group, entry.key)
+        if to_host and key in self.host:
+            self.host.touch(entry.group, [entry.key])  # already there: the pool's copy needs no second one
+            to_host = False
+        to_disk = to_disk and key not in self.disk
+        old = self._pending.get(page)
+        if old is not None and old.entry.key == entry.key:
+            to_host, to_disk = to_host or old.to_host, to_disk or old.to_disk
+            after_call = after_call and old.after_call
+        if to_host or to_disk:
+            self._pending[page] = _Copy(page, entry, to_host, to_disk, after_call)
 
     def note_evicted(self, page: int, entry) -> None:
         """Records that the device pool is handing out ``page``, which the
         prefix cache held as ``entry`` (its ``group``, ``key``,
-        ``parent_key``, ``tokens``, ``extra``); its K/V must be copied by
+        ``parent_key``, ``tokens``, ``extra``): its K/V go to the host tier
+        (and to the disk tier, if it was not stored there yet), copied by
         :meth:`dispatch` before anything overwrites them."""
-        if (entry.group, entry.key) in self.tier:
-            self.tier.touch(entry.group, [entry.key])  # already there: the pool's copy needs no second one
-        else:
-            self._pending.append((page, entry))
+        self._record(page, entry, to_host=self.host is not None, to_disk=self.disk is not None, after_call=False)
 
-    def dispatch(self, kv: KVPool) -> None:
-        """Dispatches one copy of every recorded page out of ``kv`` (call it
-        before anything that overwrites them is dispatched); the copies
-        dispatched before are stored in the tier first."""
+    def note_cached(self, page: int, entry) -> None:
+        """Records that the prefix cache took ``page`` as ``entry``, its
+        K/V computed by a call dispatched or about to be: with a disk tier,
+        they are copied there by the first :meth:`dispatch` with
+        ``computed`` after that call."""
+        if self.disk is not None:
+            self._record(page, entry, to_host=False, to_disk=True, after_call=True)
+
+    def dispatch(self, kv: KVPool, *, computed: bool = False) -> None:
+        """Dispatches one copy out of ``kv`` of every page recorded as
+        evicted (call it before anything that overwrites them is
+        dispatched) and, with ``computed`` (call it right after a call is
+        dispatched), of every page recorded as cached; the copies
+        dispatched before are stored first."""
         self.settle()
-        if self._pending:
-            pages, entries = zip(*self._pending)
-            self._pending.clear()
-            self._in_transit.append((gather_pages(kv, list(pages)), list(entries)))
+        copies = [c for c in self._pending.values() if computed or not c.after_call]
+        if copies:
+            for c in copies:
+                del self._pending[c.page]
+            self._in_transit.append((gather_pages(kv, [c.page for c in copies]), copies))
 
     def settle(self) -> None:
-        """Stores the dispatched copies in the tier as host pages (this
-        waits for their gathers, not for any call after them)."""
-        st = self.stats
-        for copied, entries in self._in_transit:
-            for entry, kv in zip(entries, page_copies(copied, len(entries))):
-                page = HostPage(group=entry.group, key=entry.key, parent_key=entry.parent_key, tokens=entry.tokens,
-                                extra=entry.extra, kv=kv)
-                if not _finite(kv):
-                    st.refused_pages += 1
-                    continue
-                out = self.tier.put(page)
-                if len(out) == 1 and out[0] is page:  # too big for the whole tier, or a key it holds already
-                    st.refused_pages += (page.group, page.key) not in self.tier
-                    continue
-                st.spilled_pages += 1
-                st.spilled_bytes += page.nbytes
-                st.evicted_pages += len(out)
+        """Stores the dispatched copies in their tiers (this waits for their
+        gathers, not for any call after them)."""
+        for copied, copies in self._in_transit:
+            for c, kv in zip(copies, page_copies(copied, len(copies))):
+                e = c.entry
+                page = HostPage(group=e.group, key=e.key, parent_key=e.parent_key, tokens=e.tokens, extra=e.extra,
+                                kv=kv)
+                finite = _finite(kv)
+                if c.to_host:
+                    self._store_host(page, finite)
+                if c.to_disk:
+                    self._store_disk(page, finite)
         self._in_transit.clear()
 
+    def _store_host(self, page: HostPage, finite: bool) -> None:
+        st = self.host_stats
+        if not finite:
+            st.refused_pages += 1
+            return
+        out = self.host.put(page)
+        if len(out) == 1 and out[0] is page:  # too big for the whole tier, or a key it holds already
+            st.refused_pages += (page.group, page.key) not in self.host
+            return
+        st.spilled_pages += 1
+        st.spilled_bytes += page.nbytes
+        st.evicted_pages += len(out)
+
+    def _store_disk(self, page: HostPage, finite: bool) -> None:
+        st = self.disk_stats
+        if (page.group, page.key) in self.disk:
+            return
+        evicted = self.disk.evicted_pages
+        try:
+            stored = finite and self.disk.put(page)
+        except OSError:  # a full or failing disk: the tier holds less, the engine goes on
+            stored = False
+        st.evicted_pages += self.disk.evicted_pages - evicted
+        if not stored:
+            st.refused_pages += 1
+            return
+        st.spilled_pages += 1
+        st.spilled_bytes += page.nbytes
+
     def lookup(self, tokens: Sequence[int], keys: Sequence[bytes], extra: Hashable, start: int,
-               max_pages: int) -> list[HostPage]:
-        """The pages continuing a device hit of ``start`` pages
-        (:meth:`paged_jax.tiers.host.HostTier.lookup`, group 0). Nothing is
-        moved or marked used until :meth:`load`."""
+               max_pages: int) -> TierRun:
+        """The pages continuing a device hit of ``start`` pages: the host
+        tier's run, then the disk tier's after it (group 0). Nothing is
+        moved until :meth:`load`; disk files read are verified."""
         self.settle()
-        return self.tier.lookup(tokens, keys, extra, start, max_pages)
+        host = [] if self.host is None else self.host.lookup(tokens, keys, extra, start, max_pages)
+        if self.disk is None:
+            return TierRun(host, [])
+        refused = sum(self.disk.refused.values())
+        disk = self.disk.lookup(tokens, keys, extra, start + len(host), max_pages)
+        self.disk_stats.refused_files += sum(self.disk.refused.values()) - refused
+        return TierRun(host, disk)
 
     def touch(self, keys: Sequence[bytes]) -> None:
-        """A device hit on ``keys``: the tier's copies of them, if any, are
-        marked recently used (vLLM's ``OffloadingManager.touch``), so the
-        head of a chain the device serves is not the first the tier drops."""
-        self.tier.touch(0, keys)
+        """A device hit on ``keys``: the host tier's copies of them, if any,
+        are marked recently used (vLLM's ``OffloadingManager.touch``), so
+        the head of a chain the device serves is not the first the tier
+        drops."""
+        if self.host is not None:
+            self.host.touch(0, keys)
 
-    def load(self, kv: KVPool, pages: list[int], host_pages: Sequence[HostPage]) -> KVPool:
-        """Copies ``host_pages`` into pool pages ``pages`` (fresh ones,
+    def load(self, kv: KVPool, pages: list[int], run: TierRun) -> KVPool:
+        """Copies ``run``'s pages into pool pages ``pages`` (fresh ones,
         taken off the free queue; :meth:`dispatch` called after taking
         them) and marks them recently used.
 
@@ -172,24 +268,26 @@ class HostOffload:
           the new pool (``kv`` is donated).
 
         Raises:
-          ValueError: ``pages`` and ``host_pages`` of different lengths or
-            empty.
+          ValueError: ``pages`` and ``run`` of different lengths or empty.
         """
-        if len(pages) != len(host_pages) or not pages:
-            raise ValueError(f"pages ({len(pages)}) and host_pages ({len(host_pages)}) must be as many, at least one")
-        kv = scatter_pages(kv, list(pages), stack_pages(host_pages))
-        self.tier.touch(0, [p.key for p in host_pages])
-        self.stats.hit_pages += len(pages)
-        self.stats.loaded_pages += len(pages)
-        self.stats.loaded_bytes += sum(p.nbytes for p in host_pages)
+        if len(pages) != len(run) or not pages:
+            raise ValueError(f"pages ({len(pages)}) and the run ({len(run)}) must be as many, at least one")
+        kv = scatter_pages(kv, list(pages), stack_pages(run.pages))
+        for tier, found, st in ((self.host, run.host, self.host_stats), (self.disk, run.disk, self.disk_stats)):
+            if found:
+                tier.touch(0, [p.key for p in found])
+                st.hit_pages += len(found)
+                st.loaded_pages += len(found)
+                st.loaded_bytes += sum(p.nbytes for p in found)
         return kv
 
     def clear(self) -> int:
-        """Forgets every page, stored or on its way (new weights make them
-        stale). Returns how many the tier held."""
+        """Forgets every page, stored or on its way, in every tier (the disk
+        tier's files of this fingerprint deleted). Returns how many the
+        tiers held."""
         self._pending.clear()
         self._in_transit.clear()
-        return self.tier.clear()
+        return sum(tier.clear() for tier in (self.host, self.disk) if tier is not None)
 
 
 GIB = 1 << 30
@@ -197,19 +295,34 @@ GIB = 1 << 30
 
 
 def add_tier_flags(parser) -> None:
-    """Adds ``--host-cache-gib`` (the host tier's size in GiB, default 0:
-    none) to an ``argparse.ArgumentParser`` (the server's and the
-    benchmarks'); read it back with :func:`host_cache_bytes_from_args`."""
+    """Adds the KV tiers' flags to an ``argparse.ArgumentParser`` (the
+    server's and the benchmarks'): ``--host-cache-gib`` (the host tier's
+    size, default 0: none), ``--disk-cache-dir`` and ``--disk-cache-gib``
+    (the disk tier's folder and size); read them back with
+    :func:`tier_options_from_args`."""
     group = parser.add_argument_group("KV tiers")
     group.add_argument("--host-cache-gib", type=float, default=0.0, metavar="GIB",
                        help="keep the prefix cache's evicted pages in this much host memory and load them back on "
                             "a hit (default 0: none; needs prefix caching)")
+    group.add_argument("--disk-cache-dir", default=None, metavar="DIR",
+                       help="store every cached page in this folder, under the model's fingerprint, for this "
+                            "process and later ones (default: none; needs --disk-cache-gib)")
+    group.add_argument("--disk-cache-gib", type=float, default=0.0, metavar="GIB",
+                       help="bytes of page files the disk tier keeps, least recently used deleted first")
 
 
-def host_cache_bytes_from_args(parser, args) -> int:
-    """``--host-cache-gib`` in bytes (rounded down); a negative or
-    non-finite value exits through ``parser.error`` naming the flag."""
-    gib = args.host_cache_gib
-    if not np.isfinite(gib) or gib < 0:
-        parser.error(f"--host-cache-gib must be a finite number >= 0, got {gib}")
-    return int(gib * GIB)
+def tier_options_from_args(parser, args) -> dict:
+    """The ``EngineConfig`` fields the flags of :func:`add_tier_flags` ask
+    for (``host_cache_bytes``, ``disk_cache_dir``, ``disk_cache_bytes``;
+    GiB rounded down to bytes); a bad value exits through
+    ``parser.error`` naming its flag."""
+    out = {}
+    for flag, name in (("--host-cache-gib", "host_cache_gib"), ("--disk-cache-gib", "disk_cache_gib")):
+        gib = getattr(args, name)
+        if not np.isfinite(gib) or gib < 0:
+            parser.error(f"{flag} must be a finite number >= 0, got {gib}")
+        out[name.replace("_gib", "_bytes")] = int(gib * GIB)
+    if (args.disk_cache_dir is None) != (out["disk_cache_bytes"] == 0):
+        parser.error("--disk-cache-dir and --disk-cache-gib go together: name the folder and the bytes it may keep")
+    out["disk_cache_dir"] = args.disk_cache_dir
+    return out
