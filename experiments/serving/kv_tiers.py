@@ -196,8 +196,8 @@ def main(argv=None) -> dict:
     verdict = "met" if base["host_over_working_set"] == 0 and hit_ratio >= HIT_RATE_TARGET and ttft_ratio < 1 else (
         "not met")
     png = args.out / f"{args.name}.png"
-    plot_host_tier(png, rows, title=f"Host tier on multi-turn chat ({model_name}, pool {pool_tokens / working_set:.2f}"
-                                    " of the working set)")
+    plot_host_tier(png, rows, title=f"Host tier on multi-turn chat\n({model_name}, device pool "
+                                    f"{pool_tokens / working_set:.2f} of the working set)")
     text = (f"# The prefix cache's host tier on multi-turn chat ({model_name})\n\n{table}\n\n"
             f"**Host tier of {best['host_over_working_set']:g}x the working set against none: prefix hit rate "
             f"{hit_ratio:.2f}x ({base['hit_rate']:.3f} -> {best['hit_rate']:.3f}), TTFT p50 of turns 2+ "
