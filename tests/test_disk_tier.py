@@ -158,3 +158,17 @@ def test_bad_arguments_are_refused_by_name(tmp_path):
     assert not tier.put(HostPage(group=0, key=b"k", parent_key=ROOT_KEY, tokens=(1, 2, 3, 4), extra=(object(),),
                                  kv=pages[0].kv))  # an extra key that cannot be written: not stored
     assert not list((tmp_path / "ok").rglob(".tmp-*")) and os.listdir(tmp_path / "ok")
+
+
+def test_a_file_another_process_wrote_after_opening_is_found_and_verified(tmp_path):
+    tokens, keys, pages = _pages(_pool(jnp.float32), 2)
+    reader = DiskTier(tmp_path, 1 << 20, L, FP)  # opened on an empty folder
+    writer = DiskTier(tmp_path, 1 << 20, L, FP)
+    for p in pages:
+        writer.put(p)
+    found = reader.lookup(tokens, keys, (None,), 0, 2)
+    assert [p.key for p in found] == keys[:2] and len(reader) == 2 and reader.used_bytes == writer.used_bytes
+    path = writer.path(0, keys[0])
+    path.write_bytes(path.read_bytes()[:-3])  # another process tears a file: refused, not served
+    fresh = DiskTier(tmp_path, 1 << 20, L, FP)
+    assert fresh.lookup(tokens, keys, (None,), 0, 2) == [] and fresh.refused == {"truncated": 1}

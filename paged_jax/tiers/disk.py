@@ -21,7 +21,9 @@ key checked page by page.
 The folder is bounded by bytes (files' sizes, headers included): the least
 recently used file goes first. Recency is the file's modification time, so a
 second process opening the folder orders it as the first left it; a hit
-refreshes it.
+refreshes it. Engines and processes may share a folder: a lookup also finds
+a file another one wrote after this one opened the folder (and verifies it
+as any other), and each keeps its own bound over the files it knows.
 
 Reads and writes are synchronous, on the engine's thread: a page's file is
 written when its copy reaches the host (:mod:`paged_jax.tiers.offload`),
@@ -72,6 +74,19 @@ def kv_fingerprint(params, kv: KVPool, *, extra: str = "") -> str:
         h.update(f"kv:{x.dtype.name}:{x.shape[:2] + x.shape[3:]};".encode())
     h.update(f"page_size:{kv.page_size};extra:{extra}".encode())
     return h.hexdigest()
+
+
+def _expected_len(data: bytes) -> int | None:
+    """The length a page file's header says the file has, or None when
+    the header cannot be read."""
+    try:
+        (n,) = _LEN.unpack_from(data, len(MAGIC))
+        start = len(MAGIC) + _LEN.size
+        head = json.loads(data[start:start + n])
+        leaves = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for _, dtype, shape in head["leaves"])
+        return start + n + leaves + _DIGEST
+    except (ValueError, KeyError, TypeError, struct.error):
+        return None
 
 
 def _encode_extra(extra: Hashable) -> list | None:
@@ -222,7 +237,9 @@ class DiskTier:
             return None
         body, digest = data[:-_DIGEST], data[-_DIGEST:]
         if hashlib.sha256(body).digest() != digest:
-            self._forget(k, "truncated" if len(data) < self._files[k] else "checksum")
+            expected = _expected_len(data)
+            short = len(data) < self._files[k] or (expected is not None and len(data) < expected)
+            self._forget(k, "truncated" if short else "checksum")
             return None
         try:
             if not body.startswith(MAGIC):
@@ -262,7 +279,7 @@ class DiskTier:
         max_pages = check_int("max_pages", max_pages, 0)
         run: list[HostPage] = []
         for j in range(start, min(max_pages, len(keys))):
-            if (group, keys[j]) not in self._files:
+            if (group, keys[j]) not in self._files and not self._adopt(group, keys[j]):
                 break
             page = self.read(group, keys[j])
             if page is None or not holds_page(page, tokens, extra, j, self.page_size, keys=keys):
@@ -270,6 +287,18 @@ class DiskTier:
             run.append(page)
         self.touch(group, [p.key for p in run])
         return run
+
+    def _adopt(self, group: int, key: bytes) -> bool:
+        """Takes into the index a file another engine or process wrote
+        since this one opened the folder (it is read and verified like any
+        other). Returns whether there was one."""
+        try:
+            size = self.path(group, key).stat().st_size
+        except OSError:
+            return False
+        self._files[(group, key)] = size
+        self.used_bytes += size
+        return True
 
     def touch(self, group: int, keys: Sequence[bytes]) -> None:
         """Marks the files of ``keys`` most recently used (their
