@@ -8,6 +8,9 @@ forgets every tier, and bad settings are refused by name.
 The store alone (keys, LRU by bytes, page copies): tests/test_host_tier.py.
 """
 
+import os
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,9 +23,10 @@ from paged_jax.engine.core import Engine, EngineConfig, Request
 from paged_jax.engine.sampling import SamplingParams
 from paged_jax.paging.kv_cache import KVPool, init_kv_pool
 from paged_jax.paging.prefix_cache import ROOT_KEY, PrefixCache, chain_keys
+from paged_jax.paging.swap import gather_pages
 from paged_jax.simulator.engine import SimulatedEngine
-from paged_jax.tiers.host import HostTier
-from paged_jax.tiers.disk import DiskTier
+from paged_jax.tiers.disk import DiskTier, page_layout
+from paged_jax.tiers.host import HostPage, HostTier, page_copies
 from paged_jax.tiers.offload import Offload, TierStats
 from tests.engine_helpers import PAGE, VOCAB, ToyModel, check_accounting, make_engine, toy_params, toy_pool
 
@@ -213,7 +217,7 @@ def test_bad_settings_are_refused_by_name():
         Engine(ToyModel(toy_params(), window=8), toy_pool(40),
                EngineConfig(max_seqs=2, max_seq_len=40, max_num_batched_tokens=16, host_cache_bytes=8),
                vocab_size=VOCAB)
-    with pytest.raises(ValueError, match=r"config.host_cache_bytes=8, disk_cache_dir=None: the simulated accelerator has no K/V"):
+    with pytest.raises(ValueError, match=r"host_cache_bytes=8, disk_cache_dir=None: the simulated accelerator has no"):
         SimulatedEngine(_FixedStepTime(), EngineConfig(host_cache_bytes=8), num_pages=300, page_size=16, vocab_size=100)
 
 
@@ -273,6 +277,20 @@ def test_one_hit_spans_device_host_and_disk(tmp_path):
     assert (device, again.num_host_cached_tokens, again.num_disk_cached_tokens) == (12, 12, 12)
 
 
+def test_the_disk_tier_takes_nothing_from_the_host_tier(tmp_path):
+    """With both tiers on, a page evicted and cached again under another
+    key in one round keeps both copies: the host tier serves what it serves
+    alone (a new user's report: the disk tier's copy of the new key replaced
+    the host's copy of the old one)."""
+    prompt, *others = _prompts(2, 4)
+    _, alone = _churn(make_engine(num_pages=24, host_cache_bytes=1000 * PAGE_BYTES), prompt, others)
+    both = _disk_engine(tmp_path, host_cache_bytes=1000 * PAGE_BYTES)
+    _, again = _churn(both, prompt, others)
+    assert again.output_ids == alone.output_ids and again.num_cached_tokens == alone.num_cached_tokens == 36
+    assert again.num_host_cached_tokens == alone.num_host_cached_tokens > 0 and again.num_disk_cached_tokens == 0
+    assert both.stats.host.spilled_pages == len(both.kv_manager.offload.host) > 0
+
+
 def test_a_full_or_failing_disk_degrades_to_no_tier(tmp_path, monkeypatch):
     prompt, *others = _prompts(2, 4)
     _, base = _churn(make_engine(num_pages=24), prompt, others)
@@ -311,6 +329,79 @@ def test_disk_settings_are_refused_by_name(tmp_path):
                           (dict(disk_cache_bytes=5), "disk_cache_bytes=5 without disk_cache_dir"),
                           (dict(disk_cache_dir=str(tmp_path), disk_cache_bytes=5, enable_prefix_caching=False),
                            "needs enable_prefix_caching=True"),
-                          (dict(disk_cache_dir=7, disk_cache_bytes=5), "disk_cache_dir must be a folder path")]:
+                          (dict(disk_cache_dir=7, disk_cache_bytes=5), "disk_cache_dir must be a folder path"),
+                          (dict(disk_cache_dir=__file__ + "/sub", disk_cache_bytes=5),
+                           "cannot be written: '.*test_kv_tiers.py' is not a writable folder"),
+                          (dict(disk_cache_dir=__file__, disk_cache_bytes=5), "is a file, expected a folder"),
+                          (dict(disk_cache_dir="  ", disk_cache_bytes=5), "is not a folder path"),
+                          (dict(disk_cache_dir="a\0b", disk_cache_bytes=5), "is not a folder path")]:
         with pytest.raises(ValueError, match=words):
             EngineConfig(**kwargs)
+
+
+def test_what_a_breaker_found_is_refused_and_the_engine_goes_on(tmp_path):
+    """A folder or a pipe under a page's name, a file of the right checksum
+    but another layout, and an update_weights whose new folder cannot be
+    made: each refused by name or reason, the engine unchanged and serving
+    (a breaking helper's reports)."""
+    prompt = _prompts(2, 1)[0]
+    (a,) = _disk_engine(tmp_path).run([Request(request_id="a", prompt_ids=prompt, max_new_tokens=8)])
+    keys = chain_keys(prompt, PAGE, (None,), [])
+    second = _disk_engine(tmp_path)
+    disk = second.kv_manager.offload.disk
+    disk.path(0, keys[1]).unlink()
+    disk.path(0, keys[1]).mkdir()  # a folder under a page's name
+    os.mkfifo(disk.path(0, keys[5]).with_suffix(".tmp"))  # (no page's name: ignored)
+    (b,) = second.run([Request(request_id="b", prompt_ids=prompt, max_new_tokens=8)])
+    assert b.output_ids == a.output_ids and b.num_disk_cached_tokens == PAGE and disk.refused == {"not a file": 1}
+    (c,) = second.run([Request(request_id="c", prompt_ids=prompt[:20], max_new_tokens=2)])  # still serving
+    # Same weights and pool, another model configuration: another fingerprint, no hit.
+    other = Engine(ToyModel(toy_params(), window=None), toy_pool(24),
+                   EngineConfig(max_seqs=8, max_seq_len=80, max_num_batched_tokens=64, disk_cache_dir=str(tmp_path),
+                                disk_cache_bytes=1 << 20), vocab_size=VOCAB)
+    other.model.config = "another configuration"
+    assert other._disk_tier(other.kv).fingerprint != disk.fingerprint
+    # update_weights whose folder is taken by a file: refused by name, nothing changed.
+    new = toy_params(seed=5)
+    blocker = tmp_path / second._disk_tier(second.kv, new).fingerprint[:32]
+    shutil.rmtree(blocker)
+    blocker.write_text("x")
+    old_params, old_fp = second.params, disk.fingerprint
+    with pytest.raises(ValueError, match="disk_cache_dir=.* cannot hold the disk tier"):
+        second.update_weights(new)
+    assert second.params is old_params and second.kv_manager.offload.disk.fingerprint == old_fp
+    (d,) = second.run([Request(request_id="d", prompt_ids=prompt, max_new_tokens=8)])
+    assert d.output_ids == a.output_ids and d.num_cached_tokens == 36
+
+
+def test_a_disk_file_of_another_layout_is_refused(tmp_path):
+    pool = toy_pool(4)
+    wide = init_kv_pool(num_layers=1, num_kv_heads=2, num_pages=4, page_size=PAGE, head_dim=8)
+    tokens = list(range(2 * PAGE))
+    keys = chain_keys(tokens, PAGE, (None,), [])
+    writer = DiskTier(tmp_path, 1 << 20, PAGE, "ab" * 32)  # no layout: writes what it is given
+    writer.put(HostPage(group=0, key=keys[0], parent_key=ROOT_KEY, tokens=tuple(tokens[:PAGE]), extra=(None,),
+                        kv=page_copies(gather_pages(wide, [1]), 1)[0]))
+    reader = DiskTier(tmp_path, 1 << 20, PAGE, "ab" * 32, layout=page_layout(pool))
+    assert reader.lookup(tokens, keys, (None,), 0, 1) == [] and reader.refused == {"header": 1}
+
+
+def test_a_hit_keeps_a_chains_head_longest(tmp_path):
+    """touch marks a run's first page most recently used: a bound that
+    drops pages takes the tail, so what is left is still a hit."""
+    tier = HostTier(1 << 20, PAGE)
+    tier.touch(0, [])
+    tokens = list(range(4 * PAGE))
+    keys = chain_keys(tokens, PAGE, (None,), [])
+    kv = page_copies(gather_pages(toy_pool(4), [1]), 1)[0]
+    pages = [HostPage(group=0, key=keys[j], parent_key=keys[j - 1] if j else ROOT_KEY,
+                      tokens=tuple(tokens[j * PAGE:(j + 1) * PAGE]), extra=(None,), kv=kv) for j in range(3)]
+    for p in pages:
+        tier.put(p)
+    tier.touch(0, keys[:3])
+    assert tier.keys == [(0, keys[2]), (0, keys[1]), (0, keys[0])]  # least recently used first: the tail
+    disk = DiskTier(tmp_path, 1 << 20, PAGE, "cd" * 32)
+    for p in pages:
+        disk.put(p)
+    disk.touch(0, keys[:3])
+    assert list(disk._files) == [(0, keys[2]), (0, keys[1]), (0, keys[0])]

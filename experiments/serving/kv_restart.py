@@ -55,7 +55,10 @@ def parse_args(argv=None):
     add_flag(p, "num_requests", default=48, help="ShareGPT requests each process serves (default 48)")
     add_flag(p, "max_output_len", default=32, help="cap on each request's output tokens (default 32)")
     add_flags(p, "seed", "page_size", "max_seqs")
-    p.add_argument("--kv-budget-tokens", type=int, default=8192, help="KV pool size in tokens (default %(default)s)")
+    p.add_argument("--kv-budget-tokens", type=int, default=8192,
+                   help="KV pool size in tokens, at least one sequence of --max-seq-len (default %(default)s)")
+    p.add_argument("--max-seq-len", type=int, default=2048,
+                   help="most tokens per sequence, prompt plus output (default %(default)s)")
     add_flag(p, "max_batched_tokens")
     p.add_argument("--disk-cache-gib", type=float, default=4.0, help="the disk tier's bound (default %(default)s)")
     p.add_argument("--disk-dir", default=None, help="the disk tier's folder (default: a fresh temporary one)")
@@ -65,7 +68,10 @@ def parse_args(argv=None):
     add_flag(p, "out")
     args = p.parse_args(argv)
     check_flags(p, args)
-    require_positive(p, args, "kv_budget_tokens")
+    require_positive(p, args, "kv_budget_tokens", "max_seq_len")
+    if args.kv_budget_tokens // args.page_size * args.page_size < args.max_seq_len:
+        p.error(f"--kv-budget-tokens rounded down to pages of --page-size {args.page_size} must hold one sequence of "
+                f"--max-seq-len {args.max_seq_len}, got {args.kv_budget_tokens}")
     if not (args.disk_cache_gib > 0 and args.disk_cache_gib < float("inf")):
         p.error(f"--disk-cache-gib must be a finite number > 0, got {args.disk_cache_gib}")
     if args.role == "serve" and args.disk_dir is None:
@@ -83,7 +89,8 @@ def serve(args) -> dict:
         tokenizer, vocab_size=model.config.vocab_size, num_requests=args.num_requests,
         max_output_len=args.max_output_len, seed=args.seed)
     engine = serving.make_engine(model, kv_tokens=args.kv_budget_tokens, page_size=args.page_size,
-                                 max_seqs=args.max_seqs, max_batched_tokens=args.max_batched_tokens,
+                                 max_seqs=args.max_seqs, max_seq_len=args.max_seq_len,
+                                 max_batched_tokens=args.max_batched_tokens,
                                  paged_model=RaggedModel(model), kv_dtype=resolve_kv_dtype(args.kv_dtype),
                                  disk_cache_dir=args.disk_dir, disk_cache_bytes=int(args.disk_cache_gib * 2**30))
     outs = engine.run(requests)

@@ -124,7 +124,12 @@ def main(argv=None) -> dict:
                                    vocab_size=model.config.vocab_size)
     working_set = sum(c.context_len() for c in convs)
     L = args.page_size
-    pool_tokens = max(int(args.pool_fraction * working_set) // L * L, -(-args.max_context // L) * L)
+    asked = int(args.pool_fraction * working_set) // L * L
+    pool_tokens = max(asked, -(-args.max_context // L) * L)
+    raised = "" if pool_tokens == asked else (f", raised from the {asked} tokens --pool-fraction asks for to hold one "
+                                              f"context of --max-context {args.max_context}")
+    if raised:
+        print(f"warning: device pool{raised}")
     paged_model = RaggedModel(model)
 
     def build(host_bytes: int):
@@ -149,7 +154,7 @@ def main(argv=None) -> dict:
              f"{len(convs)} conversations ({sum(len(c.turns) for c in convs)} turns, 2 to {args.max_turns} each, "
              f"answers capped at {args.max_output_len} tokens, contexts of at most {args.max_context}): working set "
              f"{working_set} tokens ({ws_bytes / 2**20:.1f} MiB of K/V); device pool {pool_tokens} tokens "
-             f"({pool_tokens / working_set:.2f} of it), page size {L}, max {args.max_seqs} running, "
+             f"({pool_tokens / working_set:.2f} of it{raised}), page size {L}, max {args.max_seqs} running, "
              f"{max(args.max_batched_tokens, args.max_seqs)} tokens per call; first turns "
              f"{args.conversation_rate:g}/s (Poisson), think time exponential, mean {args.think_s:g} s; {machine()}")
     print(setup)

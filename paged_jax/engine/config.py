@@ -88,6 +88,24 @@ def reserved_tokens(policy: str, prompt_len: int, max_new_tokens: int, max_seq_l
     return min(prompt_len + max_new_tokens, max_seq_len)  # oracle
 
 
+def _check_folder(name: str, path: str) -> None:
+    """A folder that exists, or that can be made where its nearest existing
+    ancestor is a writable folder; checked without making it.
+
+    Raises:
+      ValueError: naming ``name`` and ``path``.
+    """
+    if not path.strip() or "\0" in path:
+        raise ValueError(f"{name}={path!r} is not a folder path (empty, blank or holding a NUL byte)")
+    p = os.path.abspath(path)
+    if os.path.exists(p) and not os.path.isdir(p):
+        raise ValueError(f"{name}={path!r} is a file, expected a folder")
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    if not os.path.isdir(p) or not os.access(p, os.W_OK | os.X_OK):
+        raise ValueError(f"{name}={path!r} cannot be written: {p!r} is not a writable folder")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Scheduler limits.
@@ -205,6 +223,7 @@ class EngineConfig:
             if not isinstance(self.disk_cache_dir, (str, os.PathLike)) or not str(self.disk_cache_dir):
                 raise ValueError(f"disk_cache_dir must be a folder path (str), got {self.disk_cache_dir!r}")
             object.__setattr__(self, "disk_cache_dir", os.fspath(self.disk_cache_dir))
+            _check_folder("disk_cache_dir", self.disk_cache_dir)
             if not self.disk_cache_bytes:
                 raise ValueError(f"disk_cache_dir={self.disk_cache_dir!r} needs disk_cache_bytes > 0 (the files it "
                                  "may keep), got disk_cache_bytes=0")

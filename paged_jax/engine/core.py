@@ -70,7 +70,7 @@ from paged_jax.engine.speculation import Speculator
 from paged_jax.engine.stats import CallRecord, EngineStats, compile_seconds
 from paged_jax.engine.step import PagedModel, check_model, device_step, engine_kv_groups, num_traces
 from paged_jax.paging.kv_cache import KVPool
-from paged_jax.tiers.disk import DiskTier, kv_fingerprint
+from paged_jax.tiers.disk import DiskTier, kv_fingerprint, page_layout
 
 __all__ = [  # the engine's API; the types live in their own modules and are re-exported here
     "CallRecord", "CompletionOutput", "Engine", "EngineConfig", "EngineStats", "PagedModel", "Request",
@@ -186,14 +186,27 @@ class Engine:
             vocab_size=getattr(model, "vocab_size", None) or vocab_size, num_groups=groups.num_groups,
             make_engine=Engine)
 
-    def _disk_tier(self, kv_pool: KVPool) -> DiskTier | None:
+    def _disk_tier(self, kv_pool: KVPool, params=None) -> DiskTier | None:
         """The prefix cache's disk tier ``config.disk_cache_dir`` asks for,
-        keyed by these weights and this pool's layout
-        (:func:`paged_jax.tiers.disk.kv_fingerprint`); None without one."""
+        keyed by ``params`` (default the engine's), the model's class and
+        configuration and this pool's layout
+        (:func:`paged_jax.tiers.disk.kv_fingerprint`); None without one.
+
+        Raises:
+          ValueError: the folder cannot be used (named, with the OS's reason).
+        """
         c = self.config
         if c.disk_cache_dir is None:
             return None
-        return DiskTier(c.disk_cache_dir, c.disk_cache_bytes, kv_pool.page_size, kv_fingerprint(self.params, kv_pool))
+        m = self.model
+        identity = (f"{type(m).__module__}.{type(m).__qualname__};config={getattr(m, 'config', None)!r};"
+                    f"window={getattr(m, 'kv_window', None)!r};groups={getattr(m, 'kv_groups', None)!r}")
+        fingerprint = kv_fingerprint(self.params if params is None else params, kv_pool, extra=identity)
+        try:
+            return DiskTier(c.disk_cache_dir, c.disk_cache_bytes, kv_pool.page_size, fingerprint,
+                            layout=page_layout(kv_pool))
+        except OSError as e:
+            raise ValueError(f"disk_cache_dir={c.disk_cache_dir!r} cannot hold the disk tier: {e}") from None
 
     # ------------------------------------------------------------ views
 
@@ -320,7 +333,8 @@ class Engine:
 
         Raises:
           ValueError: a different tree structure, a leaf of another shape or
-            dtype, or one holding NaN or inf (named by its path). The engine
+            dtype, or one holding NaN or inf (named by its path); a disk
+            tier whose folder for the new weights cannot be made. The engine
             is then unchanged.
           RuntimeError: requests are unfinished (their K/V came from the old
             weights: finish or abort them first), or the engine failed.
@@ -348,13 +362,15 @@ class Engine:
             if jnp.issubdtype(jnp.result_type(new), jnp.inexact) and not bool(jnp.all(jnp.isfinite(new))):
                 raise ValueError(f"params{jax.tree_util.keystr(path)}: holds NaN or inf; the engine would fail on "
                                  "its first step")
+        offload = self.kv_manager.offload
+        # The new weights' pages live under a new fingerprint: its folder made before anything changes.
+        disk = self._disk_tier(self.kv, params) if offload is not None and offload.disk is not None else None
         self.params = jax.tree.map(
             lambda new, old: jax.device_put(new, old.sharding) if isinstance(old, jax.Array) else new,
             params, self.params)
         self.reset_prefix_cache()
-        offload = self.kv_manager.offload
-        if offload is not None and offload.disk is not None:  # the new weights' pages live under a new fingerprint
-            offload.disk = self._disk_tier(self.kv)
+        if disk is not None:
+            offload.disk = disk
         if self.speculator is not None:
             self.speculator.update_weights(self.model, self.params)
 

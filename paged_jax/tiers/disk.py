@@ -37,6 +37,7 @@ import hashlib
 import json
 import os
 import pathlib
+import stat
 import struct
 import tempfile
 from typing import Hashable, Sequence
@@ -89,6 +90,17 @@ def _expected_len(data: bytes) -> int | None:
         return None
 
 
+def page_layout(kv: KVPool) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """One page of ``kv``'s leaves: ``{field: (dtype name, shape)}``, the
+    page axis 1 (what a page file must hold to be loaded into ``kv``)."""
+    out = {}
+    for f in _FIELDS:
+        x = getattr(kv, f)
+        if x is not None:
+            out[f] = (x.dtype.name, x.shape[:2] + (1,) + x.shape[3:])
+    return out
+
+
 def _encode_extra(extra: Hashable) -> list | None:
     """The extra key as JSON (a tuple of str / None / int); None when it
     cannot be written."""
@@ -107,10 +119,14 @@ class DiskTier:
       page_size: tokens per page.
       fingerprint: :func:`kv_fingerprint` of the engine that reads and
         writes it (hex, at least 32 characters).
+      layout: what a page must hold (:func:`page_layout`); a file whose
+        leaves differ is refused. None: not checked.
 
     Attributes:
       refused: files refused, by reason (``"truncated"``, ``"checksum"``,
-        ``"header"``, ``"foreign"``, ``"missing"``).
+        ``"header"`` (unreadable, or leaves not ``layout``'s), ``"foreign"``,
+        ``"missing"``, ``"not a file"`` (a folder, a pipe, a device),
+        ``"too large"``, ``"unreadable"`` (the OS refused the read)).
       foreign_fingerprints: other fingerprints' folders found at opening
         (pages another model or K/V dtype wrote: never served here).
       evicted_pages: files deleted to make room.
@@ -120,7 +136,8 @@ class DiskTier:
         ``fingerprint``; ``folder`` that is a file.
     """
 
-    def __init__(self, folder: str | os.PathLike, capacity_bytes: int, page_size: int, fingerprint: str):
+    def __init__(self, folder: str | os.PathLike, capacity_bytes: int, page_size: int, fingerprint: str, *,
+                 layout: dict | None = None):
         self.capacity_bytes = check_int("capacity_bytes", capacity_bytes, 0)
         self.page_size = check_int("page_size", page_size)
         if not isinstance(fingerprint, str) or len(fingerprint) < 32 or any(
@@ -131,6 +148,7 @@ class DiskTier:
         if root.exists() and not root.is_dir():
             raise ValueError(f"folder={str(folder)!r} is a file, expected a folder for the disk tier")
         self.fingerprint = fingerprint
+        self.layout = None if layout is None else {f: (d, tuple(s)) for f, (d, s) in layout.items()}
         self.root = root / fingerprint[:32]
         self.root.mkdir(parents=True, exist_ok=True)
         self.foreign_fingerprints = sorted(p.name for p in root.iterdir() if p.is_dir() and p != self.root)
@@ -145,7 +163,8 @@ class DiskTier:
                 st = path.stat()
             except (ValueError, OSError):
                 continue  # not a page file's name, or gone meanwhile
-            found.append((st.st_mtime_ns, key, st.st_size))
+            if stat.S_ISREG(st.st_mode):  # a folder or a pipe under a page's name is never indexed
+                found.append((st.st_mtime_ns, key, st.st_size))
         for _, key, size in sorted(found):
             self._files[key] = size
             self.used_bytes += size
@@ -193,7 +212,7 @@ class DiskTier:
             return False
         self._shrink(len(data))
         path = self.path(*key)
-        path.parent.mkdir(exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)  # the folder may have been deleted meanwhile
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".kv")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -216,10 +235,16 @@ class DiskTier:
 
     # ------------------------------------------------------------- reads
 
-    def _forget(self, key: tuple[int, bytes], reason: str) -> None:
+    def _forget(self, key: tuple[int, bytes], reason: str, *, unlink: bool = True) -> None:
+        """Refuses ``key``'s file: counted, out of the index, and deleted
+        when ``unlink`` (not a folder or a pipe under its name)."""
         self.refused[reason] += 1
         self.used_bytes -= self._files.pop(key, 0)
-        self.path(*key).unlink(missing_ok=True)
+        if unlink:
+            try:
+                self.path(*key).unlink(missing_ok=True)
+            except OSError:
+                pass
 
     def read(self, group: int, key: bytes) -> HostPage | None:
         """The page of ``key`` in ``group``, its file verified (module
@@ -227,10 +252,21 @@ class DiskTier:
         k = (group, key)
         if k not in self._files:
             return None
+        path = self.path(group, key)
         try:
-            data = self.path(group, key).read_bytes()
+            st = path.stat()
+            if not stat.S_ISREG(st.st_mode):  # a folder, a pipe, a device: reading it could hang or never end
+                self._forget(k, "not a file", unlink=False)
+                return None
+            if st.st_size > self.capacity_bytes:
+                self._forget(k, "too large")
+                return None
+            data = path.read_bytes()
         except FileNotFoundError:
             self._forget(k, "missing")
+            return None
+        except OSError:
+            self._forget(k, "unreadable", unlink=False)
             return None
         if len(data) < len(MAGIC) + _LEN.size + _DIGEST:
             self._forget(k, "truncated")
@@ -261,6 +297,8 @@ class DiskTier:
                 offset += count * dt.itemsize
             if offset != len(body) or len(head["tokens"]) != self.page_size or "k" not in leaves:
                 raise ValueError("length")
+            if self.layout is not None and {f: (x.dtype.name, x.shape) for f, x in leaves.items()} != self.layout:
+                raise ValueError("layout")
             kv = KVPool(**{f: leaves.get(f) for f in _FIELDS})
             page = HostPage(group=group, key=key, parent_key=bytes.fromhex(head["parent_key"]),
                             tokens=tuple(head["tokens"]), extra=tuple(head["extra"]), kv=kv)
@@ -293,17 +331,20 @@ class DiskTier:
         since this one opened the folder (it is read and verified like any
         other). Returns whether there was one."""
         try:
-            size = self.path(group, key).stat().st_size
-        except OSError:
+            st = self.path(group, key).stat()
+        except (OSError, ValueError):
             return False
+        size = st.st_size
         self._files[(group, key)] = size
         self.used_bytes += size
         return True
 
     def touch(self, group: int, keys: Sequence[bytes]) -> None:
         """Marks the files of ``keys`` most recently used (their
-        modification time too, for the next process)."""
-        for key in keys:
+        modification time too, for the next process), the first the most:
+        a chain's tail leaves before its head, without which it can never be
+        hit."""
+        for key in reversed(keys):
             if (group, key) in self._files:
                 self._files.move_to_end((group, key))
                 try:

@@ -199,11 +199,12 @@ class HostTier:
         return run
 
     def touch(self, group: int, keys: Sequence[bytes]) -> None:
-        """Marks the pages of ``keys`` in ``group`` most recently used, the
-        last key the most (a chain's tail leaves before its head); keys
-        not held are skipped."""
+        """Marks the pages of ``keys`` (a chain's, in order) in ``group``
+        most recently used, the first key the most (a chain's tail leaves
+        before its head, without which it can never be hit); keys not held
+        are skipped."""
         group = check_int("group", group, 0)
-        for key in keys:
+        for key in reversed(keys):
             if (group, key) in self._pages:
                 self._pages.move_to_end((group, key))
 

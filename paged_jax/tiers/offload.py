@@ -143,7 +143,9 @@ class Offload:
     def __init__(self, host: HostTier | None, disk: DiskTier | None, host_stats: TierStats, disk_stats: TierStats):
         self.host, self.disk = host, disk
         self.host_stats, self.disk_stats = host_stats, disk_stats
-        self._pending: dict[int, _Copy] = {}  # pool page -> its copy, recorded, not dispatched yet
+        # (pool page, chain key) -> its copy, recorded, not dispatched yet: one page may hold an evicted key
+        # (copied before the call that reuses it) and the key it is cached under next (copied after that call)
+        self._pending: dict[tuple[int, bytes], _Copy] = {}
         self._in_transit: list[tuple[KVPool, list[_Copy]]] = []  # gathered, not stored yet
 
     @property
@@ -157,12 +159,12 @@ class Offload:
             self.host.touch(entry.group, [entry.key])  # already there: the pool's copy needs no second one
             to_host = False
         to_disk = to_disk and key not in self.disk
-        old = self._pending.get(page)
-        if old is not None and old.entry.key == entry.key:
+        old = self._pending.get((page, entry.key))
+        if old is not None:
             to_host, to_disk = to_host or old.to_host, to_disk or old.to_disk
             after_call = after_call and old.after_call
         if to_host or to_disk:
-            self._pending[page] = _Copy(page, entry, to_host, to_disk, after_call)
+            self._pending[(page, entry.key)] = _Copy(page, entry, to_host, to_disk, after_call)
 
     def note_evicted(self, page: int, entry) -> None:
         """Records that the device pool is handing out ``page``, which the
@@ -187,23 +189,27 @@ class Offload:
         dispatched), of every page recorded as cached; the copies
         dispatched before are stored first."""
         self.settle()
+        if computed and any(not c.after_call for c in self._pending.values()):
+            raise RuntimeError("internal: an evicted page's copy was not dispatched before the call that reuses it")
         copies = [c for c in self._pending.values() if computed or not c.after_call]
         if copies:
             for c in copies:
-                del self._pending[c.page]
+                del self._pending[(c.page, c.entry.key)]
             self._in_transit.append((gather_pages(kv, [c.page for c in copies]), copies))
 
     def settle(self) -> None:
         """Stores the dispatched copies in their tiers (this waits for their
         gathers, not for any call after them)."""
         for copied, copies in self._in_transit:
+            pages = []
             for c, kv in zip(copies, page_copies(copied, len(copies))):
                 e = c.entry
-                page = HostPage(group=e.group, key=e.key, parent_key=e.parent_key, tokens=e.tokens, extra=e.extra,
-                                kv=kv)
-                finite = _finite(kv)
+                pages.append((c, HostPage(group=e.group, key=e.key, parent_key=e.parent_key, tokens=e.tokens,
+                                          extra=e.extra, kv=kv), _finite(kv)))
+            for c, page, finite in pages:  # evicted pages come tail first: the host drops a chain's tail first
                 if c.to_host:
                     self._store_host(page, finite)
+            for c, page, finite in reversed(pages):  # cached pages come head first: stored last, the head lasts
                 if c.to_disk:
                     self._store_disk(page, finite)
         self._in_transit.clear()
@@ -292,6 +298,8 @@ class Offload:
 
 GIB = 1 << 30
 """Bytes in a GiB (``--host-cache-gib``)."""
+MAX_GIB = 1 << 30
+"""The largest tier the flags take, GiB (an exbibyte)."""
 
 
 def add_tier_flags(parser) -> None:
@@ -308,7 +316,7 @@ def add_tier_flags(parser) -> None:
                        help="store every cached page in this folder, under the model's fingerprint, for this "
                             "process and later ones (default: none; needs --disk-cache-gib)")
     group.add_argument("--disk-cache-gib", type=float, default=0.0, metavar="GIB",
-                       help="bytes of page files the disk tier keeps, least recently used deleted first")
+                       help="GiB of page files the disk tier keeps, least recently used deleted first")
 
 
 def tier_options_from_args(parser, args) -> dict:
@@ -319,9 +327,11 @@ def tier_options_from_args(parser, args) -> dict:
     out = {}
     for flag, name in (("--host-cache-gib", "host_cache_gib"), ("--disk-cache-gib", "disk_cache_gib")):
         gib = getattr(args, name)
-        if not np.isfinite(gib) or gib < 0:
-            parser.error(f"{flag} must be a finite number >= 0, got {gib}")
+        if not np.isfinite(gib) or not 0 <= gib <= MAX_GIB:
+            parser.error(f"{flag} must be a number in [0, {MAX_GIB}], got {gib}")
         out[name.replace("_gib", "_bytes")] = int(gib * GIB)
+        if gib and not out[name.replace("_gib", "_bytes")]:
+            parser.error(f"{flag} {gib} is less than one byte; pass 0 for no tier")
     if (args.disk_cache_dir is None) != (out["disk_cache_bytes"] == 0):
         parser.error("--disk-cache-dir and --disk-cache-gib go together: name the folder and the bytes it may keep")
     out["disk_cache_dir"] = args.disk_cache_dir
