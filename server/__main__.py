@@ -76,9 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.speculative_config = speculative_from_args(p, args)
     args.tier_options = tier_options_from_args(p, args)
-    if (args.tier_options["host_cache_bytes"] or args.disk_cache_dir) and args.no_prefix_caching:
-        p.error("--host-cache-gib and --disk-cache-dir keep the prefix cache's pages: they need prefix caching "
-                "(drop --no-prefix-caching)")
+    if (args.tier_options["host_cache_bytes"] or args.disk_cache_dir or args.kv_role) and args.no_prefix_caching:
+        p.error("--host-cache-gib, --disk-cache-dir and --kv-role keep or hand over the prefix cache's pages: they "
+                "need prefix caching (drop --no-prefix-caching)")
     check_profile_args(p, args)
     args.limit_bounds = limit_args(p, args)
     if not 0 < args.port < 65536:
@@ -128,6 +128,11 @@ def main(argv=None) -> None:
     app = build_app(llm, model_name=args.served_model_name or args.model, api_key=args.api_key, limits=limits)
     log = logging.getLogger("server")
     log.info("serving %r as %r; %r; %r", llm.name, app.state.model_name, llm, limits)
+    offload = llm.engine.kv_manager.offload
+    if offload is not None and offload.remote is not None:
+        r = offload.remote
+        where = f"serving pages at {r.address}" if r.role == "producer" else f"loading pages from {r.config.address}"
+        log.info("KV %s: %s over %s", r.role, where, r.transport)
     profile = ProfileSpec.from_args(args)
     profiler = None if profile is None else profile.install(llm.engine)  # before the engine loop starts
     if profile is not None:

@@ -516,7 +516,8 @@ class EngineLoop:
             tiers={name: {**dataclasses.asdict(getattr(stats, name)),
                           "used_bytes": 0 if tier is None else tier.used_bytes,
                           "capacity_bytes": 0 if tier is None else tier.capacity_bytes}
-                   for name, tier in (("host", offload and offload.host), ("disk", offload and offload.disk))},
+                   for name, tier in (("host", offload and offload.host), ("disk", offload and offload.disk),
+                                      ("remote", offload and offload.remote))},
         )
 
 

@@ -85,9 +85,10 @@ class _EngineCollector(Collector):
         yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_hit_tokens)
         by_tier = CounterMetricFamily(PREFIX + "prefix_cache_hits_by_tier",
                                       "Prompt tokens served from the prefix cache, by the tier that held them "
-                                      "(device: the KV pool; host: loaded back from host memory).",
+                                      "(device: the KV pool; host, disk: loaded back from host memory, from "
+                                      "disk; remote: loaded from another engine by the KV connector).",
                                       labels=labels + ["tier"])
-        tiers = {t: s.tiers.get(t, {}) for t in ("host", "disk")}
+        tiers = {t: s.tiers.get(t, {}) for t in ("host", "disk", "remote")}
         by_tier.add_metric(value + ["device"], s.prefix_hit_tokens - sum(t.get("hit_tokens", 0)
                                                                           for t in tiers.values()))
         for name, t in tiers.items():
@@ -96,8 +97,9 @@ class _EngineCollector(Collector):
         for unit in ("pages", "bytes"):
             moved = CounterMetricFamily(PREFIX + f"kv_tier_{unit}_moved",
                                         f"KV {unit} moved between the device pool and a tier: spilled (to the host "
-                                        "tier when the pool evicts a cached page, to the disk tier once computed) "
-                                        "and loaded (a hit brought back).", labels=labels + ["tier", "direction"])
+                                        "tier when the pool evicts a cached page, to the disk tier and a KV "
+                                        "producer's store once computed) and loaded (a hit brought back).",
+                                        labels=labels + ["tier", "direction"])
             for name, t in tiers.items():
                 moved.add_metric(value + [name, "spilled"], t.get(f"spilled_{unit}", 0))
                 moved.add_metric(value + [name, "loaded"], t.get(f"loaded_{unit}", 0))
@@ -110,6 +112,9 @@ class _EngineCollector(Collector):
             yield g
         yield counter("kv_tier_refused_files", "Disk tier files refused when read (short, corrupted, another "
                       "model's, or gone): never served.", tiers["disk"].get("refused_files", 0))
+        yield counter("kv_transfer_refused_lookups", "KV connector lookups that brought nothing: the producer "
+                      "refused (another model's pages), did not answer, or failed a check.",
+                      tiers["remote"].get("refused_lookups", 0))
         yield counter("num_preemptions", "Preemptions (recompute or swap).", s.preemptions)
         yield counter("engine_iterations", "Engine scheduler iterations.", s.iterations)
         yield counter("compile_seconds", "Seconds JAX spent tracing, lowering and compiling (or loading from the "

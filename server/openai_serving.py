@@ -309,6 +309,7 @@ class _Response:
         self.cached = [0] * len(requests)
         self.host_cached = [0] * len(requests)  # of them, loaded from the host tier
         self.disk_cached = [0] * len(requests)  # and from the disk tier
+        self.remote_cached = [0] * len(requests)  # and from another engine (the KV connector)
         self.text_offset = [0] * len(self.choices)
         self._offset_text: dict[int, IncrementalDetokenizer] = {}  # choice -> its completion's text so far
         self.echo = echo
@@ -325,6 +326,7 @@ class _Response:
         self.cached[i] = out.num_cached_tokens
         self.host_cached[i] = out.num_host_cached_tokens
         self.disk_cached[i] = out.num_disk_cached_tokens
+        self.remote_cached[i] = out.num_remote_cached_tokens
         self.prompt_logprobs[i] += out.prompt_logprobs or []
         touched = []
         for c in out.outputs:
@@ -348,8 +350,10 @@ class _Response:
         completion = sum(len(c.ids) for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached), "cached_tokens_by_tier": {
-                    "device": sum(self.cached) - sum(self.host_cached) - sum(self.disk_cached),
-                    "host": sum(self.host_cached), "disk": sum(self.disk_cached)}}}
+                    "device": sum(self.cached) - sum(self.host_cached) - sum(self.disk_cached)
+                    - sum(self.remote_cached),
+                    "host": sum(self.host_cached), "disk": sum(self.disk_cached),
+                    "remote": sum(self.remote_cached)}}}
 
     # ----------------------------------------------------------------- objects
 

@@ -61,7 +61,7 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier():
     assert again.num_cached_tokens == 36  # (40 - 1) // 4 whole pages: the last token is always computed
     assert again.num_host_cached_tokens == 36 - off_again.num_cached_tokens > 0
     host = engine.stats.host
-    assert host.hit_tokens == again.num_host_cached_tokens and host.hit_pages == host.loaded_pages
+    assert host.hit_tokens == again.num_host_cached_tokens
     assert host.loaded_pages - engine.loaded_before_again == again.num_host_cached_tokens // PAGE
     assert host.spilled_pages > 0 and host.spilled_bytes == host.spilled_pages * PAGE_BYTES
     assert host.loaded_bytes == host.loaded_pages * PAGE_BYTES and host.refused_pages == host.evicted_pages == 0
@@ -240,7 +240,7 @@ def test_a_second_engine_on_the_same_folder_hits_what_the_first_computed(tmp_pat
     second = _disk_engine(tmp_path)
     (b,) = second.run([Request(request_id="b", prompt_ids=prompt, max_new_tokens=20)])
     assert b.output_ids == a.output_ids and b.num_cached_tokens == b.num_disk_cached_tokens == 36
-    assert second.stats.disk.loaded_pages == second.stats.disk.hit_pages == 9 and second.stats.disk.hit_tokens == 36
+    assert second.stats.disk.loaded_pages == 9 and second.stats.disk.hit_tokens == 36
     other = Engine(ToyModel(toy_params(seed=1)), toy_pool(24),
                    EngineConfig(max_seqs=8, max_seq_len=80, max_num_batched_tokens=64, disk_cache_dir=str(tmp_path),
                                 disk_cache_bytes=1 << 20), vocab_size=VOCAB)

@@ -255,7 +255,7 @@ def test_cached_tokens_count_prefix_hits_and_respect_the_salt(client):
     assert salted.usage.prompt_tokens_details.cached_tokens == 0
     assert again.choices[0].text == first.choices[0].text == salted.choices[0].text
     assert again.usage.prompt_tokens_details.model_dump()["cached_tokens_by_tier"] == {
-        "device": again.usage.prompt_tokens_details.cached_tokens, "host": 0, "disk": 0}
+        "device": again.usage.prompt_tokens_details.cached_tokens, "host": 0, "disk": 0, "remote": 0}
 
 
 def test_a_prefix_the_pool_evicted_is_served_from_the_host_tier(http, client):
@@ -498,10 +498,11 @@ def test_request_limits_defaults_flags_and_refusals(capsys):
             RequestLimits.for_context(256, token_floor=floor, vocab_size=10, **bad)
     args = server_main.parse_args(["--max-body-bytes", "5000", "--max-stop-chars", "9"])
     assert args.limit_bounds == {"max_body_bytes": 5000, "max_stop_chars": 9}
-    assert args.tier_options == {"host_cache_bytes": 0, "disk_cache_bytes": 0, "disk_cache_dir": None}
+    assert args.tier_options == {"host_cache_bytes": 0, "disk_cache_bytes": 0, "disk_cache_dir": None,
+                                 "kv_transfer": None}
     assert server_main.parse_args(["--host-cache-gib", "0.5", "--disk-cache-dir", "d", "--disk-cache-gib", "2"
                                    ]).tier_options == {"host_cache_bytes": 1 << 29, "disk_cache_bytes": 1 << 31,
-                                                       "disk_cache_dir": "d"}
+                                                       "disk_cache_dir": "d", "kv_transfer": None}
     with pytest.raises(SystemExit):
         server_main.parse_args(["--max-prompts", "0"])
     assert "--max-prompts must be >= 1, got 0" in capsys.readouterr().err
@@ -836,7 +837,11 @@ def test_server_profile_traces_steps_after_the_first_request(llm, tmp_path):
     (["--host-cache-gib", "nan"], "--host-cache-gib must be a number in [0, 1073741824], got nan"),
     (["--host-cache-gib", "1e300"], "--host-cache-gib must be a number in [0, 1073741824], got 1e+300"),
     (["--host-cache-gib", "1e-12"], "--host-cache-gib 1e-12 is less than one byte"),
-    (["--host-cache-gib", "1", "--no-prefix-caching"], "--host-cache-gib and --disk-cache-dir keep the prefix"),
+    (["--host-cache-gib", "1", "--no-prefix-caching"], "--host-cache-gib, --disk-cache-dir and --kv-role keep"),
+    (["--kv-role", "producer", "--no-prefix-caching"], "they need prefix caching"),
+    (["--kv-role", "consumer"], "--kv-role consumer: kv_transfer.address='127.0.0.1:0': a consumer needs"),
+    (["--kv-role", "producer", "--kv-buffer-gib", "0"], "kv_transfer.buffer_bytes=0"),
+    (["--kv-role", "producer", "--kv-address", "nohost"], "kv_transfer.address='nohost': expected 'host:port'"),
     (["--disk-cache-dir", "/tmp/x"], "--disk-cache-dir and --disk-cache-gib go together"),
     (["--disk-cache-gib", "1"], "--disk-cache-dir and --disk-cache-gib go together"),
 ])

@@ -52,12 +52,17 @@ FLAGS: dict[str, dict] = {
                           "int8, float8_e4m3fn (alias fp8) and float8_e5m2, allocate 1-byte pages of that exact "
                           "dtype plus one f32 scale per token and KV head beside them: H + 4 bytes per token, KV "
                           "head and K or V, about a quarter of float32 and half of bfloat16 at H = 64"),
+    "kv_budget_tokens": dict(type=int, default=8192, help="KV pool size in tokens, at least one sequence of "
+                                                          "--max-seq-len (default %(default)s)"),
+    "max_seq_len": dict(type=int, default=2048,
+                        help="most tokens per sequence, prompt plus output (default %(default)s)"),
 }
 """The flags several scripts take, by ``args`` attribute: the keyword
 arguments of ``ArgumentParser.add_argument``. A script that needs another
 default for its experiment (``--num-requests 12``) says so where it adds
 the flag."""
-POSITIVE = frozenset({"num_requests", "max_output_len", "page_size", "max_seqs", "max_batched_tokens"})
+POSITIVE = frozenset({"num_requests", "max_output_len", "page_size", "max_seqs", "max_batched_tokens",
+                      "kv_budget_tokens", "max_seq_len"})
 """Flags of :data:`FLAGS` that :func:`check_flags` requires to be >= 1."""
 
 
@@ -82,6 +87,10 @@ def check_flags(p: argparse.ArgumentParser, args) -> None:
     require_positive(p, args, *sorted(POSITIVE & vars(args).keys()))
     if getattr(args, "seed", 0) < 0:
         p.error(f"--seed must be >= 0, got {args.seed}")
+    if {"kv_budget_tokens", "max_seq_len", "page_size"} <= vars(args).keys() and (
+            args.kv_budget_tokens // args.page_size * args.page_size < args.max_seq_len):
+        p.error(f"--kv-budget-tokens rounded down to pages of --page-size {args.page_size} must hold one sequence of "
+                f"--max-seq-len {args.max_seq_len}, got {args.kv_budget_tokens}")
 
 
 def check_outputs(p: argparse.ArgumentParser, args) -> None:

@@ -665,6 +665,26 @@ def load_model(spec: str, dtype=jnp.float32):
     return serving.load_model(spec, dtype)
 
 
+def sharegpt_engine(args, seeds: Sequence[int], **config):
+    """A script's engine and its requests, from its flags: ``--model``,
+    ``--dtype``, ``--kv-dtype``, ``--kv-budget-tokens``, ``--page-size``,
+    ``--max-seqs``, ``--max-seq-len``, ``--max-batched-tokens``, and the
+    basic workload's ``--num-requests`` capped at ``--max-output-len``, one
+    draw per seed of ``seeds``; ``config``: further ``EngineConfig`` fields.
+
+    Returns:
+      ``(engine, [requests of each seed], model name, the requests' source)``.
+    """
+    model, tokenizer, model_name = load_model(args.model, resolve_dtype(args.dtype))
+    draws = [workload("basic").requests(tokenizer, vocab_size=model.config.vocab_size, num_requests=args.num_requests,
+                                        max_output_len=args.max_output_len, seed=seed) for seed in seeds]
+    engine = serving.make_engine(model, kv_tokens=args.kv_budget_tokens, page_size=args.page_size,
+                                 max_seqs=args.max_seqs, max_seq_len=args.max_seq_len,
+                                 max_batched_tokens=args.max_batched_tokens, paged_model=RaggedModel(model),
+                                 kv_dtype=resolve_kv_dtype(args.kv_dtype), **config)
+    return engine, [requests for requests, _ in draws], model_name, draws[0][1]
+
+
 # ------------------------------------------------------------- the figures
 
 @dataclasses.dataclass(frozen=True)

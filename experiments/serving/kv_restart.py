@@ -28,19 +28,15 @@ import sys
 import tempfile
 import time
 
-from experiments.lib import online, provenance, serving, workloads
+from experiments.lib import online, provenance
 from experiments.lib.cli import (
     add_flag,
     add_flags,
     check_flags,
     check_outputs,
     machine,
-    require_positive,
-    resolve_dtype,
-    resolve_kv_dtype,
 )
 from experiments.lib.tables import markdown_table, write_table
-from models.ragged import RaggedModel
 
 TARGET = 0.9
 """Issue 38: the second process hits at least this share of the cacheable
@@ -55,10 +51,7 @@ def parse_args(argv=None):
     add_flag(p, "num_requests", default=48, help="ShareGPT requests each process serves (default 48)")
     add_flag(p, "max_output_len", default=32, help="cap on each request's output tokens (default 32)")
     add_flags(p, "seed", "page_size", "max_seqs")
-    p.add_argument("--kv-budget-tokens", type=int, default=8192,
-                   help="KV pool size in tokens, at least one sequence of --max-seq-len (default %(default)s)")
-    p.add_argument("--max-seq-len", type=int, default=2048,
-                   help="most tokens per sequence, prompt plus output (default %(default)s)")
+    add_flags(p, "kv_budget_tokens", "max_seq_len")
     add_flag(p, "max_batched_tokens")
     p.add_argument("--disk-cache-gib", type=float, default=4.0, help="the disk tier's bound (default %(default)s)")
     p.add_argument("--disk-dir", default=None, help="the disk tier's folder (default: a fresh temporary one)")
@@ -68,10 +61,6 @@ def parse_args(argv=None):
     add_flag(p, "out")
     args = p.parse_args(argv)
     check_flags(p, args)
-    require_positive(p, args, "kv_budget_tokens", "max_seq_len")
-    if args.kv_budget_tokens // args.page_size * args.page_size < args.max_seq_len:
-        p.error(f"--kv-budget-tokens rounded down to pages of --page-size {args.page_size} must hold one sequence of "
-                f"--max-seq-len {args.max_seq_len}, got {args.kv_budget_tokens}")
     if not (args.disk_cache_gib > 0 and args.disk_cache_gib < float("inf")):
         p.error(f"--disk-cache-gib must be a finite number > 0, got {args.disk_cache_gib}")
     if args.role == "serve" and args.disk_dir is None:
@@ -84,15 +73,8 @@ def parse_args(argv=None):
 def serve(args) -> dict:
     """One process's run (``--role serve``): what it served, from where."""
     t0 = time.perf_counter()
-    model, tokenizer, model_name = online.load_model(args.model, resolve_dtype(args.dtype))
-    requests, source = workloads.workload("basic").requests(
-        tokenizer, vocab_size=model.config.vocab_size, num_requests=args.num_requests,
-        max_output_len=args.max_output_len, seed=args.seed)
-    engine = serving.make_engine(model, kv_tokens=args.kv_budget_tokens, page_size=args.page_size,
-                                 max_seqs=args.max_seqs, max_seq_len=args.max_seq_len,
-                                 max_batched_tokens=args.max_batched_tokens,
-                                 paged_model=RaggedModel(model), kv_dtype=resolve_kv_dtype(args.kv_dtype),
-                                 disk_cache_dir=args.disk_dir, disk_cache_bytes=int(args.disk_cache_gib * 2**30))
+    engine, (requests,), model_name, source = online.sharegpt_engine(
+        args, [args.seed], disk_cache_dir=args.disk_dir, disk_cache_bytes=int(args.disk_cache_gib * 2**30))
     outs = engine.run(requests)
     L = args.page_size
     disk = engine.stats.disk

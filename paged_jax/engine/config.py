@@ -47,6 +47,7 @@ from paged_jax.checks import check_bool, check_choice, check_instance, check_int
 from paged_jax.engine.stats import DEFAULT_CALL_RECORDS
 from paged_jax.paging.contiguous import ALLOCATORS
 from paged_jax.speculative.config import SpeculativeConfig
+from paged_jax.tiers.connector import KVTransferConfig
 
 RESERVATIONS = ("paged", "max", "pow2", "oracle")
 """The values of ``EngineConfig.reservation``."""
@@ -158,6 +159,12 @@ class EngineConfig:
         ``disk_cache_bytes``.
       disk_cache_bytes: bytes of page files the disk tier keeps (least
         recently used deleted first).
+      kv_transfer: a KV connector to another engine process
+        (:class:`paged_jax.tiers.connector.KVTransferConfig`): a producer
+        keeps every cached page for consumers and serves them, a consumer
+        loads the pages a producer holds after its own tiers'
+        (prefill/decode disaggregation); None (the default): none. Needs
+        prefix caching and a model whose layers all attend every token.
       drop_out_of_window_pages: when every layer of the model attends a
         sliding window (``PagedModel.kv_window``), or a hybrid model's
         pool is laid out by layer group (``PagedModel.kv_groups``,
@@ -189,6 +196,7 @@ class EngineConfig:
     host_cache_bytes: int = 0
     disk_cache_dir: str | None = None
     disk_cache_bytes: int = 0
+    kv_transfer: KVTransferConfig | None = None
     drop_out_of_window_pages: bool = True
     call_records: int | None = DEFAULT_CALL_RECORDS
     speculative: SpeculativeConfig | None = None
@@ -232,6 +240,12 @@ class EngineConfig:
                                  "tier keeps the prefix cache's pages)")
         elif self.disk_cache_bytes:
             raise ValueError(f"disk_cache_bytes={self.disk_cache_bytes} without disk_cache_dir: name the folder")
+        if self.kv_transfer is not None:
+            check_instance("kv_transfer", self.kv_transfer, KVTransferConfig,
+                           what="paged_jax.tiers.connector.KVTransferConfig")
+            if not self.enable_prefix_caching:
+                raise ValueError(f"kv_transfer (a KV {self.kv_transfer.role}) needs enable_prefix_caching=True (the "
+                                 "connector hands the prefix cache's pages between engines)")
         for name in ("async_scheduling", "enable_prefix_caching", "drop_out_of_window_pages"):
             check_bool(name, getattr(self, name))
         if self.call_records is not None:  # a plain int, as deque(maxlen=...) needs

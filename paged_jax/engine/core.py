@@ -70,6 +70,7 @@ from paged_jax.engine.speculation import Speculator
 from paged_jax.engine.stats import CallRecord, EngineStats, compile_seconds
 from paged_jax.engine.step import PagedModel, check_model, device_step, engine_kv_groups, num_traces
 from paged_jax.paging.kv_cache import KVPool
+from paged_jax.tiers.connector import KVConnector, KVConsumer, KVProducer
 from paged_jax.tiers.disk import DiskTier, kv_fingerprint, page_layout
 
 __all__ = [  # the engine's API; the types live in their own modules and are re-exported here
@@ -164,7 +165,8 @@ class Engine:
             kv_pool, max_seqs=config.max_seqs, max_seq_len=config.max_seq_len, reservation=config.reservation,
             enable_prefix_caching=config.enable_prefix_caching, swap_space_pages=swap_pages, stats=self.stats,
             groups=groups, max_num_batched_tokens=config.max_num_batched_tokens, allocator=config.allocator,
-            host_cache_bytes=config.host_cache_bytes, disk=self._disk_tier(kv_pool))
+            host_cache_bytes=config.host_cache_bytes, disk=self._disk_tier(kv_pool),
+            connector=self._connector(kv_pool))
         self.scheduler = Scheduler(
             max_seqs=config.max_seqs, max_num_batched_tokens=config.max_num_batched_tokens, tiling=config.tiling,
             preemption_mode=config.preemption_mode, kv=self.kv_manager, stats=self.stats)
@@ -186,11 +188,33 @@ class Engine:
             vocab_size=getattr(model, "vocab_size", None) or vocab_size, num_groups=groups.num_groups,
             make_engine=Engine)
 
+    def _fingerprint(self, kv_pool: KVPool, params=None) -> str:
+        """What the tiers key this engine's K/V by: ``params`` (default the
+        engine's), the model's class and configuration and this pool's
+        layout (:func:`paged_jax.tiers.disk.kv_fingerprint`)."""
+        m = self.model
+        identity = (f"{type(m).__module__}.{type(m).__qualname__};config={getattr(m, 'config', None)!r};"
+                    f"window={getattr(m, 'kv_window', None)!r};groups={getattr(m, 'kv_groups', None)!r}")
+        return kv_fingerprint(self.params if params is None else params, kv_pool, extra=identity)
+
+    def _connector(self, kv_pool: KVPool) -> KVConnector | None:
+        """The KV connector ``config.kv_transfer`` asks for
+        (:mod:`paged_jax.tiers.connector`), under this engine's
+        fingerprint; None without one.
+
+        Raises:
+          ValueError: a producer's address cannot be listened on, or no
+            producer answers a consumer (named, with the reason).
+        """
+        c = self.config.kv_transfer
+        if c is None:
+            return None
+        make = KVProducer if c.role == "producer" else KVConsumer
+        return make(c, self._fingerprint(kv_pool), page_layout(kv_pool), kv_pool.page_size)
+
     def _disk_tier(self, kv_pool: KVPool, params=None) -> DiskTier | None:
         """The prefix cache's disk tier ``config.disk_cache_dir`` asks for,
-        keyed by ``params`` (default the engine's), the model's class and
-        configuration and this pool's layout
-        (:func:`paged_jax.tiers.disk.kv_fingerprint`); None without one.
+        keyed by :meth:`_fingerprint`; None without one.
 
         Raises:
           ValueError: the folder cannot be used (named, with the OS's reason).
@@ -198,10 +222,7 @@ class Engine:
         c = self.config
         if c.disk_cache_dir is None:
             return None
-        m = self.model
-        identity = (f"{type(m).__module__}.{type(m).__qualname__};config={getattr(m, 'config', None)!r};"
-                    f"window={getattr(m, 'kv_window', None)!r};groups={getattr(m, 'kv_groups', None)!r}")
-        fingerprint = kv_fingerprint(self.params if params is None else params, kv_pool, extra=identity)
+        fingerprint = self._fingerprint(kv_pool, params)
         try:
             return DiskTier(c.disk_cache_dir, c.disk_cache_bytes, kv_pool.page_size, fingerprint,
                             layout=page_layout(kv_pool))
@@ -312,8 +333,9 @@ class Engine:
         return out
 
     def reset_prefix_cache(self) -> int:
-        """Forgets every cached page, in the device pool, the host tier and
-        the disk tier (this model's files deleted): no later request hits
+        """Forgets every cached page, in the device pool, the host tier,
+        the disk tier (this model's files deleted) and a KV producer's store
+        for consumers: no later request hits
         K/V computed before now (vLLM's ``reset_prefix_cache``); a draft
         model's engine forgets its own too.
         Pages running sequences hold stay theirs. Returns the device pages
@@ -365,12 +387,15 @@ class Engine:
         offload = self.kv_manager.offload
         # The new weights' pages live under a new fingerprint: its folder made before anything changes.
         disk = self._disk_tier(self.kv, params) if offload is not None and offload.disk is not None else None
+        remote = offload.remote if offload is not None else None
         self.params = jax.tree.map(
             lambda new, old: jax.device_put(new, old.sharding) if isinstance(old, jax.Array) else new,
             params, self.params)
         self.reset_prefix_cache()
         if disk is not None:
             offload.disk = disk
+        if remote is not None:  # a producer serves, a consumer asks for, the new weights' pages only
+            remote.set_fingerprint(self._fingerprint(self.kv))
         if self.speculator is not None:
             self.speculator.update_weights(self.model, self.params)
 

@@ -73,8 +73,11 @@ dispatched (:meth:`KVCacheManager.store_cached`). An admission's device hit
 is continued into the host tier, then the disk tier; those pages are new
 pages in its cost (as prefilled ones would be), loaded into fresh pages at
 admission, cached on device again, and handed to the row with its device
-hit in the next call, computed. One layer group of full attention only
-(refused by name otherwise).
+hit in the next call, computed. A KV connector
+(:mod:`paged_jax.tiers.connector`) is the last tier: a producer is offered
+every page once computed, as the disk tier is; a consumer's lookup
+continues the run into another engine's pages. One layer group of full
+attention only (refused by name otherwise).
 
 Reservations. Under a reservation policy other than ``"paged"``
 (:mod:`paged_jax.engine.config`) a sequence holds pages for
@@ -116,6 +119,7 @@ from paged_jax.paging.kv_groups import KVGroups, single_group
 from paged_jax.paging.prefix_cache import PrefixCache, chain_keys
 from paged_jax.paging.sliding_window import drop_pages_before, window_first_kept
 from paged_jax.paging.swap import SwappedGroup, SwapSpace, gather_pages, scatter_pages
+from paged_jax.tiers.connector import KVConnector
 from paged_jax.tiers.disk import DiskTier
 from paged_jax.tiers.host import HostTier
 from paged_jax.tiers.offload import Offload, TierRun
@@ -213,6 +217,10 @@ class KVCacheManager:
         there, a hit that runs on into them loads them back); 0: none.
       disk: the prefix cache's disk tier (every cached page stored there
         once computed, :mod:`paged_jax.tiers.disk`), or None.
+      connector: a KV connector to another engine
+        (:mod:`paged_jax.tiers.connector`: a producer is offered every
+        cached page once computed, a consumer's lookup continues a hit
+        past the other tiers), or None.
 
     Raises:
       ValueError: ``groups`` whose ``group_size`` is not the pool's layer
@@ -225,7 +233,7 @@ class KVCacheManager:
                  enable_prefix_caching: bool, swap_space_pages: int, stats: EngineStats,
                  sliding_window: int | None = None, groups: KVGroups | None = None,
                  max_num_batched_tokens: int | None = None, allocator: str | None = None,
-                 host_cache_bytes: int = 0, disk: DiskTier | None = None):
+                 host_cache_bytes: int = 0, disk: DiskTier | None = None, connector: KVConnector | None = None):
         self.kv = kv_pool
         self.max_num_batched_tokens = max_seq_len if max_num_batched_tokens is None else check_int(
             "max_num_batched_tokens", max_num_batched_tokens)
@@ -249,8 +257,9 @@ class KVCacheManager:
                                         max_pages_per_seq=self.max_pages_per_seq, page_size=L)
         self.prefix_cache = PrefixCache(L) if enable_prefix_caching else None
         self.offload = None  # the tiers' traffic (module docstring, "Tiers")
-        if check_int("host_cache_bytes", host_cache_bytes, 0) or disk is not None:
-            what = f"host_cache_bytes={host_cache_bytes}" if host_cache_bytes else f"the disk tier in {disk.root}"
+        if check_int("host_cache_bytes", host_cache_bytes, 0) or disk is not None or connector is not None:
+            what = (f"host_cache_bytes={host_cache_bytes}" if host_cache_bytes else
+                    f"the disk tier in {disk.root}" if disk is not None else f"a KV {connector.role}")
             if self.prefix_cache is None:
                 raise ValueError(f"{what} needs prefix caching (the tiers keep the prefix cache's pages); turn "
                                  "enable_prefix_caching on")
@@ -258,7 +267,7 @@ class KVCacheManager:
                 raise ValueError(f"{what}: the KV tiers serve models whose layers all attend every token; this one "
                                  f"has sliding windows {list(groups.windows)}")
             self.offload = Offload(HostTier(host_cache_bytes, L) if host_cache_bytes else None, disk, stats.host,
-                                   stats.disk)
+                                   stats.disk, connector, stats.remote)
         self.pool = BlockPool(num_pages=kv_pool.num_pages, max_seqs=rows, max_pages_per_seq=self.max_pages_per_seq,
                               page_size=L, on_evict=self._evict if self.prefix_cache is not None else None)
         self.swap = SwapSpace(swap_space_pages)
@@ -294,14 +303,14 @@ class KVCacheManager:
             self.offload.dispatch(self.kv)
 
     def _cached(self, page: int) -> None:
-        """The prefix cache took ``page``: the disk tier, if any, is to
-        store it once computed (:meth:`store_cached`)."""
+        """The prefix cache took ``page``: the disk tier and a KV producer,
+        if any, are to store it once computed (:meth:`store_cached`)."""
         if self.offload is not None:
             self.offload.note_cached(page, self.prefix_cache.entry(page))
 
     def store_cached(self) -> None:
         """Dispatches the copy of the pages cached this round to the disk
-        tier; called right after the call that computes them is
+        tier and a KV producer's store; called right after the call that computes them is
         dispatched."""
         if self.offload is not None:
             self.offload.dispatch(self.kv, computed=True)
@@ -545,16 +554,19 @@ class KVCacheManager:
         (:meth:`_load_tiers`), counted here."""
         st, L = self.stats, self.page_size
         hit_tokens = len(hits[0]) * L
-        host_tokens, disk_tokens = (0, 0) if run is None else (len(run.host) * L, len(run.disk) * L)
-        tier_tokens = host_tokens + disk_tokens
+        run = TierRun() if run is None else run
+        host_tokens, disk_tokens, remote_tokens = len(run.host) * L, len(run.disk) * L, len(run.remote) * L
+        tier_tokens = host_tokens + disk_tokens + remote_tokens
         if seq.group.num_cached_tokens is None:  # first admission
             seq.group.num_cached_tokens = hit_tokens + tier_tokens
             seq.group.num_host_cached_tokens = host_tokens
             seq.group.num_disk_cached_tokens = disk_tokens
+            seq.group.num_remote_cached_tokens = remote_tokens
             st.prompt_tokens += seq.num_prompt
             st.prefix_hit_tokens += hit_tokens + tier_tokens
             st.host.hit_tokens += host_tokens
             st.disk.hit_tokens += disk_tokens
+            st.remote.hit_tokens += remote_tokens
         else:
             st.recompute_hit_tokens += hit_tokens + tier_tokens
             st.recomputed_tokens += len(seq.tokens) - hit_tokens - tier_tokens
@@ -815,7 +827,11 @@ class KVCacheManager:
 
     def flush_frees(self) -> None:
         """Frees now, on device, what the next call would have freed (the
-        engine has no next call)."""
+        engine has no next call), and stores the tiers' copies still on
+        their way (so a later process, or a KV consumer, finds every page
+        computed)."""
+        if self.offload is not None:
+            self.offload.settle()
         if self._first_kept.any():  # dropped before freed, as in a call
             self.state = drop_pages_before(self.state, self._first_kept)
             self._first_kept[:] = 0

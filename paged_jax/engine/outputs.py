@@ -53,6 +53,7 @@ def request_output(group: SequenceGroup, *, now: float, finished: bool, decode=N
         num_cached_tokens=group.num_cached_tokens or 0,
         num_host_cached_tokens=group.num_host_cached_tokens,
         num_disk_cached_tokens=group.num_disk_cached_tokens,
+        num_remote_cached_tokens=group.num_remote_cached_tokens,
         finished=finished,
         arrival_s=group.arrival_s,
         prompt_logprobs=None if prompt_book is None else prompt_book.report(group, delta=delta, final=finished),

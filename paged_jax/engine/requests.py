@@ -239,9 +239,10 @@ class RequestOutput:
         it was first admitted (always 0 for a request asking for
         ``prompt_logprobs``: it computes its whole prompt), from the
         device pool and the host tier together.
-      num_host_cached_tokens, num_disk_cached_tokens: of
-        ``num_cached_tokens``, those loaded from the host tier and the disk
-        tier (:mod:`paged_jax.tiers`); the rest were in the pool.
+      num_host_cached_tokens, num_disk_cached_tokens,
+        num_remote_cached_tokens: of ``num_cached_tokens``, those loaded
+        from the host tier, the disk tier and another engine through the KV
+        connector (:mod:`paged_jax.tiers`); the rest were in the pool.
       arrival_s, first_token_s, finish_s: seconds on the engine's clock
         (:meth:`Engine.clock`) when it was added, when its first token
         reached the host (None before that, or when aborted before it) and
@@ -267,6 +268,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_host_cached_tokens: int = 0
     num_disk_cached_tokens: int = 0
+    num_remote_cached_tokens: int = 0
     finished: bool = True
     arrival_s: float = 0.0
     prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -161,6 +161,8 @@ class SequenceGroup:
         first admission, every tier's; None until admitted.
       num_host_cached_tokens: of them, those loaded from the host tier.
       num_disk_cached_tokens: of them, those loaded from the disk tier.
+      num_remote_cached_tokens: of them, those a KV connector brought from
+        another engine.
       candidates: beam search: each live beam's candidates from the last
         call, by sequence index.
       hypotheses: beam search: the finished beams.
@@ -182,6 +184,7 @@ class SequenceGroup:
     num_cached_tokens: int | None = None
     num_host_cached_tokens: int = 0
     num_disk_cached_tokens: int = 0
+    num_remote_cached_tokens: int = 0
     candidates: dict[int, BeamCandidates] = dataclasses.field(default_factory=dict)
     hypotheses: list[BeamHypothesis] = dataclasses.field(default_factory=list)
     beam_done: bool = False

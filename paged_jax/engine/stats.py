@@ -111,11 +111,11 @@ class EngineStats:
     of the target's own, vLLM's "mean acceptance length"), and
     ``acceptance_by_position`` the rate at each position.
 
-    KV tiers (:mod:`paged_jax.tiers`): ``host`` and ``disk`` count each
-    tier's hits (``host.hit_tokens`` is the part of ``prefix_hit_tokens``
-    the host tier served), pages and bytes copied to it and loaded back,
-    pages it refused and dropped, files it refused
-    (:class:`paged_jax.tiers.offload.TierStats`).
+    KV tiers (:mod:`paged_jax.tiers`): ``host``, ``disk`` and ``remote``
+    (the KV connector) count each tier's hits (``host.hit_tokens`` is the
+    part of ``prefix_hit_tokens`` the host tier served), pages and bytes
+    copied to it and loaded back, pages it refused and dropped, files and
+    lookups it refused (:class:`paged_jax.tiers.offload.TierStats`).
 
     Poison: ``nonfinite_kv`` counts sequences a call wrote non-finite K/V
     for (a running one stops the engine by name; an aborted one's pages are
@@ -147,6 +147,7 @@ class EngineStats:
     spec_accepted_by_position: list = dataclasses.field(default_factory=list)
     host: TierStats = dataclasses.field(default_factory=TierStats)
     disk: TierStats = dataclasses.field(default_factory=TierStats)
+    remote: TierStats = dataclasses.field(default_factory=TierStats)
     nonfinite_kv: int = 0  # sequences a call wrote non-finite K/V for (their pages never cached)
     fragmentation_blocked_steps: int = 0
     fragmentation_blocked_requests: int = 0

@@ -143,6 +143,9 @@ class SimulatedEngine(TimedEngine):
         if getattr(config, "speculative", None) is not None:
             raise ValueError(f"config.speculative={config.speculative!r:.80}: the simulated accelerator does not "
                              "speculate (its tokens are not a model's to propose); use EngineConfig(speculative=None)")
+        if getattr(config, "kv_transfer", None) is not None:
+            raise ValueError(f"config.kv_transfer={config.kv_transfer!r}: the simulated accelerator has no K/V to "
+                             "hand to another engine; use EngineConfig(kv_transfer=None)")
         if getattr(config, "host_cache_bytes", 0) or getattr(config, "disk_cache_dir", None) is not None:
             raise ValueError(f"config.host_cache_bytes={config.host_cache_bytes}, disk_cache_dir="
                              f"{config.disk_cache_dir!r}: the simulated accelerator has no K/V to keep in tiers and "

@@ -208,13 +208,6 @@ class HostTier:
             if (group, key) in self._pages:
                 self._pages.move_to_end((group, key))
 
-    def pop(self, group: int, key: bytes) -> HostPage | None:
-        """Takes the page of ``key`` in ``group`` out; None if not held."""
-        page = self._pages.pop((check_int("group", group, 0), key), None)
-        if page is not None:
-            self.used_bytes -= page.nbytes
-        return page
-
     def clear(self) -> int:
         """Forgets every page (new weights make them stale). Returns how
         many there were."""

@@ -60,6 +60,7 @@ import numpy as np
 
 from paged_jax.paging.kv_cache import KVPool
 from paged_jax.paging.swap import gather_pages, scatter_pages
+from paged_jax.tiers.connector import ROLES, TRANSPORTS, KVConnector, KVTransferConfig, RemoteRun
 from paged_jax.tiers.disk import DiskTier
 from paged_jax.tiers.host import HostPage, HostTier, page_copies, stack_pages
 
@@ -71,30 +72,32 @@ class TierStats:
     Attributes:
       hit_tokens: prompt tokens of requests at their first admission that
         this tier served (a part of ``EngineStats.prefix_hit_tokens``).
-      hit_pages: pages loaded back from it for a hit (first admissions and
-        readmissions after a preemption alike).
       spilled_pages, spilled_bytes: pages (and their K/V bytes, scales
         included) copied into it (the host tier's at eviction, the disk
-        tier's once computed).
+        tier's and a connector producer's once computed).
       loaded_pages, loaded_bytes: pages (and bytes) copied back into the
-        device pool.
+        device pool for a hit (first admissions and readmissions after a
+        preemption alike).
       refused_pages: pages it did not take: larger than the whole tier,
         holding a non-finite value, or (disk) a write that failed.
       refused_files: (disk) files refused when read: short, corrupted,
         another fingerprint's, or gone (:attr:`paged_jax.tiers.disk.DiskTier.refused`
         by reason); never served.
+      refused_lookups: (connector) lookups a producer refused (another
+        model's), failed a check, or did not answer
+        (:attr:`paged_jax.tiers.connector.KVConnector.refused` by reason).
       evicted_pages: pages it dropped, least recently used first, to make
         room.
     """
 
     hit_tokens: int = 0
-    hit_pages: int = 0
     spilled_pages: int = 0
     spilled_bytes: int = 0
     loaded_pages: int = 0
     loaded_bytes: int = 0
     refused_pages: int = 0
     refused_files: int = 0
+    refused_lookups: int = 0
     evicted_pages: int = 0
 
 
@@ -107,17 +110,14 @@ def _finite(kv: KVPool) -> bool:
 @dataclasses.dataclass(frozen=True)
 class TierRun:
     """The pages that continue a device hit: the host tier's, then the
-    disk tier's, in chain order."""
+    disk tier's, then a connector's (another engine's), in chain order."""
 
     host: list[HostPage] = dataclasses.field(default_factory=list)
     disk: list[HostPage] = dataclasses.field(default_factory=list)
-
-    @property
-    def pages(self) -> list[HostPage]:
-        return self.host + self.disk
+    remote: RemoteRun = RemoteRun()
 
     def __len__(self) -> int:
-        return len(self.host) + len(self.disk)
+        return len(self.host) + len(self.disk) + len(self.remote)
 
 
 @dataclasses.dataclass
@@ -126,23 +126,31 @@ class _Copy:
     entry: object  # its prefix-cache entry (group, key, parent_key, tokens, extra)
     to_host: bool
     to_disk: bool
+    to_remote: bool  # a connector producer's store
     after_call: bool  # computed by a call not dispatched yet when recorded: copied only after it
 
 
 class Offload:
-    """Copies to and from a host tier, a disk tier or both (module
-    docstring). One layer group (group 0): the KV manager uses it for
-    models whose layers all attend every token.
+    """Copies to and from a host tier, a disk tier and a KV connector, any
+    of them (module docstring). One layer group (group 0): the KV manager
+    uses it for models whose layers all attend every token.
 
     Args:
       host: the host store, or None.
       disk: the disk store, or None.
       host_stats, disk_stats: the counters each tier adds to.
+      remote: a connector (:mod:`paged_jax.tiers.connector`): a producer
+        is offered every page once computed, as the disk tier is; a
+        consumer is looked up after the disk tier. Or None.
+      remote_stats: the connector's counters.
     """
 
-    def __init__(self, host: HostTier | None, disk: DiskTier | None, host_stats: TierStats, disk_stats: TierStats):
-        self.host, self.disk = host, disk
+    def __init__(self, host: HostTier | None, disk: DiskTier | None, host_stats: TierStats, disk_stats: TierStats,
+                 remote: KVConnector | None = None, remote_stats: TierStats | None = None):
+        self.host, self.disk, self.remote = host, disk, remote
         self.host_stats, self.disk_stats = host_stats, disk_stats
+        self.remote_stats = TierStats() if remote_stats is None else remote_stats
+        self._saves = remote is not None and remote.role == "producer"
         # (pool page, chain key) -> its copy, recorded, not dispatched yet: one page may hold an evicted key
         # (copied before the call that reuses it) and the key it is cached under next (copied after that call)
         self._pending: dict[tuple[int, bytes], _Copy] = {}
@@ -153,34 +161,36 @@ class Offload:
         """Pages recorded or being copied, not yet in their tiers."""
         return len(self._pending) + sum(len(copies) for _, copies in self._in_transit)
 
-    def _record(self, page: int, entry, *, to_host: bool, to_disk: bool, after_call: bool) -> None:
+    def _record(self, page: int, entry, *, to_host: bool, after_call: bool) -> None:
         key = (entry.group, entry.key)
         if to_host and key in self.host:
             self.host.touch(entry.group, [entry.key])  # already there: the pool's copy needs no second one
             to_host = False
-        to_disk = to_disk and key not in self.disk
+        to_disk = self.disk is not None and key not in self.disk
+        to_remote = self._saves and key not in self.remote
         old = self._pending.get((page, entry.key))
         if old is not None:
-            to_host, to_disk = to_host or old.to_host, to_disk or old.to_disk
+            to_host, to_disk, to_remote = to_host or old.to_host, to_disk or old.to_disk, to_remote or old.to_remote
             after_call = after_call and old.after_call
-        if to_host or to_disk:
-            self._pending[(page, entry.key)] = _Copy(page, entry, to_host, to_disk, after_call)
+        if to_host or to_disk or to_remote:
+            self._pending[(page, entry.key)] = _Copy(page, entry, to_host, to_disk, to_remote, after_call)
 
     def note_evicted(self, page: int, entry) -> None:
         """Records that the device pool is handing out ``page``, which the
         prefix cache held as ``entry`` (its ``group``, ``key``,
         ``parent_key``, ``tokens``, ``extra``): its K/V go to the host tier
         (and to the disk tier, if it was not stored there yet), copied by
-        :meth:`dispatch` before anything overwrites them."""
-        self._record(page, entry, to_host=self.host is not None, to_disk=self.disk is not None, after_call=False)
+        :meth:`dispatch` before anything overwrites them (and to a
+        connector producer's store, likewise)."""
+        self._record(page, entry, to_host=self.host is not None, after_call=False)
 
     def note_cached(self, page: int, entry) -> None:
         """Records that the prefix cache took ``page`` as ``entry``, its
-        K/V computed by a call dispatched or about to be: with a disk tier,
-        they are copied there by the first :meth:`dispatch` with
-        ``computed`` after that call."""
-        if self.disk is not None:
-            self._record(page, entry, to_host=False, to_disk=True, after_call=True)
+        K/V computed by a call dispatched or about to be: with a disk tier
+        or a connector producer, they are copied there by the first
+        :meth:`dispatch` with ``computed`` after that call."""
+        if self.disk is not None or self._saves:
+            self._record(page, entry, to_host=False, after_call=True)
 
     def dispatch(self, kv: KVPool, *, computed: bool = False) -> None:
         """Dispatches one copy out of ``kv`` of every page recorded as
@@ -212,6 +222,8 @@ class Offload:
             for c, page, finite in reversed(pages):  # cached pages come head first: stored last, the head lasts
                 if c.to_disk:
                     self._store_disk(page, finite)
+                if c.to_remote:
+                    self._store_remote(page, finite)
         self._in_transit.clear()
 
     def _store_host(self, page: HostPage, finite: bool) -> None:
@@ -243,19 +255,37 @@ class Offload:
         st.spilled_pages += 1
         st.spilled_bytes += page.nbytes
 
+    def _store_remote(self, page: HostPage, finite: bool) -> None:
+        st = self.remote_stats
+        evicted = self.remote.evicted_pages
+        stored = finite and self.remote.save(page)
+        st.evicted_pages += self.remote.evicted_pages - evicted
+        if not stored:
+            st.refused_pages += (page.group, page.key) not in self.remote
+            return
+        st.spilled_pages += 1
+        st.spilled_bytes += page.nbytes
+
     def lookup(self, tokens: Sequence[int], keys: Sequence[bytes], extra: Hashable, start: int,
                max_pages: int) -> TierRun:
         """The pages continuing a device hit of ``start`` pages: the host
-        tier's run, then the disk tier's after it (group 0). Nothing is
-        moved until :meth:`load`; disk files read are verified."""
+        tier's run, then the disk tier's after it, then a connector
+        consumer's (group 0). Nothing is moved into the pool until
+        :meth:`load`; disk files read are verified, a connector's pages are
+        fetched (into this process) and checked."""
         self.settle()
         host = [] if self.host is None else self.host.lookup(tokens, keys, extra, start, max_pages)
-        if self.disk is None:
-            return TierRun(host, [])
-        refused = sum(self.disk.refused.values())
-        disk = self.disk.lookup(tokens, keys, extra, start + len(host), max_pages)
-        self.disk_stats.refused_files += sum(self.disk.refused.values()) - refused
-        return TierRun(host, disk)
+        disk = []
+        if self.disk is not None:
+            refused = sum(self.disk.refused.values())
+            disk = self.disk.lookup(tokens, keys, extra, start + len(host), max_pages)
+            self.disk_stats.refused_files += sum(self.disk.refused.values()) - refused
+        remote = RemoteRun()
+        if self.remote is not None and self.remote.role == "consumer":
+            refused = sum(self.remote.refused.values())
+            remote = self.remote.lookup(tokens, keys, extra, start + len(host) + len(disk), max_pages)
+            self.remote_stats.refused_lookups += sum(self.remote.refused.values()) - refused
+        return TierRun(host, disk, remote)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """A device hit on ``keys``: the host tier's copies of them, if any,
@@ -264,6 +294,8 @@ class Offload:
         drops."""
         if self.host is not None:
             self.host.touch(0, keys)
+        if self._saves:
+            self.remote.touch(keys)
 
     def load(self, kv: KVPool, pages: list[int], run: TierRun) -> KVPool:
         """Copies ``run``'s pages into pool pages ``pages`` (fresh ones,
@@ -278,11 +310,16 @@ class Offload:
         """
         if len(pages) != len(run) or not pages:
             raise ValueError(f"pages ({len(pages)}) and the run ({len(run)}) must be as many, at least one")
-        kv = scatter_pages(kv, list(pages), stack_pages(run.pages))
+        local = run.host + run.disk
+        if local:
+            kv = scatter_pages(kv, list(pages[:len(local)]), stack_pages(local))
+        if run.remote:
+            kv = scatter_pages(kv, list(pages[len(local):]), run.remote.kv)
+            self.remote_stats.loaded_pages += len(run.remote)
+            self.remote_stats.loaded_bytes += run.remote.nbytes
         for tier, found, st in ((self.host, run.host, self.host_stats), (self.disk, run.disk, self.disk_stats)):
             if found:
                 tier.touch(0, [p.key for p in found])
-                st.hit_pages += len(found)
                 st.loaded_pages += len(found)
                 st.loaded_bytes += sum(p.nbytes for p in found)
         return kv
@@ -293,7 +330,7 @@ class Offload:
         tiers held."""
         self._pending.clear()
         self._in_transit.clear()
-        return sum(tier.clear() for tier in (self.host, self.disk) if tier is not None)
+        return sum(tier.clear() for tier in (self.host, self.disk, self.remote) if tier is not None)
 
 
 GIB = 1 << 30
@@ -317,15 +354,27 @@ def add_tier_flags(parser) -> None:
                             "process and later ones (default: none; needs --disk-cache-gib)")
     group.add_argument("--disk-cache-gib", type=float, default=0.0, metavar="GIB",
                        help="GiB of page files the disk tier keeps, least recently used deleted first")
+    group.add_argument("--kv-role", choices=ROLES, default=None,
+                       help="take part in KV transfer between engines (prefill/decode disaggregation): a producer "
+                            "keeps every cached page for consumers at --kv-address, a consumer loads the pages the "
+                            "producer there holds (default: neither)")
+    group.add_argument("--kv-address", default="127.0.0.1:0", metavar="HOST:PORT",
+                       help="a producer listens here (port 0: any free one, logged), a consumer connects here")
+    group.add_argument("--kv-transport", choices=TRANSPORTS, default="auto",
+                       help="how the K/V travel: jax.experimental.transfer, host memory, or auto (the first where "
+                            "both ends have it)")
+    group.add_argument("--kv-buffer-gib", type=float, default=1.0, metavar="GIB",
+                       help="a producer's store of pages for consumers, least recently used out")
 
 
 def tier_options_from_args(parser, args) -> dict:
     """The ``EngineConfig`` fields the flags of :func:`add_tier_flags` ask
-    for (``host_cache_bytes``, ``disk_cache_dir``, ``disk_cache_bytes``;
-    GiB rounded down to bytes); a bad value exits through
+    for (``host_cache_bytes``, ``disk_cache_dir``, ``disk_cache_bytes``,
+    ``kv_transfer``; GiB rounded down to bytes); a bad value exits through
     ``parser.error`` naming its flag."""
     out = {}
-    for flag, name in (("--host-cache-gib", "host_cache_gib"), ("--disk-cache-gib", "disk_cache_gib")):
+    for flag, name in (("--host-cache-gib", "host_cache_gib"), ("--disk-cache-gib", "disk_cache_gib"),
+                       ("--kv-buffer-gib", "kv_buffer_gib")):
         gib = getattr(args, name)
         if not np.isfinite(gib) or not 0 <= gib <= MAX_GIB:
             parser.error(f"{flag} must be a number in [0, {MAX_GIB}], got {gib}")
@@ -335,4 +384,11 @@ def tier_options_from_args(parser, args) -> dict:
     if (args.disk_cache_dir is None) != (out["disk_cache_bytes"] == 0):
         parser.error("--disk-cache-dir and --disk-cache-gib go together: name the folder and the bytes it may keep")
     out["disk_cache_dir"] = args.disk_cache_dir
+    buffer_bytes = out.pop("kv_buffer_bytes")
+    out["kv_transfer"] = None
+    if args.kv_role is not None:
+        try:
+            out["kv_transfer"] = KVTransferConfig(args.kv_role, args.kv_address, args.kv_transport, buffer_bytes)
+        except ValueError as e:
+            parser.error(f"--kv-role {args.kv_role}: {e}")
     return out

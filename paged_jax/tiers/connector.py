@@ -1,0 +1,521 @@
+"""The KV connector: prefix-cache pages handed between engines by chain key,
+for prefill/decode disaggregation (one engine process prefills, another
+loads the pages and decodes) or any engine reusing another's prefixes.
+
+Roles. A *producer* saves every page its prefix cache takes (write-through,
+as the disk tier: the page's copy is gathered right after the call that
+computes it, :mod:`paged_jax.tiers.offload`) into a bounded store in its
+host memory (a :class:`paged_jax.tiers.host.HostTier`, least recently used
+out by bytes), and answers lookups from consumers on a socket. A *consumer*
+continues a prefix hit past its own device pool, host and disk tiers into
+the producer's store: it sends the request's tokens, page keys and extra
+key (the ``cache_salt``), the producer answers with the run of pages it
+holds, each verified as the host tier verifies one (its tokens, extra key
+and parent's key), and the consumer loads them into fresh pages before the
+request's first call. vLLM's KV connector splits the same work into a
+scheduler side (``get_num_new_matched_tokens``) and a worker side
+(``start_load_kv``, ``save_kv_layer``); here one process runs both, so a
+lookup returns the pages themselves.
+
+Transports. Lookups and their answers go over a
+``multiprocessing.connection`` socket, authenticated with a shared key
+(HMAC challenge) and bound to the loopback address by default. The K/V
+travel either on the same socket as NumPy arrays (``"host"``: through host
+memory, works on every platform) or through ``jax.experimental.transfer``
+(``"jax_transfer"``: the producer stages the run on its device and awaits
+one pull under a fresh id, the consumer pulls it into its own device
+memory; the path SGLang-JAX uses between engines, over DCN on TPU).
+``"auto"`` takes ``jax_transfer`` when both ends can start a transfer
+server and ``host`` otherwise.
+
+Safety. Every lookup carries the consumer's model fingerprint
+(:func:`paged_jax.tiers.disk.kv_fingerprint`: the weights, the model's class
+and configuration, the page size and the K/V layout); a producer whose
+fingerprint differs refuses it with the reason, so another model's or
+another dtype's K/V are never served. The consumer checks what comes back
+too (the keys it asked for, the shapes and dtypes of its own pool). A
+producer that is unreachable, slow or gone costs the consumer its hits,
+never its requests: the lookup returns nothing and is counted.
+
+Asynchrony. A save is a host-side store of a copy that
+:mod:`paged_jax.tiers.offload` gathered asynchronously; the producer's
+socket threads serve consumers beside its engine loop. A consumer's lookup
+blocks its engine thread for one round trip per admission whose prefix
+ran past its own tiers (about a millisecond on loopback, plus the K/V).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import datetime
+import math
+import secrets
+import socket
+import threading
+import time
+import warnings
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Hashable, Sequence
+
+import jax
+import numpy as np
+
+from paged_jax.checks import check_int
+from paged_jax.paging.kv_cache import KVPool
+from paged_jax.tiers.disk import page_layout
+from paged_jax.tiers.host import HostPage, HostTier, stack_pages
+
+ROLES = ("producer", "consumer")
+"""A connector's roles: a producer saves pages and serves them, a consumer looks them up and loads them."""
+TRANSPORTS = ("auto", "jax_transfer", "host")
+"""How the K/V travel (module docstring)."""
+PROTOCOL = 1
+"""The message format's version; a peer of another version is refused."""
+
+
+def parse_address(name: str, address: str) -> tuple[str, int]:
+    """``"host:port"`` as ``(host, port)``.
+
+    Raises:
+      ValueError: not a string of that form, or the port not in [0, 65535].
+    """
+    if not isinstance(address, str) or address.count(":") != 1:
+        raise ValueError(f"{name}={address!r}: expected 'host:port', e.g. '127.0.0.1:8470'")
+    host, _, port = address.partition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{name}={address!r}: expected a host name and a port in [0, 65535]")
+    return host, int(port)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVTransferConfig:
+    """How an engine takes part in KV transfer (``EngineConfig.kv_transfer``;
+    the server's ``--kv-role`` and friends).
+
+    Attributes:
+      role: ``"producer"`` (saves every cached page and serves them) or
+        ``"consumer"`` (loads pages a producer holds).
+      address: ``"host:port"``: a producer listens there (port 0: a free
+        one, read back from the connector's ``address``); a consumer
+        connects there.
+      transport: ``"auto"``, ``"jax_transfer"`` or ``"host"`` (module
+        docstring); a producer offers what it names, a consumer asks for
+        it.
+      buffer_bytes: a producer's store for consumers, bytes of K/V (least
+        recently used out); unused by a consumer.
+      timeout_s: seconds a consumer waits to connect, for an answer and for
+        a pull, before it gives up on that lookup.
+      authkey: the shared key both ends authenticate with.
+
+    Raises:
+      ValueError: a field out of range, named with its value.
+    """
+
+    role: str
+    address: str = "127.0.0.1:0"
+    transport: str = "auto"
+    buffer_bytes: int = 1 << 30
+    timeout_s: float = 30.0
+    authkey: bytes = b"paged-jax-kv"
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"kv_transfer.role={self.role!r}: expected one of {ROLES}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"kv_transfer.transport={self.transport!r}: expected one of {TRANSPORTS}")
+        _, port = parse_address("kv_transfer.address", self.address)
+        if self.role == "consumer" and port == 0:
+            raise ValueError(f"kv_transfer.address={self.address!r}: a consumer needs the producer's port, not 0")
+        object.__setattr__(self, "buffer_bytes", check_int("kv_transfer.buffer_bytes", self.buffer_bytes, 0))
+        if self.role == "producer" and not self.buffer_bytes:
+            raise ValueError("kv_transfer.buffer_bytes=0: a producer needs room for the pages it serves")
+        if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
+                or not math.isfinite(self.timeout_s) or self.timeout_s <= 0):
+            raise ValueError(f"kv_transfer.timeout_s={self.timeout_s!r}: expected seconds > 0")
+        if not isinstance(self.authkey, bytes) or not self.authkey:
+            raise ValueError(f"kv_transfer.authkey={self.authkey!r}: expected non-empty bytes")
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteRun:
+    """Pages a consumer fetched: their chain keys in order, their K/V
+    stacked (page axis 2, :func:`paged_jax.paging.swap.scatter_pages`'s
+    ``copied``; the first ``len(keys)`` of a power of two over
+    ``jax_transfer``), on the device (``jax_transfer``) or in NumPy
+    (``host``), and the bytes of those pages."""
+
+    keys: tuple[bytes, ...] = ()
+    kv: KVPool | None = None
+    nbytes: int = 0
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def _pow2(n: int) -> int:
+    """The least power of two >= ``n`` (>= 1)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _start_transfer_server():
+    """A ``jax.experimental.transfer`` server on the first device, or None
+    where this JAX or platform has none (the reason warned)."""
+    try:
+        from jax.experimental import transfer
+
+        return transfer.start_transfer_server(jax.devices()[0].client, "127.0.0.1:0", ["127.0.0.1:0"])
+    except Exception as e:  # an old jaxlib, a platform without the transfer library: the host path remains
+        warnings.warn(f"jax.experimental.transfer is not available here ({type(e).__name__}: {e}); the KV "
+                      "connector moves pages through host memory", stacklevel=3)
+        return None
+
+
+class KVConnector(abc.ABC):
+    """What the engine asks of a connector (:mod:`paged_jax.tiers.offload`
+    calls it beside the host and disk tiers). One layer group (0).
+
+    Attributes:
+      role: ``"producer"`` or ``"consumer"``.
+      transport: the transport in use (``"jax_transfer"`` or ``"host"``).
+      fingerprint: the model fingerprint its pages are kept under.
+      capacity_bytes, used_bytes: the bytes of pages it may keep and
+        keeps (a producer's store; 0 for a consumer).
+      refused: lookups that brought nothing, by reason (a consumer: the
+        producer's fingerprint differs, it could not be reached or timed
+        out, its answer failed a check).
+
+    A consumer also counts ``lookups`` and ``lookup_s`` (seconds in them,
+    round trips and pulls included); a producer ``served_pages`` and
+    ``served_bytes``.
+    """
+
+    role: str
+    transport: str
+    fingerprint: str
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    evicted_pages: int = 0
+
+    def __init__(self):
+        self.refused: dict[str, int] = {}
+
+    @abc.abstractmethod
+    def __contains__(self, group_key: tuple[int, bytes]) -> bool:
+        """Whether the connector already holds a page (a producer's store)."""
+
+    @abc.abstractmethod
+    def save(self, page: HostPage) -> bool:
+        """Offers a computed page to consumers; whether it was kept."""
+
+    @abc.abstractmethod
+    def lookup(self, tokens: Sequence[int], keys: Sequence[bytes], extra: Hashable, start: int,
+               max_pages: int) -> RemoteRun:
+        """The run of pages ``start, start + 1, ...`` (before ``max_pages``)
+        a producer holds for these tokens, fetched and verified."""
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Marks pages of ``keys`` recently used where they are kept."""
+
+    @abc.abstractmethod
+    def clear(self) -> int:
+        """Forgets every page kept here; returns how many."""
+
+    def set_fingerprint(self, fingerprint: str) -> None:
+        """New weights: pages are kept and asked for under ``fingerprint``
+        from now on (call :meth:`clear` too)."""
+        self.fingerprint = fingerprint
+
+    def close(self) -> None:
+        """Stops serving or drops the connection."""
+
+
+class KVProducer(KVConnector):
+    """Saves pages into a bounded host store and serves them to consumers
+    (module docstring).
+
+    Args:
+      config: its :class:`KVTransferConfig` (role ``"producer"``).
+      fingerprint: the engine's model fingerprint.
+      layout: one page's leaves, :func:`paged_jax.tiers.disk.page_layout`.
+      page_size: tokens per page.
+
+    Raises:
+      ValueError: the address cannot be listened on (named, with the OS's
+        reason), or ``transport="jax_transfer"`` where no transfer server
+        starts.
+    """
+
+    role = "producer"
+
+    def __init__(self, config: KVTransferConfig, fingerprint: str, layout: dict, page_size: int):
+        super().__init__()
+        self.config, self.fingerprint, self.layout = config, fingerprint, layout
+        self._store = HostTier(config.buffer_bytes, page_size)
+        self._lock = threading.Lock()  # the store, shared by the engine thread and the socket threads
+        host, port = parse_address("kv_transfer.address", config.address)
+        try:
+            self._listener = Listener((host, port), authkey=config.authkey)
+        except OSError as e:
+            raise ValueError(f"kv_transfer.address={config.address!r} cannot be listened on: {e}") from None
+        self.address = f"{host}:{self._listener.address[1]}"
+        self._transfer = None if config.transport == "host" else _start_transfer_server()
+        if self._transfer is None and config.transport == "jax_transfer":
+            self._listener.close()
+            raise ValueError("kv_transfer.transport='jax_transfer': no jax.experimental.transfer server starts "
+                             "on this platform; use 'auto' or 'host'")
+        self.transport = "host" if self._transfer is None else "jax_transfer"
+        self.served_pages = 0  # pages sent to consumers
+        self.served_bytes = 0
+        self._closed = False
+        self._conns: set[Connection] = set()  # consumers connected
+        threading.Thread(target=self._accept, name="kv-producer", daemon=True).start()
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._store.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self._store.used_bytes
+
+    @property
+    def evicted_pages(self) -> int:
+        return self._store.evicted_pages
+
+    def __contains__(self, group_key: tuple[int, bytes]) -> bool:
+        with self._lock:
+            return group_key in self._store
+
+    def save(self, page: HostPage) -> bool:
+        with self._lock:
+            out = self._store.put(page)
+        return not (len(out) == 1 and out[0] is page)
+
+    def lookup(self, tokens, keys, extra, start, max_pages) -> RemoteRun:
+        return RemoteRun()  # a producer serves; it does not fetch
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            self._store.touch(0, keys)
+
+    def clear(self) -> int:
+        with self._lock:
+            return self._store.clear()
+
+    def close(self) -> None:
+        """Stops serving: the listener and every consumer's connection
+        closed (their lookups then find nothing)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:  # wakes the accepting thread, which sees it is closed
+            socket.create_connection(self._listener.address, timeout=1).close()
+        except OSError:
+            pass
+        self._listener.close()
+        with self._lock:
+            conns, self._conns = self._conns, set()
+        for conn in conns:
+            conn.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn = self._listener.accept()
+            except Exception:  # closed, or a client that failed authentication: keep serving the others
+                continue
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="kv-producer-conn", daemon=True).start()
+
+    def _serve(self, conn: Connection) -> None:
+        try:
+            while True:
+                try:
+                    msg = conn.recv()
+                except Exception:  # the consumer left, or close() closed the connection under this thread
+                    return
+                try:
+                    reply = self._answer(msg)
+                except Exception as e:  # a malformed request: answered, the producer goes on
+                    reply = {"refused": "bad request", "detail": f"{type(e).__name__}: {e}"}
+                try:
+                    conn.send(reply)
+                except OSError:
+                    return
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _answer(self, msg: dict) -> dict:
+        if msg.get("protocol") != PROTOCOL:
+            return {"refused": "protocol", "detail": f"producer speaks protocol {PROTOCOL}, got {msg.get('protocol')}"}
+        if msg["op"] == "hello":
+            return {"transport": self.transport,
+                    "transfer_address": None if self._transfer is None else self._transfer.address()}
+        if msg["fingerprint"] != self.fingerprint or msg["layout"] != self.layout:
+            return {"refused": "fingerprint",
+                    "detail": f"the producer serves model {self.fingerprint[:16]} with pages {self.layout}; this "
+                              f"lookup is for {msg['fingerprint'][:16]} with {msg['layout']}"}
+        with self._lock:
+            pages = self._store.lookup(msg["tokens"], msg["keys"], msg["extra"], msg["start"], msg["max_pages"])
+            self._store.touch(0, [p.key for p in pages])
+        if not pages:
+            return {"keys": []}
+        stacked = stack_pages(pages)
+        self.served_pages += len(pages)
+        self.served_bytes += sum(p.nbytes for p in pages)
+        out = {"keys": [p.key for p in pages]}
+        if msg["transport"] == "jax_transfer" and self._transfer is not None:
+            # A power of two of pages (zeros past the run), as paged_jax.paging.swap pads every copy: the
+            # consumer's scatter then runs one of a handful of programs, never an op compiled per run length.
+            n = _pow2(len(pages))
+            stacked = jax.tree.map(lambda x: np.pad(x, [(0, 0), (0, 0), (0, n - x.shape[2])] + [(0, 0)] * (x.ndim - 3)),
+                                   stacked)
+            self._transfer.await_pull(msg["uuid"], jax.device_put(stacked))
+        else:
+            out["kv"] = stacked
+        return out
+
+
+class KVConsumer(KVConnector):
+    """Looks pages up in a producer's store and fetches them (module
+    docstring).
+
+    Args:
+      config: its :class:`KVTransferConfig` (role ``"consumer"``).
+      fingerprint: the engine's model fingerprint.
+      layout: one page's leaves, :func:`paged_jax.tiers.disk.page_layout`.
+      page_size: tokens per page.
+
+    Raises:
+      ValueError: no producer answers at ``config.address`` within
+        ``timeout_s``, or it refuses (another protocol), or
+        ``transport="jax_transfer"`` and either end has no transfer server.
+    """
+
+    role = "consumer"
+
+    def __init__(self, config: KVTransferConfig, fingerprint: str, layout: dict, page_size: int):
+        super().__init__()
+        self.lookups = 0  # lookups sent
+        self.lookup_s = 0.0  # seconds spent in them, round trips and pulls included
+        self.config, self.fingerprint, self.layout, self.page_size = config, fingerprint, layout, page_size
+        self._address = parse_address("kv_transfer.address", config.address)
+        self._conn: Connection | None = None
+        self._pull = None  # a jax.experimental.transfer connection to the producer's server
+        self._transfer = None if config.transport == "host" else _start_transfer_server()
+        try:
+            hello = self._connect()
+        except (OSError, EOFError, TimeoutError, AuthenticationError) as e:
+            raise ValueError(f"kv_transfer.address={config.address!r}: no KV producer answers there "
+                             f"({type(e).__name__}: {e})") from None
+        if "refused" in hello:
+            raise ValueError(f"kv_transfer.address={config.address!r}: the producer refused: {hello['detail']}")
+        if config.transport == "jax_transfer" and self.transport != "jax_transfer":
+            raise ValueError(f"kv_transfer.transport='jax_transfer': the producer at {config.address} or this "
+                             "process has no jax.experimental.transfer server; use 'auto' or 'host'")
+
+    def _connect(self) -> dict:
+        """Connects (again) and says hello; returns the producer's answer."""
+        self._drop()
+        conn = Client(self._address, authkey=self.config.authkey)
+        self._conn = conn
+        conn.send({"protocol": PROTOCOL, "op": "hello"})
+        hello = self._receive(conn)
+        addr = hello.get("transfer_address")
+        self.transport = "host"
+        if "refused" not in hello and addr is not None and self._transfer is not None:
+            self._pull = self._transfer.connect(addr)
+            self.transport = "jax_transfer"
+        return hello
+
+    def _receive(self, conn: Connection) -> dict:
+        if not conn.poll(self.config.timeout_s):
+            raise TimeoutError(f"no answer within {self.config.timeout_s} s")
+        return conn.recv()
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        self._conn = self._pull = None
+
+    def __contains__(self, group_key: tuple[int, bytes]) -> bool:
+        return False
+
+    def save(self, page: HostPage) -> bool:
+        return False  # a consumer keeps nothing for others
+
+    def clear(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self._drop()
+
+    def _refuse(self, reason: str, detail: str) -> RemoteRun:
+        first = reason not in self.refused
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+        if first:
+            warnings.warn(f"KV connector: a lookup at {self.config.address} brought nothing ({reason}: {detail}); "
+                          "those prefixes are computed here", stacklevel=3)
+        return RemoteRun()
+
+    def lookup(self, tokens, keys, extra, start, max_pages) -> RemoteRun:
+        """The run of pages a producer holds from page ``start`` on (before
+        ``max_pages``), fetched into this process and checked (keys, shapes,
+        dtypes); an empty run when it holds none, refuses, fails a check or
+        does not answer within ``timeout_s`` (counted in :attr:`refused`)."""
+        if start >= min(max_pages, len(keys)):
+            return RemoteRun()
+        t0 = time.perf_counter()
+        try:
+            return self._lookup(tokens, keys, extra, start, max_pages)
+        finally:
+            self.lookups += 1
+            self.lookup_s += time.perf_counter() - t0
+
+    def _lookup(self, tokens, keys, extra, start, max_pages) -> RemoteRun:
+        uuid = secrets.randbits(62) + 1
+        msg = {"protocol": PROTOCOL, "op": "lookup", "fingerprint": self.fingerprint, "layout": self.layout,
+               "tokens": list(map(int, tokens)), "keys": list(keys), "extra": extra, "start": start,
+               "max_pages": max_pages, "transport": self.transport, "uuid": uuid}
+        try:
+            if self._conn is None:
+                self._connect()
+            self._conn.send(msg)
+            reply = self._receive(self._conn)
+        except (OSError, EOFError, TimeoutError, ValueError, AuthenticationError) as e:
+            self._drop()  # connect again at the next lookup
+            return self._refuse("unreachable", f"{type(e).__name__}: {e}")
+        if "refused" in reply:
+            return self._refuse(reply["refused"], reply["detail"])
+        got = tuple(reply["keys"])
+        if not got:
+            return RemoteRun()
+        if got != tuple(keys[start:start + len(got)]) or start + len(got) > max_pages:
+            return self._refuse("bad answer", f"pages {start}.. came back under other keys")
+        n = len(got)
+        if "kv" in reply:
+            kv = reply["kv"]
+        else:
+            n = _pow2(n)  # padded by the producer
+            shapes = {f: (dtype, shape[:2] + (n,) + shape[3:]) for f, (dtype, shape) in self.layout.items()}
+            sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            structs = KVPool(**{f: jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)
+                                for f, (dtype, shape) in shapes.items()})
+            deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.config.timeout_s)
+            try:
+                kv = jax.block_until_ready(self._pull.pull(uuid, structs, timeout=deadline))
+            except Exception as e:  # the pull timed out or failed: the arrays hold its error
+                self._drop()
+                return self._refuse("unreachable", f"pull failed: {type(e).__name__}: {e}")
+        have = page_layout(kv) if isinstance(kv, KVPool) else None
+        if have != self.layout or {x.shape[2] for x in jax.tree.leaves(kv)} != {n}:
+            return self._refuse("bad answer", f"{n} pages of layout {have}, expected {self.layout}")
+        return RemoteRun(got, kv, len(got) * sum(x.nbytes // x.shape[2] for x in jax.tree.leaves(kv)))

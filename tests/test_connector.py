@@ -1,0 +1,300 @@
+"""The KV connector (paged_jax.tiers.connector): one engine prefills and keeps
+its pages for others, another loads them and decodes (prefill/decode
+disaggregation), in one process and in two, through host memory and
+through jax.experimental.transfer; outputs equal one engine's. Another
+model's pages are refused by fingerprint, salts stay apart, a producer that
+is gone costs hits and never requests, and bad settings are refused by name.
+"""
+
+import multiprocessing.connection
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import warnings
+from types import SimpleNamespace
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.config import LlamaConfig
+from models.llm import LLM
+from models.presets import PRESETS
+from paged_jax.engine.core import Engine, EngineConfig, Request
+from paged_jax.simulator.engine import SimulatedEngine
+from paged_jax.tiers.connector import KVConsumer, KVTransferConfig
+from paged_jax.tiers.offload import add_tier_flags, tier_options_from_args
+from tests.engine_helpers import PAGE, VOCAB, check_accounting, make_engine, make_toy_step, toy_params, toy_pool
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAGE_BYTES = 2 * toy_pool(2).k[:, :, :1].nbytes  # K and V of one toy page (f32)
+
+
+def _prompts(seed, n, length=40):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, size=length).tolist() for _ in range(n)]
+
+
+def _requests(prompts, max_new=12, salt=None):
+    return [Request(request_id=i, prompt_ids=p, max_new_tokens=max_new, cache_salt=salt) for i, p in enumerate(prompts)]
+
+
+def _ids(outs):
+    return {o.request_id: o.outputs[0].output_ids for o in outs}
+
+
+def _producer(transport="host", **config):
+    engine = make_engine(kv_transfer=KVTransferConfig("producer", transport=transport), **config)
+    return engine, engine.kv_manager.offload.remote
+
+
+def _consumer(address, transport="host", **config):
+    return make_engine(kv_transfer=KVTransferConfig("consumer", address=address, transport=transport, timeout_s=10),
+                       **config)
+
+
+@pytest.mark.parametrize("transport", ["host", "jax_transfer"])
+def test_prefilled_by_one_engine_decoded_by_another(transport):
+    """The producer serves each request one token (its prompt's pages
+    cached and kept); the consumer then serves them in full, loading every
+    prompt page but the last from the producer: the outputs are one
+    engine's, and every page and byte is counted at both ends."""
+    prompts = _prompts(0, 4)
+    ref = _ids(make_engine().run(_requests(prompts)))
+    producer, store = _producer(transport)
+    producer.run(_requests(prompts, max_new=1))
+    assert producer.stats.remote.spilled_pages == 4 * 10 and store.used_bytes == 40 * PAGE_BYTES
+    consumer = _consumer(store.address, transport)
+    outs = consumer.run(_requests(prompts))
+    assert consumer.kv_manager.offload.remote.transport == transport
+    assert _ids(outs) == ref
+    assert [o.num_remote_cached_tokens for o in outs] == [36] * 4  # (40 - 1) // 4 pages: the last token computed
+    assert [o.num_cached_tokens for o in outs] == [36] * 4
+    st = consumer.stats.remote
+    assert st.hit_tokens == 4 * 36 and st.loaded_pages == 4 * 9 and st.loaded_bytes == 36 * PAGE_BYTES
+    assert st.refused_lookups == 0 and consumer.stats.prefix_hit_tokens == 4 * 36
+    assert store.served_pages == 36 and store.served_bytes == 36 * PAGE_BYTES
+    assert check_accounting(consumer)["used"] == 0
+    (again,) = consumer.run([Request(request_id="again", prompt_ids=prompts[0], max_new_tokens=12)])
+    assert again.num_cached_tokens == 36 and again.num_remote_cached_tokens == 0  # in the consumer's own pool now
+    assert again.outputs[0].output_ids == ref[0]
+
+
+_CHILD = textwrap.dedent("""
+    import json, sys
+    from paged_jax.engine.core import Request
+    from paged_jax.tiers.connector import KVTransferConfig
+    from tests.engine_helpers import make_engine
+    prompts = json.loads(sys.argv[1])
+    engine = make_engine(kv_transfer=KVTransferConfig("producer", transport=sys.argv[2]))
+    engine.run([Request(request_id=i, prompt_ids=p, max_new_tokens=1) for i, p in enumerate(prompts)])
+    print(engine.kv_manager.offload.remote.address, flush=True)
+    sys.stdin.read()
+""")
+
+
+@pytest.mark.parametrize("transport", ["host", "jax_transfer"])
+def test_a_request_prefilled_in_another_process_equals_one_engines(transport):
+    """Issue 38's test: the producer is another process; the requests it
+    prefilled are decoded here and equal the requests served by one engine."""
+    prompts = _prompts(1, 3, length=30)
+    ref = _ids(make_engine().run(_requests(prompts)))
+    import json
+
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(prompts), transport], cwd=ROOT,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        address = child.stdout.readline().strip()
+        assert address, child.stderr.read()
+        consumer = _consumer(address, transport)
+        outs = consumer.run(_requests(prompts))
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)
+    assert _ids(outs) == ref
+    assert [o.num_remote_cached_tokens for o in outs] == [28] * 3
+    assert consumer.stats.remote.loaded_bytes == 3 * 7 * PAGE_BYTES
+
+
+def test_another_models_pages_are_refused_by_fingerprint():
+    """A producer of other weights holds pages for the same tokens: the
+    consumer's lookups are refused with the reason, warned once, and it
+    computes every prompt itself (its own model's outputs)."""
+    prompts = _prompts(2, 3)
+    other = Engine(make_toy_step(toy_params(1)), toy_pool(200),
+                   EngineConfig(max_seqs=8, max_seq_len=80, max_num_batched_tokens=64,
+                                kv_transfer=KVTransferConfig("producer")))
+    other.run(_requests(prompts, max_new=1))
+    ref = _ids(make_engine().run(_requests(prompts)))
+    consumer = _consumer(other.kv_manager.offload.remote.address)
+    with pytest.warns(UserWarning, match="fingerprint"):
+        outs = consumer.run(_requests(prompts))
+    assert _ids(outs) == ref and all(o.num_remote_cached_tokens == 0 for o in outs)
+    assert consumer.kv_manager.offload.remote.refused == {"fingerprint": 3}
+    assert consumer.stats.remote.refused_lookups == 3 and consumer.stats.remote.loaded_pages == 0
+
+
+def test_a_salt_never_hits_another_salts_pages_through_the_connector():
+    prompt = _prompts(3, 1)[0]
+    producer, store = _producer()
+    producer.run(_requests([prompt], max_new=1, salt="alice"))
+    consumer = _consumer(store.address)
+    (bob,) = consumer.run(_requests([prompt], salt="bob"))
+    (none,) = consumer.run([Request(request_id="none", prompt_ids=prompt, max_new_tokens=3)])
+    assert bob.num_cached_tokens == 0 and none.num_cached_tokens == 0
+    (alice,) = consumer.run([Request(request_id="alice", prompt_ids=prompt, max_new_tokens=3, cache_salt="alice")])
+    assert alice.num_remote_cached_tokens == 36
+
+
+def test_a_producer_gone_costs_hits_never_requests():
+    """The producer closes after prefilling: the consumer's lookups fail,
+    are counted and warned, and every request is computed here, correct."""
+    prompts = _prompts(4, 3)
+    ref = _ids(make_engine().run(_requests(prompts)))
+    producer, store = _producer()
+    producer.run(_requests(prompts, max_new=1))
+    consumer = _consumer(store.address)
+    store.close()
+    with pytest.warns(UserWarning, match="unreachable"):
+        outs = consumer.run(_requests(prompts))
+    assert _ids(outs) == ref and all(o.num_cached_tokens == 0 for o in outs)
+    assert consumer.kv_manager.offload.remote.refused["unreachable"] == 3
+
+
+def test_a_small_producer_store_evicts_least_recently_used_and_outputs_stay():
+    prompts = _prompts(5, 3)
+    ref = _ids(make_engine().run(_requests(prompts)))
+    producer = make_engine(kv_transfer=KVTransferConfig("producer", buffer_bytes=12 * PAGE_BYTES))
+    store = producer.kv_manager.offload.remote
+    producer.run(_requests(prompts, max_new=1))
+    assert store.used_bytes == 12 * PAGE_BYTES and producer.stats.remote.evicted_pages == 30 - 12
+    outs = _consumer(store.address).run(_requests(prompts))
+    assert _ids(outs) == ref
+    assert sum(o.num_remote_cached_tokens for o in outs) < 3 * 36
+
+
+@pytest.fixture()
+def tiny(monkeypatch):
+    monkeypatch.setitem(PRESETS, "tiny", LlamaConfig(vocab_size=64, model_dim=32, mlp_dim=64, num_layers=2,
+                                                     num_q_heads=4, num_kv_heads=2, head_dim=8, max_seq_len=64))
+
+
+def test_quantized_pages_and_their_scales_cross_between_engines(tiny):
+    """int8 pages of the Llama decoder, with their per-token scales, through
+    ``LLM``: the decoded outputs equal one engine's."""
+    prompts = [[t % 64 for t in p] for p in _prompts(6, 2, length=34)]
+
+    def llm(kv_transfer=None):
+        return LLM("tiny", dtype=jnp.float32, kv_dtype="int8", kv_tokens=128, page_size=4, max_seqs=2,
+                   kv_transfer=kv_transfer)
+
+    ref = [o.output_ids for o in llm().generate(prompts, max_tokens=8)]
+    producer = llm(KVTransferConfig("producer"))
+    producer.generate(prompts, max_tokens=1)
+    consumer = llm(KVTransferConfig("consumer", address=producer.engine.kv_manager.offload.remote.address))
+    outs = consumer.generate(prompts, max_tokens=8)
+    assert [o.output_ids for o in outs] == ref
+    assert consumer.engine.stats.remote.hit_tokens == 2 * 32
+
+
+def test_a_bad_request_to_the_producer_is_answered_and_it_goes_on():
+    prompts = _prompts(7, 1)
+    producer, store = _producer()
+    producer.run(_requests(prompts, max_new=1))
+    host, port = store.address.split(":")
+    with multiprocessing.connection.Client((host, int(port)), authkey=b"paged-jax-kv") as conn:
+        conn.send({"protocol": 1, "op": "lookup"})  # no fingerprint, no keys
+        assert conn.recv()["refused"] == "bad request"
+        conn.send({"protocol": 99, "op": "hello"})
+        assert conn.recv()["refused"] == "protocol"
+    (out,) = _consumer(store.address).run(_requests(prompts))
+    assert out.num_remote_cached_tokens == 36
+
+
+def test_a_consumer_without_a_producer_or_with_the_wrong_key_is_refused_by_name():
+    producer, store = _producer()
+    _, port = store.address.split(":")
+    with pytest.raises(ValueError, match="kv_transfer.address.*producer"):
+        KVConsumer(KVTransferConfig("consumer", address=f"127.0.0.1:{port}", authkey=b"wrong", timeout_s=2),
+                   "fp", {}, PAGE)
+    store.close()
+    with pytest.raises(ValueError, match=f"kv_transfer.address='127.0.0.1:{port}': no KV producer answers"):
+        _consumer(f"127.0.0.1:{port}")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(role="both"), "kv_transfer.role='both'"),
+    (dict(role="producer", transport="nccl"), "kv_transfer.transport='nccl'"),
+    (dict(role="producer", address="localhost"), "kv_transfer.address='localhost': expected 'host:port'"),
+    (dict(role="producer", address="h:70000"), r"port in \[0, 65535\]"),
+    (dict(role="consumer", address="127.0.0.1:0"), "a consumer needs the producer's port"),
+    (dict(role="producer", buffer_bytes=0), "kv_transfer.buffer_bytes=0"),
+    (dict(role="producer", buffer_bytes=-1), "buffer_bytes"),
+    (dict(role="consumer", address="h:1", timeout_s=float("nan")), "kv_transfer.timeout_s=nan"),
+    (dict(role="consumer", address="h:1", timeout_s=0), "kv_transfer.timeout_s=0"),
+    (dict(role="producer", authkey="text"), "kv_transfer.authkey='text'"),
+])
+def test_bad_transfer_configs_are_refused_by_name(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        KVTransferConfig(**kwargs)
+
+
+def test_engine_settings_that_cannot_transfer_are_refused_by_name():
+    with pytest.raises(ValueError, match="kv_transfer .a KV producer. needs enable_prefix_caching=True"):
+        EngineConfig(enable_prefix_caching=False, kv_transfer=KVTransferConfig("producer"))
+    with pytest.raises(ValueError, match="kv_transfer must be"):
+        EngineConfig(kv_transfer={"role": "producer"})
+    with pytest.raises(ValueError, match="config.kv_transfer=.*the simulated accelerator has no K/V to hand"):
+        SimulatedEngine(SimpleNamespace(), EngineConfig(kv_transfer=KVTransferConfig("producer")), num_pages=300,
+                        page_size=16, vocab_size=100)
+    with pytest.raises(ValueError, match="a KV producer: the KV tiers serve models whose layers all attend"):
+        Engine(type(make_toy_step(toy_params()))(toy_params(), window=8), toy_pool(200),
+               EngineConfig(max_seqs=8, max_seq_len=80, max_num_batched_tokens=64,
+                            kv_transfer=KVTransferConfig("producer")))
+
+
+def test_the_flags_build_the_transfer_config():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_tier_flags(p)
+    opts = tier_options_from_args(p, p.parse_args(["--kv-role", "consumer", "--kv-address", "10.0.0.2:8470",
+                                                   "--kv-transport", "host"]))
+    assert opts["kv_transfer"] == KVTransferConfig("consumer", "10.0.0.2:8470", "host", 1 << 30)
+    assert tier_options_from_args(p, p.parse_args([]))["kv_transfer"] is None
+    with pytest.raises(SystemExit), warnings.catch_warnings():
+        tier_options_from_args(p, p.parse_args(["--kv-role", "consumer"]))  # port 0: no producer to reach
+
+
+def _bench_args(tmp_path, *extra):
+    return ["--model", "toy", "--num-requests", "3", "--max-output-len", "4", "--max-seqs", "4",
+            "--max-batched-tokens", "16", "--max-seq-len", "512", "--kv-budget-tokens", "2048",
+            "--out", str(tmp_path), *extra]
+
+
+@pytest.mark.slow  # three processes, each loading JAX and compiling
+def test_the_disaggregation_benchmark_runs_its_processes(tmp_path):
+    from experiments.serving import disaggregated
+
+    result = disaggregated.main(_bench_args(tmp_path, "--transports", "host"))
+    colocated, split = result["rows"]
+    assert result["same"] and split["remote_tokens"] > 0 and split["computed_prompt_tokens"] < colocated[
+        "computed_prompt_tokens"]
+    assert "Outputs identical" in (tmp_path / "disaggregated.md").read_text()
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--transports", "nixl"], "--transports takes host and/or jax_transfer, got ['nixl']"),
+    (["--transports", ","], "--transports takes host and/or jax_transfer, got none"),
+    (["--kv-budget-tokens", "100"], "--kv-budget-tokens rounded down to pages of --page-size 16 must hold one"),
+    (["--max-seq-len", "0"], "--max-seq-len must be >= 1, got 0"),
+])
+def test_the_disaggregation_benchmark_refuses_bad_flags(tmp_path, extra, words, capsys):
+    from experiments.serving import disaggregated
+
+    with pytest.raises(SystemExit):
+        disaggregated.parse_args(_bench_args(tmp_path, *extra))
+    assert words in capsys.readouterr().err
