@@ -82,6 +82,20 @@ def test_prefilled_by_one_engine_decoded_by_another(transport):
     assert again.outputs[0].output_ids == ref[0]
 
 
+def test_a_request_waiting_to_be_admitted_fetches_its_pages_once():
+    """The consumer's pool holds one request at a time: the second waits at
+    the queue's head, costed every round, but its pages cross once."""
+    prompts = _prompts(8, 2)
+    ref = _ids(make_engine().run(_requests(prompts)))
+    producer, store = _producer()
+    producer.run(_requests(prompts, max_new=1))
+    consumer = _consumer(store.address, num_pages=15, max_seq_len=56)
+    outs = consumer.run(_requests(prompts))
+    assert _ids(outs) == ref and [o.num_remote_cached_tokens for o in outs] == [36, 36]
+    assert consumer.stats.iterations > 12  # the second request waited for the first to finish
+    assert consumer.kv_manager.offload.remote.lookups == 2 and store.served_pages == 18
+
+
 _CHILD = textwrap.dedent("""
     import json, sys
     from paged_jax.engine.core import Request

@@ -159,13 +159,14 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _start_transfer_server():
-    """A ``jax.experimental.transfer`` server on the first device, or None
-    where this JAX or platform has none (the reason warned)."""
+def _start_transfer_server(host: str = "127.0.0.1"):
+    """A ``jax.experimental.transfer`` server of the first device, on
+    ``host`` (any free port), or None where this JAX or platform has none
+    (the reason warned)."""
     try:
         from jax.experimental import transfer
 
-        return transfer.start_transfer_server(jax.devices()[0].client, "127.0.0.1:0", ["127.0.0.1:0"])
+        return transfer.start_transfer_server(jax.devices()[0].client, f"{host}:0", [f"{host}:0"])
     except Exception as e:  # an old jaxlib, a platform without the transfer library: the host path remains
         warnings.warn(f"jax.experimental.transfer is not available here ({type(e).__name__}: {e}); the KV "
                       "connector moves pages through host memory", stacklevel=3)
@@ -260,7 +261,7 @@ class KVProducer(KVConnector):
         except OSError as e:
             raise ValueError(f"kv_transfer.address={config.address!r} cannot be listened on: {e}") from None
         self.address = f"{host}:{self._listener.address[1]}"
-        self._transfer = None if config.transport == "host" else _start_transfer_server()
+        self._transfer = None if config.transport == "host" else _start_transfer_server(host)
         if self._transfer is None and config.transport == "jax_transfer":
             self._listener.close()
             raise ValueError("kv_transfer.transport='jax_transfer': no jax.experimental.transfer server starts "

@@ -51,6 +51,7 @@ Everything is counted in a :class:`TierStats` per tier.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Hashable, Sequence
 
@@ -120,6 +121,10 @@ class TierRun:
         return len(self.host) + len(self.disk) + len(self.remote)
 
 
+MEMO_RUNS = 8
+"""Lookups whose runs :meth:`Offload.lookup` keeps until they are loaded."""
+
+
 @dataclasses.dataclass
 class _Copy:
     page: int  # pool page id
@@ -155,6 +160,9 @@ class Offload:
         # (copied before the call that reuses it) and the key it is cached under next (copied after that call)
         self._pending: dict[tuple[int, bytes], _Copy] = {}
         self._in_transit: list[tuple[KVPool, list[_Copy]]] = []  # gathered, not stored yet
+        # The last lookups' runs, by what they looked up: a request at the head of the queue is costed every round
+        # until it is admitted, and its run is read (files) or fetched (another engine) once, not every round.
+        self._runs: collections.OrderedDict[tuple, TierRun] = collections.OrderedDict()
 
     @property
     def pending_pages(self) -> int:
@@ -272,7 +280,14 @@ class Offload:
         tier's run, then the disk tier's after it, then a connector
         consumer's (group 0). Nothing is moved into the pool until
         :meth:`load`; disk files read are verified, a connector's pages are
-        fetched (into this process) and checked."""
+        fetched (into this process) and checked. The same lookup again
+        (the same pages of the same chain: a request waiting to be
+        admitted) returns the same run until it is loaded: pages are
+        immutable under their keys, so the run stays right; it only may
+        miss pages a tier gained since."""
+        memo = (tuple(keys[start:max_pages]), extra, start, max_pages)
+        if memo in self._runs:
+            return self._runs[memo]
         self.settle()
         host = [] if self.host is None else self.host.lookup(tokens, keys, extra, start, max_pages)
         disk = []
@@ -285,7 +300,12 @@ class Offload:
             refused = sum(self.remote.refused.values())
             remote = self.remote.lookup(tokens, keys, extra, start + len(host) + len(disk), max_pages)
             self.remote_stats.refused_lookups += sum(self.remote.refused.values()) - refused
-        return TierRun(host, disk, remote)
+        run = TierRun(host, disk, remote)
+        if len(run):
+            self._runs[memo] = run
+            while len(self._runs) > MEMO_RUNS:
+                self._runs.popitem(last=False)
+        return run
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """A device hit on ``keys``: the host tier's copies of them, if any,
@@ -310,6 +330,7 @@ class Offload:
         """
         if len(pages) != len(run) or not pages:
             raise ValueError(f"pages ({len(pages)}) and the run ({len(run)}) must be as many, at least one")
+        self._runs = collections.OrderedDict((k, r) for k, r in self._runs.items() if r is not run)
         local = run.host + run.disk
         if local:
             kv = scatter_pages(kv, list(pages[:len(local)]), stack_pages(local))
@@ -330,6 +351,7 @@ class Offload:
         tiers held."""
         self._pending.clear()
         self._in_transit.clear()
+        self._runs.clear()
         return sum(tier.clear() for tier in (self.host, self.disk, self.remote) if tier is not None)
 
 
