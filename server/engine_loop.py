@@ -514,6 +514,7 @@ class EngineLoop:
             spec_accepted_tokens=stats.spec_accepted,
             spec_accepted_by_position=tuple(stats.spec_accepted_by_position),
             tiers={name: {**dataclasses.asdict(getattr(stats, name)),
+                          "saved_s": stats.tier_saved_s(name),
                           "used_bytes": 0 if tier is None else tier.used_bytes,
                           "capacity_bytes": 0 if tier is None else tier.capacity_bytes}
                    for name, tier in (("host", offload and offload.host), ("disk", offload and offload.disk),

@@ -110,6 +110,13 @@ class _EngineCollector(Collector):
             for name, t in tiers.items():
                 g.add_metric(value + [name], t.get(f"{kind}_bytes", 0))
             yield g
+        saved = CounterMetricFamily(PREFIX + "kv_tier_saved_seconds",
+                                    "An estimate of the prefill seconds each tier's hits saved: prompt tokens it "
+                                    "served times the engine's mean model seconds per computed token (loads not "
+                                    "subtracted).", labels=labels + ["tier"])
+        for name, t in tiers.items():
+            saved.add_metric(value + [name], t.get("saved_s", 0.0))
+        yield saved
         yield counter("kv_tier_refused_files", "Disk tier files refused when read (short, corrupted, another "
                       "model's, or gone): never served.", tiers["disk"].get("refused_files", 0))
         yield counter("kv_transfer_refused_lookups", "KV connector lookups that brought nothing: the producer "

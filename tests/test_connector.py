@@ -76,6 +76,11 @@ def test_prefilled_by_one_engine_decoded_by_another(transport):
     assert st.hit_tokens == 4 * 36 and st.loaded_pages == 4 * 9 and st.loaded_bytes == 36 * PAGE_BYTES
     assert st.refused_lookups == 0 and consumer.stats.prefix_hit_tokens == 4 * 36
     assert store.served_pages == 36 and store.served_bytes == 36 * PAGE_BYTES
+    stats = consumer.stats  # the prefill the connector saved, estimated at the engine's own rate
+    per_token = stats.model_s / (stats.prefill_tokens + stats.decode_tokens)
+    assert stats.tier_saved_s("remote") == pytest.approx(4 * 36 * per_token) > 0 == stats.tier_saved_s("host")
+    with pytest.raises(ValueError, match="tier must be 'host', 'disk' or 'remote', got 'device'"):
+        stats.tier_saved_s("device")
     assert check_accounting(consumer)["used"] == 0
     (again,) = consumer.run([Request(request_id="again", prompt_ids=prompts[0], max_new_tokens=12)])
     assert again.num_cached_tokens == 36 and again.num_remote_cached_tokens == 0  # in the consumer's own pool now

@@ -281,6 +281,8 @@ def test_a_prefix_the_pool_evicted_is_served_from_the_host_tier(http, client):
     assert after[loaded] - before[loaded] == tiers["host"] // 16 * 737_280
     assert 0 < after[("paged_jax:kv_tier_used_bytes", (("model_name", MODEL), ("tier", "host")))] <= 128 * 737_280
     assert after[("paged_jax:kv_tier_capacity_bytes", (("model_name", MODEL), ("tier", "disk")))] == 0
+    saved = ("paged_jax:kv_tier_saved_seconds_total", (("model_name", MODEL), ("tier", "host")))
+    assert after[saved] > before[saved] >= 0
 
 
 # ------------------------------------------------------------------ errors

@@ -115,7 +115,8 @@ class EngineStats:
     (the KV connector) count each tier's hits (``host.hit_tokens`` is the
     part of ``prefix_hit_tokens`` the host tier served), pages and bytes
     copied to it and loaded back, pages it refused and dropped, files and
-    lookups it refused (:class:`paged_jax.tiers.offload.TierStats`).
+    lookups it refused (:class:`paged_jax.tiers.offload.TierStats`);
+    :meth:`tier_saved_s` estimates the prefill seconds each saved.
 
     Poison: ``nonfinite_kv`` counts sequences a call wrote non-finite K/V
     for (a running one stops the engine by name; an aborted one's pages are
@@ -253,6 +254,27 @@ class EngineStats:
     @property
     def host_s(self) -> float:
         return self.busy_s - self.model_s - self.compile_s
+
+    def tier_saved_s(self, tier: str) -> float:
+        """An estimate of the prefill seconds a KV tier saved (the TTFT its
+        hits took off, summed over requests): the prompt tokens it served
+        (``hit_tokens``) times the engine's mean model seconds per computed
+        token over its calls so far (``model_s / (prefill_tokens +
+        decode_tokens)``). It does not subtract the loads' own time (their
+        bytes are ``loaded_bytes``), and decode tokens, cheaper than prefill
+        ones on an accelerator, lower the rate: read it as an estimate, and
+        measure TTFT side by side for a claim (``experiments.serving.kv_tiers``).
+
+        Args:
+          tier: ``"host"``, ``"disk"`` or ``"remote"``.
+
+        Raises:
+          ValueError: another ``tier``.
+        """
+        if tier not in ("host", "disk", "remote"):
+            raise ValueError(f"tier must be 'host', 'disk' or 'remote', got {tier!r}")
+        computed = self.prefill_tokens + self.decode_tokens
+        return getattr(self, tier).hit_tokens * self.model_s / computed if computed else 0.0
 
     @property
     def mean_concurrency(self) -> float:
