@@ -78,7 +78,8 @@ def test_prefilled_by_one_engine_decoded_by_another(transport):
     assert store.served_pages == 36 and store.served_bytes == 36 * PAGE_BYTES
     stats = consumer.stats  # the prefill the connector saved, estimated at the engine's own rate
     per_token = stats.model_s / (stats.prefill_tokens + stats.decode_tokens)
-    assert stats.tier_saved_s("remote") == pytest.approx(4 * 36 * per_token) > 0 == stats.tier_saved_s("host")
+    assert stats.tier_saved_s("remote") == pytest.approx(4 * 36 * per_token) and per_token > 0
+    assert stats.tier_saved_s("host") == 0
     with pytest.raises(ValueError, match="tier must be 'host', 'disk' or 'remote', got 'device'"):
         stats.tier_saved_s("device")
     assert check_accounting(consumer)["used"] == 0
@@ -233,6 +234,34 @@ def test_a_bad_request_to_the_producer_is_answered_and_it_goes_on():
     assert out.num_remote_cached_tokens == 36
 
 
+def test_a_producer_that_answers_garbage_costs_hits_never_requests():
+    """A peer that speaks the handshake but answers lookups with anything
+    but a reply: counted as a bad answer, the request computed here."""
+    import threading
+
+    listener = multiprocessing.connection.Listener(("127.0.0.1", 0), authkey=b"paged-jax-kv")
+
+    def serve():
+        with listener.accept() as conn:
+            conn.recv()
+            conn.send({"transport": "host", "transfer_address": None})  # hello
+            while True:
+                try:
+                    conn.recv()
+                except EOFError:
+                    return
+                conn.send(["not", "a", "reply"])
+
+    threading.Thread(target=serve, daemon=True).start()
+    prompt = _prompts(9, 1)[0]
+    consumer = _consumer(f"127.0.0.1:{listener.address[1]}")
+    with pytest.warns(UserWarning, match="bad answer"):
+        (out,) = consumer.run(_requests([prompt]))
+    assert out.outputs[0].output_ids == _ids(make_engine().run(_requests([prompt])))[0]
+    assert consumer.kv_manager.offload.remote.refused == {"bad answer": 1}
+    listener.close()
+
+
 def test_a_consumer_without_a_producer_or_with_the_wrong_key_is_refused_by_name():
     producer, store = _producer()
     _, port = store.address.split(":")
@@ -254,6 +283,7 @@ def test_a_consumer_without_a_producer_or_with_the_wrong_key_is_refused_by_name(
     (dict(role="producer", buffer_bytes=-1), "buffer_bytes"),
     (dict(role="consumer", address="h:1", timeout_s=float("nan")), "kv_transfer.timeout_s=nan"),
     (dict(role="consumer", address="h:1", timeout_s=0), "kv_transfer.timeout_s=0"),
+    (dict(role="consumer", address="h:1", timeout_s=1e300), r"kv_transfer.timeout_s=1e\+300: expected seconds in"),
     (dict(role="producer", authkey="text"), "kv_transfer.authkey='text'"),
 ])
 def test_bad_transfer_configs_are_refused_by_name(kwargs, match):

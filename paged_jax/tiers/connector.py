@@ -49,14 +49,13 @@ from __future__ import annotations
 import abc
 import dataclasses
 import datetime
-import math
 import secrets
 import socket
 import threading
 import time
 import warnings
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 from typing import Hashable, Sequence
 
 import jax
@@ -73,6 +72,12 @@ TRANSPORTS = ("auto", "jax_transfer", "host")
 """How the K/V travel (module docstring)."""
 PROTOCOL = 1
 """The message format's version; a peer of another version is refused."""
+MAX_TIMEOUT_S = 86_400.0
+"""The longest ``KVTransferConfig.timeout_s``: a day."""
+RETRY_S = 5.0
+"""After a lookup could not reach the producer, a consumer tries again no
+sooner than this many seconds (at most ``timeout_s``) later; the lookups
+between find nothing, at no cost to the engine."""
 
 
 def parse_address(name: str, address: str) -> tuple[str, int]:
@@ -106,7 +111,9 @@ class KVTransferConfig:
       buffer_bytes: a producer's store for consumers, bytes of K/V (least
         recently used out); unused by a consumer.
       timeout_s: seconds a consumer waits to connect, for an answer and for
-        a pull, before it gives up on that lookup.
+        a pull, before it gives up on that lookup (at most a day); after a
+        producer could not be reached it is tried again :data:`RETRY_S`
+        seconds later at the soonest.
       authkey: the shared key both ends authenticate with.
 
     Raises:
@@ -132,8 +139,8 @@ class KVTransferConfig:
         if self.role == "producer" and not self.buffer_bytes:
             raise ValueError("kv_transfer.buffer_bytes=0: a producer needs room for the pages it serves")
         if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
-                or not math.isfinite(self.timeout_s) or self.timeout_s <= 0):
-            raise ValueError(f"kv_transfer.timeout_s={self.timeout_s!r}: expected seconds > 0")
+                or not 0 < self.timeout_s <= MAX_TIMEOUT_S):
+            raise ValueError(f"kv_transfer.timeout_s={self.timeout_s!r}: expected seconds in (0, {MAX_TIMEOUT_S}]")
         if not isinstance(self.authkey, bytes) or not self.authkey:
             raise ValueError(f"kv_transfer.authkey={self.authkey!r}: expected non-empty bytes")
 
@@ -410,6 +417,7 @@ class KVConsumer(KVConnector):
         self.config, self.fingerprint, self.layout, self.page_size = config, fingerprint, layout, page_size
         self._address = parse_address("kv_transfer.address", config.address)
         self._conn: Connection | None = None
+        self._retry_at = 0.0  # time.monotonic() before which a lost producer is not tried again
         self._pull = None  # a jax.experimental.transfer connection to the producer's server
         self._transfer = None if config.transport == "host" else _start_transfer_server()
         try:
@@ -424,9 +432,18 @@ class KVConsumer(KVConnector):
                              "process has no jax.experimental.transfer server; use 'auto' or 'host'")
 
     def _connect(self) -> dict:
-        """Connects (again) and says hello; returns the producer's answer."""
+        """Connects (again), within ``timeout_s``, and says hello; returns the
+        producer's answer."""
         self._drop()
-        conn = Client(self._address, authkey=self.config.authkey)
+        sock = socket.create_connection(self._address, timeout=self.config.timeout_s)
+        sock.settimeout(None)  # Connection reads a blocking descriptor; answers are waited for with poll()
+        conn = Connection(sock.detach())
+        try:  # what multiprocessing.connection.Client does, on a socket that could time out connecting
+            answer_challenge(conn, self.config.authkey)
+            deliver_challenge(conn, self.config.authkey)
+        except BaseException:
+            conn.close()
+            raise
         self._conn = conn
         conn.send({"protocol": PROTOCOL, "op": "hello"})
         hello = self._receive(conn)
@@ -486,16 +503,21 @@ class KVConsumer(KVConnector):
         msg = {"protocol": PROTOCOL, "op": "lookup", "fingerprint": self.fingerprint, "layout": self.layout,
                "tokens": list(map(int, tokens)), "keys": list(keys), "extra": extra, "start": start,
                "max_pages": max_pages, "transport": self.transport, "uuid": uuid}
+        if self._conn is None and time.monotonic() < self._retry_at:
+            return self._refuse("unreachable", "waiting to connect again")
         try:
             if self._conn is None:
                 self._connect()
             self._conn.send(msg)
             reply = self._receive(self._conn)
         except (OSError, EOFError, TimeoutError, ValueError, AuthenticationError) as e:
-            self._drop()  # connect again at the next lookup
+            self._drop()  # connect again at the next lookup, RETRY_S from now at the soonest
+            self._retry_at = time.monotonic() + min(RETRY_S, self.config.timeout_s)
             return self._refuse("unreachable", f"{type(e).__name__}: {e}")
+        if not isinstance(reply, dict) or not isinstance(reply.get("keys", reply.get("refused")), (list, str)):
+            return self._refuse("bad answer", f"a reply of type {type(reply).__name__}")
         if "refused" in reply:
-            return self._refuse(reply["refused"], reply["detail"])
+            return self._refuse(str(reply["refused"]), str(reply.get("detail")))
         got = tuple(reply["keys"])
         if not got:
             return RemoteRun()
