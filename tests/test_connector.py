@@ -24,7 +24,8 @@ from models.llm import LLM
 from models.presets import PRESETS
 from paged_jax.engine.core import Engine, EngineConfig, Request
 from paged_jax.simulator.engine import SimulatedEngine
-from paged_jax.tiers.connector import KVConsumer, KVTransferConfig
+from paged_jax.tiers.connector import PROTOCOL, KVConsumer, KVTransferConfig
+from paged_jax.tiers.disk import pack_frame, unpack_frame
 from paged_jax.tiers.offload import add_tier_flags, tier_options_from_args
 from tests.engine_helpers import PAGE, VOCAB, check_accounting, make_engine, make_toy_step, toy_params, toy_pool
 
@@ -220,16 +221,29 @@ def test_quantized_pages_and_their_scales_cross_between_engines(tiny):
     assert consumer.engine.stats.remote.hit_tokens == 2 * 32
 
 
+class Exploit:
+    """A pickle that would run code when unpickled."""
+
+    ran = False
+
+    def __reduce__(self):
+        return (setattr, (Exploit, "ran", True))
+
+
 def test_a_bad_request_to_the_producer_is_answered_and_it_goes_on():
     prompts = _prompts(7, 1)
     producer, store = _producer()
     producer.run(_requests(prompts, max_new=1))
     host, port = store.address.split(":")
     with multiprocessing.connection.Client((host, int(port)), authkey=b"paged-jax-kv") as conn:
-        conn.send({"protocol": 1, "op": "lookup"})  # no fingerprint, no keys
-        assert conn.recv()["refused"] == "bad request"
-        conn.send({"protocol": 99, "op": "hello"})
-        assert conn.recv()["refused"] == "protocol"
+        def ask(header):
+            conn.send_bytes(pack_frame(header))
+            return unpack_frame(conn.recv_bytes())[0]
+
+        assert ask({"protocol": PROTOCOL, "op": "lookup"})["refused"] == "bad request"  # no fingerprint, no keys
+        assert ask({"protocol": 99, "op": "hello"})["refused"] == "protocol"
+        conn.send(Exploit())  # a pickle is never unpickled: no code runs, the request is refused
+        assert unpack_frame(conn.recv_bytes())[0]["refused"] == "bad request" and not Exploit.ran
     (out,) = _consumer(store.address).run(_requests(prompts))
     assert out.num_remote_cached_tokens == 36
 
@@ -243,14 +257,14 @@ def test_a_producer_that_answers_garbage_costs_hits_never_requests():
 
     def serve():
         with listener.accept() as conn:
-            conn.recv()
-            conn.send({"transport": "host", "transfer_address": None})  # hello
+            conn.recv_bytes()
+            conn.send_bytes(pack_frame({"transport": "host", "transfer_address": None}))  # hello
             while True:
                 try:
-                    conn.recv()
+                    conn.recv_bytes()
                 except EOFError:
                     return
-                conn.send(["not", "a", "reply"])
+                conn.send_bytes(pack_frame({"keys": "not a list of keys"}))
 
     threading.Thread(target=serve, daemon=True).start()
     prompt = _prompts(9, 1)[0]

@@ -19,7 +19,10 @@ lookup returns the pages themselves.
 
 Transports. Lookups and their answers go over a
 ``multiprocessing.connection`` socket, authenticated with a shared key
-(HMAC challenge) and bound to the loopback address by default. The K/V
+(HMAC challenge) and bound to the loopback address by default, as frames
+of a JSON header and the K/V's raw bytes
+(:func:`paged_jax.tiers.disk.pack_frame`, a page file's own format), never
+pickles: a message, even from a peer holding the key, runs no code. The K/V
 travel either on the same socket as NumPy arrays (``"host"``: through host
 memory, works on every platform) or through ``jax.experimental.transfer``
 (``"jax_transfer"``: the producer stages the run on its device and awaits
@@ -63,15 +66,20 @@ import numpy as np
 
 from paged_jax.checks import check_int
 from paged_jax.paging.kv_cache import KVPool
-from paged_jax.tiers.disk import page_layout
+from paged_jax.tiers.disk import FRAME_ERRORS, encode_extra, pack_frame, page_layout, unpack_frame
 from paged_jax.tiers.host import HostPage, HostTier, stack_pages
 
 ROLES = ("producer", "consumer")
 """A connector's roles: a producer saves pages and serves them, a consumer looks them up and loads them."""
 TRANSPORTS = ("auto", "jax_transfer", "host")
 """How the K/V travel (module docstring)."""
-PROTOCOL = 1
-"""The message format's version; a peer of another version is refused."""
+PROTOCOL = 2
+"""The message format's version; a peer of another version is refused.
+Messages are :func:`paged_jax.tiers.disk.pack_frame` frames (a JSON header,
+then the K/V's raw bytes): reading one runs no code, unlike a pickle."""
+MAX_MESSAGE_BYTES = 1 << 31
+"""The largest message either end reads (2 GiB); a longer one ends the
+connection."""
 MAX_TIMEOUT_S = 86_400.0
 """The longest ``KVTransferConfig.timeout_s``: a day."""
 RETRY_S = 5.0
@@ -159,6 +167,11 @@ class RemoteRun:
 
     def __len__(self) -> int:
         return len(self.keys)
+
+
+def _layout_json(layout: dict) -> dict:
+    """A page layout as it reads back from JSON: ``{field: [dtype, [shape]]}``."""
+    return {f: [dtype, list(shape)] for f, (dtype, shape) in layout.items()}
 
 
 def _pow2(n: int) -> int:
@@ -345,15 +358,15 @@ class KVProducer(KVConnector):
         try:
             while True:
                 try:
-                    msg = conn.recv()
-                except Exception:  # the consumer left, or close() closed the connection under this thread
+                    data = conn.recv_bytes(MAX_MESSAGE_BYTES)
+                except Exception:  # the consumer left, sent too much, or close() closed the connection under us
                     return
                 try:
-                    reply = self._answer(msg)
+                    reply, kv = self._answer(unpack_frame(data)[0])
                 except Exception as e:  # a malformed request: answered, the producer goes on
-                    reply = {"refused": "bad request", "detail": f"{type(e).__name__}: {e}"}
+                    reply, kv = {"refused": "bad request", "detail": f"{type(e).__name__}: {e}"}, None
                 try:
-                    conn.send(reply)
+                    conn.send_bytes(pack_frame(reply, kv))
                 except OSError:
                     return
         finally:
@@ -361,35 +374,41 @@ class KVProducer(KVConnector):
                 self._conns.discard(conn)
             conn.close()
 
-    def _answer(self, msg: dict) -> dict:
+    def _answer(self, msg: dict) -> tuple[dict, KVPool | None]:
+        """The reply to one message (a :func:`paged_jax.tiers.disk.pack_frame`
+        header), and the K/V it carries."""
         if msg.get("protocol") != PROTOCOL:
-            return {"refused": "protocol", "detail": f"producer speaks protocol {PROTOCOL}, got {msg.get('protocol')}"}
+            return {"refused": "protocol",
+                    "detail": f"producer speaks protocol {PROTOCOL}, got {msg.get('protocol')!r}"}, None
         if msg["op"] == "hello":
             return {"transport": self.transport,
-                    "transfer_address": None if self._transfer is None else self._transfer.address()}
-        if msg["fingerprint"] != self.fingerprint or msg["layout"] != self.layout:
+                    "transfer_address": None if self._transfer is None else self._transfer.address()}, None
+        layout = _layout_json(self.layout)
+        if msg["fingerprint"] != self.fingerprint or msg["layout"] != layout:
             return {"refused": "fingerprint",
-                    "detail": f"the producer serves model {self.fingerprint[:16]} with pages {self.layout}; this "
-                              f"lookup is for {msg['fingerprint'][:16]} with {msg['layout']}"}
+                    "detail": f"the producer serves model {self.fingerprint[:16]} with pages {layout}; this "
+                              f"lookup is for {str(msg['fingerprint'])[:16]} with {msg['layout']}"}, None
+        keys = [bytes.fromhex(k) for k in msg["keys"]]
+        if not all(isinstance(t, int) for t in msg["tokens"]):
+            raise TypeError("tokens must be ints")
         with self._lock:
-            pages = self._store.lookup(msg["tokens"], msg["keys"], msg["extra"], msg["start"], msg["max_pages"])
+            pages = self._store.lookup(msg["tokens"], keys, tuple(msg["extra"]), msg["start"], msg["max_pages"])
             self._store.touch(0, [p.key for p in pages])
         if not pages:
-            return {"keys": []}
+            return {"keys": []}, None
         stacked = stack_pages(pages)
         self.served_pages += len(pages)
         self.served_bytes += sum(p.nbytes for p in pages)
-        out = {"keys": [p.key for p in pages]}
+        out = {"keys": [p.key.hex() for p in pages]}
         if msg["transport"] == "jax_transfer" and self._transfer is not None:
             # A power of two of pages (zeros past the run), as paged_jax.paging.swap pads every copy: the
             # consumer's scatter then runs one of a handful of programs, never an op compiled per run length.
             n = _pow2(len(pages))
             stacked = jax.tree.map(lambda x: np.pad(x, [(0, 0), (0, 0), (0, n - x.shape[2])] + [(0, 0)] * (x.ndim - 3)),
                                    stacked)
-            self._transfer.await_pull(msg["uuid"], jax.device_put(stacked))
-        else:
-            out["kv"] = stacked
-        return out
+            self._transfer.await_pull(int(msg["uuid"]), jax.device_put(stacked))
+            return out, None
+        return out, stacked
 
 
 class KVConsumer(KVConnector):
@@ -445,8 +464,8 @@ class KVConsumer(KVConnector):
             conn.close()
             raise
         self._conn = conn
-        conn.send({"protocol": PROTOCOL, "op": "hello"})
-        hello = self._receive(conn)
+        conn.send_bytes(pack_frame({"protocol": PROTOCOL, "op": "hello"}))
+        hello, _ = self._receive(conn)
         addr = hello.get("transfer_address")
         self.transport = "host"
         if "refused" not in hello and addr is not None and self._transfer is not None:
@@ -454,10 +473,22 @@ class KVConsumer(KVConnector):
             self.transport = "jax_transfer"
         return hello
 
-    def _receive(self, conn: Connection) -> dict:
+    def _receive(self, conn: Connection) -> tuple[dict, KVPool | None]:
+        """The producer's next reply, header and K/V.
+
+        Raises:
+          TimeoutError: none within ``timeout_s``.
+          OSError, EOFError: the connection failed.
+          ValueError: the reply is not a frame (:data:`paged_jax.tiers.disk.FRAME_ERRORS`
+            become ValueError).
+        """
         if not conn.poll(self.config.timeout_s):
             raise TimeoutError(f"no answer within {self.config.timeout_s} s")
-        return conn.recv()
+        data = conn.recv_bytes(MAX_MESSAGE_BYTES)
+        try:
+            return unpack_frame(data)
+        except FRAME_ERRORS as e:
+            raise ValueError(f"a reply that is not a frame ({type(e).__name__}: {e})") from None
 
     def _drop(self) -> None:
         if self._conn is not None:
@@ -499,34 +530,40 @@ class KVConsumer(KVConnector):
             self.lookup_s += time.perf_counter() - t0
 
     def _lookup(self, tokens, keys, extra, start, max_pages) -> RemoteRun:
+        encoded = encode_extra(extra)
+        if encoded is None:  # a salt that is not str / int / None: not sent, never hit
+            return RemoteRun()
         uuid = secrets.randbits(62) + 1
-        msg = {"protocol": PROTOCOL, "op": "lookup", "fingerprint": self.fingerprint, "layout": self.layout,
-               "tokens": list(map(int, tokens)), "keys": list(keys), "extra": extra, "start": start,
-               "max_pages": max_pages, "transport": self.transport, "uuid": uuid}
+        msg = {"protocol": PROTOCOL, "op": "lookup", "fingerprint": self.fingerprint,
+               "layout": _layout_json(self.layout), "tokens": [int(t) for t in tokens],
+               "keys": [k.hex() for k in keys], "extra": encoded, "start": start, "max_pages": max_pages,
+               "transport": self.transport, "uuid": uuid}
         if self._conn is None and time.monotonic() < self._retry_at:
             return self._refuse("unreachable", "waiting to connect again")
         try:
             if self._conn is None:
                 self._connect()
-            self._conn.send(msg)
-            reply = self._receive(self._conn)
-        except (OSError, EOFError, TimeoutError, ValueError, AuthenticationError) as e:
+            self._conn.send_bytes(pack_frame(msg))
+            reply, kv = self._receive(self._conn)
+        except ValueError as e:  # an answer that is not a frame: the connection is out of step, made again
+            self._drop()
+            return self._refuse("bad answer", str(e))
+        except (OSError, EOFError, TimeoutError, AuthenticationError) as e:
             self._drop()  # connect again at the next lookup, RETRY_S from now at the soonest
             self._retry_at = time.monotonic() + min(RETRY_S, self.config.timeout_s)
             return self._refuse("unreachable", f"{type(e).__name__}: {e}")
-        if not isinstance(reply, dict) or not isinstance(reply.get("keys", reply.get("refused")), (list, str)):
-            return self._refuse("bad answer", f"a reply of type {type(reply).__name__}")
         if "refused" in reply:
             return self._refuse(str(reply["refused"]), str(reply.get("detail")))
-        got = tuple(reply["keys"])
+        try:
+            got = tuple(bytes.fromhex(k) for k in reply["keys"])
+        except (KeyError, TypeError, ValueError):
+            return self._refuse("bad answer", f"a reply without page keys: {str(reply)[:200]}")
         if not got:
             return RemoteRun()
         if got != tuple(keys[start:start + len(got)]) or start + len(got) > max_pages:
             return self._refuse("bad answer", f"pages {start}.. came back under other keys")
         n = len(got)
-        if "kv" in reply:
-            kv = reply["kv"]
-        else:
+        if kv is None:
             n = _pow2(n)  # padded by the producer
             shapes = {f: (dtype, shape[:2] + (n,) + shape[3:]) for f, (dtype, shape) in self.layout.items()}
             sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])

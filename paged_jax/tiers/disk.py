@@ -77,6 +77,54 @@ def kv_fingerprint(params, kv: KVPool, *, extra: str = "") -> str:
     return h.hexdigest()
 
 
+FRAME_ERRORS = (ValueError, KeyError, TypeError, IndexError, struct.error)
+"""What :func:`unpack_frame` raises on bytes that are not a frame."""
+
+
+def pack_frame(header: dict, kv: KVPool | None = None) -> bytes:
+    """``header`` and ``kv``'s leaves as bytes: a little-endian u32 length,
+    ``header`` as JSON with ``"leaves"`` ``[[field, dtype, shape], ...]``
+    added, then each leaf's bytes in that order (a page file's body after
+    :data:`MAGIC`; a KV connector's message). No pickle: reading one runs no
+    code.
+
+    Raises:
+      TypeError: ``header`` not JSON-serializable.
+    """
+    fields = [] if kv is None else [f for f in _FIELDS if getattr(kv, f) is not None]
+    leaves = [np.ascontiguousarray(np.asarray(getattr(kv, f))) for f in fields]
+    head = json.dumps({**header, "leaves": [[f, x.dtype.name, list(x.shape)] for f, x in zip(fields, leaves)]})
+    return b"".join([_LEN.pack(len(head)), head.encode(), *(x.view(np.uint8).reshape(-1).data for x in leaves)])
+
+
+def unpack_frame(data: bytes, start: int = 0) -> tuple[dict, KVPool | None]:
+    """The header and K/V of a :func:`pack_frame` frame at ``data[start:]``,
+    which must end where ``data`` does (the leaves copied out of ``data``).
+
+    Raises:
+      ValueError, KeyError, TypeError, IndexError, struct.error
+      (:data:`FRAME_ERRORS`): not such a frame (short, long, an unknown or
+      repeated field, a dtype that is not a plain one).
+    """
+    (n,) = _LEN.unpack_from(data, start)
+    start += _LEN.size
+    head = json.loads(data[start:start + n])
+    if not isinstance(head, dict):
+        raise ValueError("the header is not an object")
+    leaves, offset = {}, start + n
+    for field, dtype, shape in head.pop("leaves"):
+        if field not in _FIELDS or field in leaves:
+            raise ValueError(f"field {field!r}")
+        dt, count = np.dtype(dtype), int(np.prod(shape))
+        if dt.hasobject or count < 0 or offset + count * dt.itemsize > len(data):
+            raise ValueError("a leaf past the end")
+        leaves[field] = np.frombuffer(data, dt, count, offset).reshape(shape).copy()
+        offset += count * dt.itemsize
+    if offset != len(data):
+        raise ValueError("bytes past the last leaf")
+    return head, (KVPool(**{f: leaves.get(f) for f in _FIELDS}) if leaves else None)
+
+
 def _expected_len(data: bytes) -> int | None:
     """The length a page file's header says the file has, or None when
     the header cannot be read."""
@@ -93,15 +141,15 @@ def _expected_len(data: bytes) -> int | None:
 def page_layout(kv: KVPool) -> dict[str, tuple[str, tuple[int, ...]]]:
     """One page of ``kv``'s leaves: ``{field: (dtype name, shape)}``, the
     page axis 1 (what a page file must hold to be loaded into ``kv``)."""
-    out = {}
-    for f in _FIELDS:
-        x = getattr(kv, f)
-        if x is not None:
-            out[f] = (x.dtype.name, x.shape[:2] + (1,) + x.shape[3:])
-    return out
+    return {f: (dtype, shape[:2] + (1,) + shape[3:]) for f, (dtype, shape) in _leaves(kv).items()}
 
 
-def _encode_extra(extra: Hashable) -> list | None:
+def _leaves(kv: KVPool) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``{field: (dtype name, shape)}`` of ``kv``'s leaves."""
+    return {f: (getattr(kv, f).dtype.name, tuple(getattr(kv, f).shape)) for f in _FIELDS if getattr(kv, f) is not None}
+
+
+def encode_extra(extra: Hashable) -> list | None:
     """The extra key as JSON (a tuple of str / None / int); None when it
     cannot be written."""
     if not isinstance(extra, tuple) or not all(e is None or isinstance(e, (str, int)) for e in extra):
@@ -197,16 +245,12 @@ class DiskTier:
         if len(page.tokens) != self.page_size:
             raise ValueError(f"page.tokens has {len(page.tokens)} tokens, expected page_size={self.page_size}")
         key = (check_int("page.group", page.group, 0), page.key)
-        extra = _encode_extra(page.extra)
+        extra = encode_extra(page.extra)
         if key in self._files or extra is None:
             return False
-        fields = [f for f in _FIELDS if getattr(page.kv, f) is not None]
-        leaves = [np.ascontiguousarray(np.asarray(getattr(page.kv, f))) for f in fields]
-        header = json.dumps({"fingerprint": self.fingerprint, "group": page.group, "key": page.key.hex(),
-                             "parent_key": page.parent_key.hex(), "tokens": [int(t) for t in page.tokens],
-                             "extra": extra,
-                             "leaves": [[f, x.dtype.name, list(x.shape)] for f, x in zip(fields, leaves)]}).encode()
-        body = b"".join([MAGIC, _LEN.pack(len(header)), header, *(x.view(np.uint8).reshape(-1).data for x in leaves)])
+        body = MAGIC + pack_frame({"fingerprint": self.fingerprint, "group": page.group, "key": page.key.hex(),
+                                   "parent_key": page.parent_key.hex(), "tokens": [int(t) for t in page.tokens],
+                                   "extra": extra}, page.kv)
         data = body + hashlib.sha256(body).digest()
         if len(data) > self.capacity_bytes:
             return False
@@ -280,29 +324,17 @@ class DiskTier:
         try:
             if not body.startswith(MAGIC):
                 raise ValueError("magic")
-            (n,) = _LEN.unpack_from(body, len(MAGIC))
-            start = len(MAGIC) + _LEN.size
-            head = json.loads(body[start:start + n])
+            head, kv = unpack_frame(body, len(MAGIC))
             if head["fingerprint"] != self.fingerprint or head["group"] != group or head["key"] != key.hex():
                 self._forget(k, "foreign")
                 return None
-            leaves, offset = {}, start + n
-            for field, dtype, shape in head["leaves"]:
-                if field not in _FIELDS or field in leaves:
-                    raise ValueError("field")
-                dt, count = np.dtype(dtype), int(np.prod(shape))
-                if offset + count * dt.itemsize > len(body):
-                    raise ValueError("leaf past the end")
-                leaves[field] = np.frombuffer(body, dt, count, offset).reshape(shape).copy()
-                offset += count * dt.itemsize
-            if offset != len(body) or len(head["tokens"]) != self.page_size or "k" not in leaves:
+            if kv is None or kv.k is None or len(head["tokens"]) != self.page_size:
                 raise ValueError("length")
-            if self.layout is not None and {f: (x.dtype.name, x.shape) for f, x in leaves.items()} != self.layout:
+            if self.layout is not None and _leaves(kv) != self.layout:
                 raise ValueError("layout")
-            kv = KVPool(**{f: leaves.get(f) for f in _FIELDS})
             page = HostPage(group=group, key=key, parent_key=bytes.fromhex(head["parent_key"]),
                             tokens=tuple(head["tokens"]), extra=tuple(head["extra"]), kv=kv)
-        except (ValueError, KeyError, TypeError, IndexError, struct.error):
+        except FRAME_ERRORS:
             self._forget(k, "header")
             return None
         return page
