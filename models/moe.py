@@ -41,11 +41,15 @@ split and transposed by the loader).
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from paged_jax.checks import check_choice, check_int
+from paged_jax.checks import check_bool, check_choice, check_int
+from paged_jax.paging.page_state import is_traced
 
 SCORINGS = ("softmax", "sigmoid")
 """Router scoring functions (module docstring)."""
@@ -92,8 +96,11 @@ class RouterConfig:
         if self.scoring == "sigmoid" and self.n_group > 1 and self.num_experts // self.n_group < 2:
             raise ValueError(f"sigmoid routing scores a group by its two best experts: n_group={self.n_group} "
                              f"leaves {self.num_experts // self.n_group} per group")
-        if not isinstance(self.routed_scaling_factor, (int, float)) or not self.routed_scaling_factor > 0:
-            raise ValueError(f"routed_scaling_factor must be a number > 0, got {self.routed_scaling_factor!r}")
+        check_bool("norm_topk_prob", self.norm_topk_prob)
+        f = self.routed_scaling_factor
+        if isinstance(f, bool) or not isinstance(f, numbers.Real) or not (math.isfinite(f) and f > 0):
+            raise ValueError(f"routed_scaling_factor must be a finite number > 0, got {f!r}")
+        object.__setattr__(self, "routed_scaling_factor", float(f))
 
 
 def _group_mask(choice: jax.Array, config: RouterConfig, group_score) -> jax.Array:
@@ -117,12 +124,15 @@ def route(logits: jax.Array, config: RouterConfig, bias: jax.Array | None = None
 
     Returns:
       ``(weights f32[T, top_k], experts i32[T, top_k])``, experts in
-      descending order of their choice score.
+      descending order of their choice score. A token whose logits (or a
+      bias entry) are NaN or inf gets NaN weights: never a silent choice.
 
     Raises:
       ValueError: ``logits`` not ``[T, num_experts]``, or a ``bias`` with
         softmax scoring or of another shape.
     """
+    logits = jnp.asarray(logits)
+    bias = None if bias is None else jnp.asarray(bias)
     if logits.ndim != 2 or logits.shape[1] != config.num_experts:
         raise ValueError(f"logits must be [tokens, num_experts={config.num_experts}], got shape {logits.shape}")
     logits = logits.astype(jnp.float32)
@@ -147,17 +157,32 @@ def route(logits: jax.Array, config: RouterConfig, bias: jax.Array | None = None
         weights, experts = jax.lax.top_k(scores, config.top_k)
         if config.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdims=True)
-    return weights * config.routed_scaling_factor, experts.astype(jnp.int32)
+    bad = ~jnp.isfinite(logits).all(-1, keepdims=True)
+    if bias is not None:
+        bad |= ~jnp.isfinite(bias).all()
+    weights = jnp.where(bad, jnp.nan, weights * config.routed_scaling_factor)
+    return weights, experts.astype(jnp.int32)
 
 
-def _check_experts(x, experts, weights, w_gate, w_up, w_down) -> None:
+def _check_experts(x, experts, weights, w_gate, w_up, w_down, *, ids_checked: bool = True) -> None:
+    """Shapes and dtypes named; with ``ids_checked`` and concrete
+    ``experts``, ids in ``[0, E)``."""
+    if x.ndim != 2:
+        raise ValueError(f"x must be [tokens, D], got shape {x.shape}")
     t, d = x.shape
-    e, d2, i = w_gate.shape
-    if d2 != d or w_up.shape != w_gate.shape or w_down.shape != (e, i, d):
+    if w_gate.ndim != 3 or w_up.shape != w_gate.shape or w_down.shape != (w_gate.shape[0], w_gate.shape[2], d) \
+            or w_gate.shape[1] != d:
         raise ValueError(f"expert weights must be w_gate, w_up [E, D={d}, I] and w_down [E, I, D]; got {w_gate.shape}, "
                          f"{w_up.shape}, {w_down.shape}")
     if experts.shape != weights.shape or experts.ndim != 2 or experts.shape[0] != t:
         raise ValueError(f"experts and weights must both be [tokens={t}, top_k]; got {experts.shape}, {weights.shape}")
+    if not jnp.issubdtype(experts.dtype, jnp.integer):
+        raise ValueError(f"experts must hold integer expert ids, got dtype {experts.dtype}")
+    e = w_gate.shape[0]
+    if ids_checked and not is_traced(experts):
+        ids = np.asarray(experts)
+        if ids.size and (ids.min() < 0 or ids.max() >= e):
+            raise ValueError(f"experts must be ids in [0, {e}), got ids from {ids.min()} to {ids.max()}")
 
 
 def routed_experts_ragged(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array,
@@ -183,7 +208,9 @@ def routed_experts_ragged(x: jax.Array, experts: jax.Array, weights: jax.Array, 
     Raises:
       ValueError: shapes that do not fit together.
     """
-    _check_experts(x, experts, weights, w_gate, w_up, w_down)
+    x, experts, weights = jnp.asarray(x), jnp.asarray(experts), jnp.asarray(weights)
+    _check_experts(x, experts, weights, w_gate, w_up, w_down, ids_checked=isinstance(first_expert, int)
+                   and first_expert == 0)
     t, k = experts.shape
     e = w_gate.shape[0]
     local = experts.reshape(-1) - first_expert
@@ -208,7 +235,10 @@ def routed_experts_sharded(mesh: jax.sharding.Mesh, axis: str = "model"):
 
     Returns:
       ``f(x, experts, weights, w_gate, w_up, w_down) -> f[T, D]``, the
-      arguments as :func:`routed_experts_ragged`'s, jitted.
+      arguments as :func:`routed_experts_ragged`'s, jitted; arguments not
+      placed so already are put on the mesh first (the expert weights split
+      over ``axis``, the rest replicated), so a mesh of explicit axes
+      (``jax.make_mesh``'s default) works as an automatic one does.
 
     Raises:
       ValueError: ``axis`` not in ``mesh`` (here), or (when called) a
@@ -227,9 +257,14 @@ def routed_experts_sharded(mesh: jax.sharding.Mesh, axis: str = "model"):
     sharded = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(axis), P(axis), P(axis)),
                                     out_specs=P(), check_vma=False))
 
+    split, whole = jax.sharding.NamedSharding(mesh, P(axis)), jax.sharding.NamedSharding(mesh, P())
+
     def apply(x, experts, weights, w_gate, w_up, w_down):
         if w_gate.shape[0] % n:
             raise ValueError(f"{w_gate.shape[0]} experts do not split over the mesh's {axis!r} axis of {n} devices")
+        _check_experts(jnp.asarray(x), jnp.asarray(experts), jnp.asarray(weights), w_gate, w_up, w_down)
+        x, experts, weights = jax.device_put((x, experts, weights), whole)
+        w_gate, w_up, w_down = jax.device_put((w_gate, w_up, w_down), split)
         return sharded(x, experts, weights, w_gate, w_up, w_down)
 
     return apply
@@ -241,10 +276,10 @@ def routed_experts_dense(x: jax.Array, experts: jax.Array, weights: jax.Array, w
     token, combined by a ``[T, E]`` matrix of the chosen weights (zero
     elsewhere). Same arguments, result and errors as
     :func:`routed_experts_ragged`; ``E / top_k`` times its work."""
+    x, experts, weights = jnp.asarray(x), jnp.asarray(experts), jnp.asarray(weights)
     _check_experts(x, experts, weights, w_gate, w_up, w_down)
-    t = x.shape[0]
-    combine = jnp.zeros((t, w_gate.shape[0]), jnp.float32).at[jnp.arange(t)[:, None], experts].add(
-        weights.astype(jnp.float32))
+    # [T, E]: each token's weight on each expert (an id out of range, under jit, adds nothing, as in the ragged form)
+    combine = jnp.einsum("tk,tke->te", weights.astype(jnp.float32), jax.nn.one_hot(experts, w_gate.shape[0]))
     h = jax.nn.silu(jnp.einsum("td,edi->tei", x, w_gate)) * jnp.einsum("td,edi->tei", x, w_up)
     y = jnp.einsum("tei,eid->ted", h, w_down).astype(jnp.float32)
     return jnp.einsum("te,ted->td", combine, y).astype(x.dtype)

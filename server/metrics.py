@@ -104,7 +104,8 @@ class _EngineCollector(Collector):
                 moved.add_metric(value + [name, "spilled"], t.get(f"spilled_{unit}", 0))
                 moved.add_metric(value + [name, "loaded"], t.get(f"loaded_{unit}", 0))
             yield moved
-        for kind, doc in (("used", "holds"), ("capacity", "may hold (--host-cache-gib, --disk-cache-gib)")):
+        for kind, doc in (("used", "holds"), ("capacity", "may hold (--host-cache-gib, --disk-cache-gib, a KV "
+                                                         "producer's --kv-buffer-gib)")):
             g = GaugeMetricFamily(PREFIX + f"kv_tier_{kind}_bytes", f"Bytes of K/V each tier {doc}.",
                                   labels=labels + ["tier"])
             for name, t in tiers.items():
@@ -112,8 +113,8 @@ class _EngineCollector(Collector):
             yield g
         saved = CounterMetricFamily(PREFIX + "kv_tier_saved_seconds",
                                     "An estimate of the prefill seconds each tier's hits saved: prompt tokens it "
-                                    "served times the engine's mean model seconds per computed token (loads not "
-                                    "subtracted).", labels=labels + ["tier"])
+                                    "served times the engine's model seconds per token in its prefilling calls "
+                                    "(loads not subtracted).", labels=labels + ["tier"])
         for name, t in tiers.items():
             saved.add_metric(value + [name], t.get("saved_s", 0.0))
         yield saved

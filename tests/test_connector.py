@@ -15,6 +15,7 @@ import textwrap
 import warnings
 from types import SimpleNamespace
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from models.config import LlamaConfig
 from models.llm import LLM
 from models.presets import PRESETS
 from paged_jax.engine.core import Engine, EngineConfig, Request
+from paged_jax.paging.kv_cache import KVPool
 from paged_jax.simulator.engine import SimulatedEngine
 from paged_jax.tiers.connector import PROTOCOL, KVConsumer, KVTransferConfig
 from paged_jax.tiers.disk import pack_frame, unpack_frame
@@ -78,7 +80,8 @@ def test_prefilled_by_one_engine_decoded_by_another(transport):
     assert st.refused_lookups == 0 and consumer.stats.prefix_hit_tokens == 4 * 36
     assert store.served_pages == 36 and store.served_bytes == 36 * PAGE_BYTES
     stats = consumer.stats  # the prefill the connector saved, estimated at the engine's own rate
-    per_token = stats.model_s / (stats.prefill_tokens + stats.decode_tokens)
+    per_token = sum(c.seconds for c in stats.calls if c.tokens > c.decode_tokens) / sum(
+        c.tokens for c in stats.calls if c.tokens > c.decode_tokens)
     assert stats.tier_saved_s("remote") == pytest.approx(4 * 36 * per_token) and per_token > 0
     assert stats.tier_saved_s("host") == 0
     with pytest.raises(ValueError, match="tier must be 'host', 'disk' or 'remote', got 'device'"):
@@ -248,9 +251,9 @@ def test_a_bad_request_to_the_producer_is_answered_and_it_goes_on():
     assert out.num_remote_cached_tokens == 36
 
 
-def test_a_producer_that_answers_garbage_costs_hits_never_requests():
-    """A peer that speaks the handshake but answers lookups with anything
-    but a reply: counted as a bad answer, the request computed here."""
+def _fake_producer(answer):
+    """A peer that shakes hands and says hello as a producer, then answers
+    every lookup with ``answer(request header)``: raw bytes to send."""
     import threading
 
     listener = multiprocessing.connection.Listener(("127.0.0.1", 0), authkey=b"paged-jax-kv")
@@ -261,19 +264,82 @@ def test_a_producer_that_answers_garbage_costs_hits_never_requests():
             conn.send_bytes(pack_frame({"transport": "host", "transfer_address": None}))  # hello
             while True:
                 try:
-                    conn.recv_bytes()
+                    head, _ = unpack_frame(conn.recv_bytes())
                 except EOFError:
                     return
-                conn.send_bytes(pack_frame({"keys": "not a list of keys"}))
+                conn.send_bytes(answer(head))
 
     threading.Thread(target=serve, daemon=True).start()
+    return listener
+
+
+def _keys_with(kv_of):
+    """An answer with the asked-for keys and the K/V ``kv_of(n pages)``."""
+    def answer(head):
+        keys = head["keys"][head["start"]:head["max_pages"]]
+        return pack_frame({"keys": keys}, kv_of(len(keys)))
+    return answer
+
+
+@pytest.mark.parametrize("answer", [
+    lambda head: pack_frame({"keys": "not a list of keys"}),
+    lambda head: b"not a frame",
+    lambda head: pack_frame({"keys": head["keys"][head["start"]:head["max_pages"]]}),  # keys without K/V
+    _keys_with(lambda n: KVPool(k=np.zeros((1, 1, n, PAGE, 3), np.float32), v=np.zeros((1, 1, n, PAGE, 3),
+                                                                                      np.float32))),
+    _keys_with(lambda n: jax.tree.map(lambda x: np.full(x.shape, np.nan, np.float32), toy_pool(n))),
+], ids=["no keys", "not a frame", "no K/V", "another layout", "NaN"])
+def test_a_producer_that_answers_badly_costs_hits_never_requests(answer):
+    """A peer that shakes hands but answers lookups with garbage, pages of
+    another layout or NaN pages: counted as a bad answer, never loaded, and
+    the request computed here, right."""
+    listener = _fake_producer(answer)
     prompt = _prompts(9, 1)[0]
     consumer = _consumer(f"127.0.0.1:{listener.address[1]}")
     with pytest.warns(UserWarning, match="bad answer"):
         (out,) = consumer.run(_requests([prompt]))
     assert out.outputs[0].output_ids == _ids(make_engine().run(_requests([prompt])))[0]
-    assert consumer.kv_manager.offload.remote.refused == {"bad answer": 1}
+    assert out.num_cached_tokens == 0 and consumer.kv_manager.offload.remote.refused == {"bad answer": 1}
     listener.close()
+
+
+def test_a_silent_peer_neither_hangs_a_consumer_nor_blocks_a_producer():
+    """Something that accepts a connection and says nothing: a consumer
+    gives up within timeout_s and names the address; a client that connects
+    to a producer and says nothing delays no other consumer."""
+    import socket
+    import time
+
+    silent = socket.create_server(("127.0.0.1", 0))
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="no KV producer answers there .TimeoutError"):
+        KVConsumer(KVTransferConfig("consumer", address=f"127.0.0.1:{silent.getsockname()[1]}", timeout_s=0.5),
+                   "fp", {}, PAGE)
+    assert time.monotonic() - t0 < 5
+    silent.close()
+    prompt = _prompts(10, 1)[0]
+    producer, store = _producer()
+    producer.run(_requests([prompt], max_new=1))
+    host, port = store.address.split(":")
+    stray = socket.create_connection((host, int(port)))  # connects, never speaks
+    (out,) = _consumer(store.address).run(_requests([prompt]))
+    assert out.num_remote_cached_tokens == 36
+    stray.close()
+
+
+def test_an_engine_refused_after_its_producer_started_frees_the_port_and_close_frees_it_too():
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    config = KVTransferConfig("producer", address=f"127.0.0.1:{port}")
+    with pytest.raises(ValueError, match="a KV producer: the KV tiers serve models whose layers all attend"):
+        Engine(type(make_toy_step(toy_params()))(toy_params(), window=8), toy_pool(200),
+               EngineConfig(max_seqs=8, max_seq_len=80, max_num_batched_tokens=64, kv_transfer=config))
+    engine = make_engine(kv_transfer=config)  # the port is free again
+    engine.close()
+    engine.close()  # idempotent
+    make_engine(kv_transfer=config).close()
 
 
 def test_a_consumer_without_a_producer_or_with_the_wrong_key_is_refused_by_name():
@@ -299,6 +365,12 @@ def test_a_consumer_without_a_producer_or_with_the_wrong_key_is_refused_by_name(
     (dict(role="consumer", address="h:1", timeout_s=0), "kv_transfer.timeout_s=0"),
     (dict(role="consumer", address="h:1", timeout_s=1e300), r"kv_transfer.timeout_s=1e\+300: expected seconds in"),
     (dict(role="producer", authkey="text"), "kv_transfer.authkey='text'"),
+    (dict(role="producer", address="0.0.0.0:0"), "is not a loopback address and kv_transfer.authkey is the public"),
+    (dict(role="producer", address="a\x00b:1"), "is not a host name"),
+    (dict(role="producer", address="..:1"), "is not a host name"),
+    (dict(role="producer", address="h:\u0663"), r"expected a host name and a port in \[0, 65535\]"),
+    (dict(role="consumer", address="h:1", timeout_s=1e-9), "kv_transfer.timeout_s=1e-09: expected seconds in"),
+    (dict(role="consumer", address="10.0.0.2:8470"), "pass a key of your own"),
 ])
 def test_bad_transfer_configs_are_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -325,11 +397,14 @@ def test_the_flags_build_the_transfer_config():
     p = argparse.ArgumentParser()
     add_tier_flags(p)
     opts = tier_options_from_args(p, p.parse_args(["--kv-role", "consumer", "--kv-address", "10.0.0.2:8470",
-                                                   "--kv-transport", "host"]))
-    assert opts["kv_transfer"] == KVTransferConfig("consumer", "10.0.0.2:8470", "host", 1 << 30)
+                                                   "--kv-transport", "host", "--kv-timeout-s", "5",
+                                                   "--kv-authkey", "s3cret"]))
+    assert opts["kv_transfer"] == KVTransferConfig("consumer", "10.0.0.2:8470", "host", 1 << 30, 5.0, b"s3cret")
     assert tier_options_from_args(p, p.parse_args([]))["kv_transfer"] is None
     with pytest.raises(SystemExit), warnings.catch_warnings():
         tier_options_from_args(p, p.parse_args(["--kv-role", "consumer"]))  # port 0: no producer to reach
+    with pytest.raises(SystemExit):
+        tier_options_from_args(p, p.parse_args(["--kv-address", "127.0.0.1:8470"]))  # no role: refused, not ignored
 
 
 def _bench_args(tmp_path, *extra):

@@ -146,6 +146,9 @@ def test_experts_split_over_the_mesh_equal_unsharded(model):
     got = routed_experts_sharded(mesh)(x, experts, weights, w_gate, w_up, w_down)
     np.testing.assert_allclose(got, routed_experts_ragged(x, experts, weights, w_gate, w_up, w_down),
                                rtol=1e-5, atol=1e-6)
+    explicit = jax.make_mesh((8 // model, model), ("data", "model"))  # explicit axes by default
+    np.testing.assert_allclose(routed_experts_sharded(explicit)(x, experts, weights, w_gate, w_up, w_down), got,
+                               rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="6 experts do not split over the mesh's 'model' axis"):
         routed_experts_sharded(make_mesh(2, 4))(x, experts, weights, w_gate[:6], w_up[:6], w_down[:6])
     with pytest.raises(ValueError, match="axis='experts' is not an axis of the mesh"):
@@ -194,7 +197,10 @@ def test_a_deepseek_v3_moe_block_equals_transformers():
     (dict(num_experts=8, top_k=2, n_group=4, topk_group=5), "topk_group"),
     (dict(num_experts=8, top_k=4, n_group=4, topk_group=1), "topk_group=1 groups of 2 experts hold fewer than top_k=4"),
     (dict(num_experts=8, top_k=1, scoring="sigmoid", n_group=8), "two best experts"),
-    (dict(num_experts=8, top_k=2, routed_scaling_factor=0), "routed_scaling_factor must be a number > 0"),
+    (dict(num_experts=8, top_k=2, routed_scaling_factor=0), "routed_scaling_factor must be a finite number > 0"),
+    (dict(num_experts=8, top_k=2, routed_scaling_factor=float("inf")), "routed_scaling_factor must be a finite"),
+    (dict(num_experts=8, top_k=2, routed_scaling_factor=True), "routed_scaling_factor must be a finite"),
+    (dict(num_experts=8, top_k=2, norm_topk_prob="no"), "norm_topk_prob"),
 ])
 def test_bad_router_configs_are_refused_by_name(kwargs, words):
     with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
@@ -215,3 +221,37 @@ def test_bad_router_and_expert_inputs_are_refused_by_name():
         routed_experts_ragged(x, e, w, w_gate, w_up, w_down[:, :, :8])
     with pytest.raises(ValueError, match="experts and weights must both be"):
         routed_experts_dense(x, e, w[:, :1], w_gate, w_up, w_down)
+    with pytest.raises(ValueError, match=r"x must be \[tokens, D\], got shape \(32,\)"):
+        routed_experts_ragged(x[0], e, w, w_gate, w_up, w_down)
+    with pytest.raises(ValueError, match="experts must hold integer expert ids, got dtype float32"):
+        routed_experts_ragged(x, e.astype(jnp.float32), w, w_gate, w_up, w_down)
+    for fn in (routed_experts_ragged, routed_experts_dense):
+        for bad in (-1, 8):
+            with pytest.raises(ValueError, match=rf"experts must be ids in \[0, 8\), got ids from {min(bad, 0)}"):
+                fn(x, e.at[0, 0].set(bad), w, w_gate, w_up, w_down)
+    assert route(np.zeros((2, 8)).tolist(), config)[1].shape == (2, 2)  # lists are taken as arrays
+
+
+def test_out_of_range_ids_under_jit_add_nothing_in_either_form():
+    """Under jit the ids cannot be checked: an id outside [0, E) adds
+    nothing, the same in the grouped and the one-hot form."""
+    rng = np.random.default_rng(8)
+    w_gate, w_up, w_down = _expert_weights(rng)
+    x = jnp.asarray(rng.standard_normal((6, 32)).astype(np.float32))
+    experts = jnp.array([[0, -1], [8, 3], [1, 2], [4, 5], [6, 7], [-3, 9]], jnp.int32)
+    weights = jnp.full((6, 2), 0.5, jnp.float32)
+    ragged = jax.jit(routed_experts_ragged)(x, experts, weights, w_gate, w_up, w_down)
+    dense = jax.jit(routed_experts_dense)(x, experts, weights, w_gate, w_up, w_down)
+    np.testing.assert_allclose(ragged, dense, rtol=1e-5, atol=1e-6)
+    assert not np.asarray(ragged[5]).any()  # both ids out of range: nothing
+
+
+@pytest.mark.parametrize("scoring", ["sigmoid", "softmax"])
+def test_a_non_finite_logit_or_bias_gives_nan_weights_never_a_silent_choice(scoring):
+    config = RouterConfig(8, 2, scoring, 2, 1)
+    logits = jnp.asarray(np.random.default_rng(9).standard_normal((3, 8)).astype(np.float32)).at[1, 4].set(jnp.nan)
+    weights, _ = route(logits, config)
+    assert np.isnan(weights[1]).all() and np.isfinite(np.asarray(weights)[[0, 2]]).all()
+    if scoring == "sigmoid":
+        weights, _ = route(logits.at[1, 4].set(0.0), config, jnp.zeros(8).at[3].set(jnp.inf))
+        assert np.isnan(weights).all()

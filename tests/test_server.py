@@ -842,6 +842,8 @@ def test_server_profile_traces_steps_after_the_first_request(llm, tmp_path):
     (["--host-cache-gib", "1", "--no-prefix-caching"], "--host-cache-gib, --disk-cache-dir and --kv-role keep"),
     (["--kv-role", "producer", "--no-prefix-caching"], "they need prefix caching"),
     (["--kv-role", "consumer"], "--kv-role consumer: kv_transfer.address='127.0.0.1:0': a consumer needs"),
+    (["--kv-role", "producer", "--kv-address", "0.0.0.0:8470"], "is not a loopback address and kv_transfer.authkey"),
+    (["--kv-role", "producer", "--kv-timeout-s", "0"], "kv_transfer.timeout_s=0.0: expected seconds in"),
     (["--kv-role", "producer", "--kv-buffer-gib", "0"], "kv_transfer.buffer_bytes=0"),
     (["--kv-role", "producer", "--kv-address", "nohost"], "kv_transfer.address='nohost': expected 'host:port'"),
     (["--disk-cache-dir", "/tmp/x"], "--disk-cache-dir and --disk-cache-gib go together"),

@@ -135,6 +135,23 @@ class Engine:
 
     def __init__(self, model: PagedModel, kv_pool: KVPool, config: EngineConfig, *, stop_ids: Iterable[int] = (),
                  vocab_size: int | None = None, check_page_state: bool = False, tokenizer=None):
+        self._kv_connector = None
+        try:
+            self._build(model, kv_pool, config, stop_ids=stop_ids, vocab_size=vocab_size,
+                        check_page_state=check_page_state, tokenizer=tokenizer)
+        except BaseException:  # refused after the connector started: its port and threads go with the engine
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Closes the engine's KV connector, if any
+        (:mod:`paged_jax.tiers.connector`): a producer stops serving and
+        frees its port, a consumer drops its connection and looks up
+        nothing more. The engine goes on serving without it. Idempotent."""
+        if self._kv_connector is not None:
+            self._kv_connector.close()
+
+    def _build(self, model, kv_pool, config, *, stop_ids, vocab_size, check_page_state, tokenizer) -> None:
         check_instance("kv_pool", kv_pool, KVPool, what="paged_jax.paging.kv_cache.KVPool")
         check_instance("config", config, EngineConfig)
         vocab_size = check_model(model, kv_pool, vocab_size)
@@ -210,7 +227,8 @@ class Engine:
         if c is None:
             return None
         make = KVProducer if c.role == "producer" else KVConsumer
-        return make(c, self._fingerprint(kv_pool), page_layout(kv_pool), kv_pool.page_size)
+        self._kv_connector = make(c, self._fingerprint(kv_pool), page_layout(kv_pool), kv_pool.page_size)
+        return self._kv_connector
 
     def _disk_tier(self, kv_pool: KVPool, params=None) -> DiskTier | None:
         """The prefix cache's disk tier ``config.disk_cache_dir`` asks for,

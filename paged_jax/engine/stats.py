@@ -159,6 +159,8 @@ class EngineStats:
     peak_concurrency: int = 0
     busy_s: float = 0.0
     model_s: float = 0.0
+    prefill_call_s: float = 0.0  # model seconds of the calls that prefilled (tier_saved_s)
+    prefill_call_tokens: int = 0  # their tokens, decodes included
     compile_s: float = 0.0
     concurrency_s: float = 0.0  # integral of running sequences over time
     token_fraction_s: float = 0.0  # integral of used/allocated over time
@@ -177,6 +179,9 @@ class EngineStats:
         self.decode_tokens += rec.decode_tokens
         self.prefill_tokens += rec.tokens - rec.decode_tokens
         self.call_tokens += rec.tokens
+        if rec.tokens > rec.decode_tokens:  # a call that prefills: the rate a tier's hit would have cost
+            self.prefill_call_s += rec.seconds
+            self.prefill_call_tokens += rec.tokens
         self.call_rows += rec.shape.num_tokens
         self.calls_by_shape[rec.shape] += 1
         self.calls.append(rec)
@@ -258,12 +263,14 @@ class EngineStats:
     def tier_saved_s(self, tier: str) -> float:
         """An estimate of the prefill seconds a KV tier saved (the TTFT its
         hits took off, summed over requests): the prompt tokens it served
-        (``hit_tokens``) times the engine's mean model seconds per computed
-        token over its calls so far (``model_s / (prefill_tokens +
-        decode_tokens)``). It does not subtract the loads' own time (their
-        bytes are ``loaded_bytes``), and decode tokens, cheaper than prefill
-        ones on an accelerator, lower the rate: read it as an estimate, and
-        measure TTFT side by side for a claim (``experiments.serving.kv_tiers``).
+        (``hit_tokens``) times the engine's model seconds per token in the
+        calls that prefilled so far (``prefill_call_s /
+        prefill_call_tokens``: those calls' decode tokens counted too,
+        compiling excluded). It does not subtract the loads' own time
+        (their bytes are ``loaded_bytes``), and an engine that has run few
+        calls has a rough rate: read it as an estimate, and measure TTFT
+        side by side for a claim (``experiments.serving.kv_tiers``,
+        ``experiments.serving.disaggregated``).
 
         Args:
           tier: ``"host"``, ``"disk"`` or ``"remote"``.
@@ -273,8 +280,8 @@ class EngineStats:
         """
         if tier not in ("host", "disk", "remote"):
             raise ValueError(f"tier must be 'host', 'disk' or 'remote', got {tier!r}")
-        computed = self.prefill_tokens + self.decode_tokens
-        return getattr(self, tier).hit_tokens * self.model_s / computed if computed else 0.0
+        rate = self.prefill_call_s / self.prefill_call_tokens if self.prefill_call_tokens else 0.0
+        return getattr(self, tier).hit_tokens * rate
 
     @property
     def mean_concurrency(self) -> float:

@@ -52,13 +52,14 @@ from __future__ import annotations
 import abc
 import dataclasses
 import datetime
+import os
 import secrets
 import socket
 import threading
 import time
 import warnings
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Hashable, Sequence
 
 import jax
@@ -67,12 +68,16 @@ import numpy as np
 from paged_jax.checks import check_int
 from paged_jax.paging.kv_cache import KVPool
 from paged_jax.tiers.disk import FRAME_ERRORS, encode_extra, pack_frame, page_layout, unpack_frame
-from paged_jax.tiers.host import HostPage, HostTier, stack_pages
+from paged_jax.tiers.host import HostPage, HostTier, all_finite, stack_pages
 
 ROLES = ("producer", "consumer")
 """A connector's roles: a producer saves pages and serves them, a consumer looks them up and loads them."""
 TRANSPORTS = ("auto", "jax_transfer", "host")
 """How the K/V travel (module docstring)."""
+DEFAULT_AUTHKEY = b"paged-jax-kv"
+"""The key both ends use unless told (public: loopback addresses only)."""
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+"""Hosts the default key may be used on."""
 PROTOCOL = 2
 """The message format's version; a peer of another version is refused.
 Messages are :func:`paged_jax.tiers.disk.pack_frame` frames (a JSON header,
@@ -80,8 +85,8 @@ then the K/V's raw bytes): reading one runs no code, unlike a pickle."""
 MAX_MESSAGE_BYTES = 1 << 31
 """The largest message either end reads (2 GiB); a longer one ends the
 connection."""
-MAX_TIMEOUT_S = 86_400.0
-"""The longest ``KVTransferConfig.timeout_s``: a day."""
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.001, 86_400.0
+"""The shortest and longest ``KVTransferConfig.timeout_s``: a millisecond, a day."""
 RETRY_S = 5.0
 """After a lookup could not reach the producer, a consumer tries again no
 sooner than this many seconds (at most ``timeout_s``) later; the lookups
@@ -95,10 +100,16 @@ def parse_address(name: str, address: str) -> tuple[str, int]:
       ValueError: not a string of that form, or the port not in [0, 65535].
     """
     if not isinstance(address, str) or address.count(":") != 1:
-        raise ValueError(f"{name}={address!r}: expected 'host:port', e.g. '127.0.0.1:8470'")
+        raise ValueError(f"{name}={address!r}: expected 'host:port', e.g. '127.0.0.1:8470' (IPv4 or a name)")
     host, _, port = address.partition(":")
-    if not host or not port.isdigit() or int(port) > 65535:
+    if not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
         raise ValueError(f"{name}={address!r}: expected a host name and a port in [0, 65535]")
+    try:
+        if not host.isprintable() or " " in host:
+            raise UnicodeError("a blank or unprintable character")
+        host.encode("idna")
+    except UnicodeError as e:
+        raise ValueError(f"{name}={address!r}: {host!r} is not a host name ({e})") from None
     return host, int(port)
 
 
@@ -122,7 +133,10 @@ class KVTransferConfig:
         a pull, before it gives up on that lookup (at most a day); after a
         producer could not be reached it is tried again :data:`RETRY_S`
         seconds later at the soonest.
-      authkey: the shared key both ends authenticate with.
+      authkey: the shared key both ends authenticate with (the server's
+        ``--kv-authkey``, default ``$PAGED_JAX_KV_AUTHKEY``). The default,
+        :data:`DEFAULT_AUTHKEY`, is public: it is refused for an address
+        other than the loopback one.
 
     Raises:
       ValueError: a field out of range, named with its value.
@@ -133,7 +147,7 @@ class KVTransferConfig:
     transport: str = "auto"
     buffer_bytes: int = 1 << 30
     timeout_s: float = 30.0
-    authkey: bytes = b"paged-jax-kv"
+    authkey: bytes = DEFAULT_AUTHKEY
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -147,10 +161,16 @@ class KVTransferConfig:
         if self.role == "producer" and not self.buffer_bytes:
             raise ValueError("kv_transfer.buffer_bytes=0: a producer needs room for the pages it serves")
         if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
-                or not 0 < self.timeout_s <= MAX_TIMEOUT_S):
-            raise ValueError(f"kv_transfer.timeout_s={self.timeout_s!r}: expected seconds in (0, {MAX_TIMEOUT_S}]")
+                or not MIN_TIMEOUT_S <= self.timeout_s <= MAX_TIMEOUT_S):
+            raise ValueError(f"kv_transfer.timeout_s={self.timeout_s!r}: expected seconds in [{MIN_TIMEOUT_S}, "
+                             f"{MAX_TIMEOUT_S}]")
         if not isinstance(self.authkey, bytes) or not self.authkey:
             raise ValueError(f"kv_transfer.authkey={self.authkey!r}: expected non-empty bytes")
+        host, _ = parse_address("kv_transfer.address", self.address)
+        if self.authkey == DEFAULT_AUTHKEY and host not in LOOPBACK:
+            raise ValueError(f"kv_transfer.address={self.address!r} is not a loopback address and "
+                             "kv_transfer.authkey is the public default: pass a key of your own (the server's "
+                             "--kv-authkey or $PAGED_JAX_KV_AUTHKEY), the same at both ends")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +211,56 @@ def _start_transfer_server(host: str = "127.0.0.1"):
         warnings.warn(f"jax.experimental.transfer is not available here ({type(e).__name__}: {e}); the KV "
                       "connector moves pages through host memory", stacklevel=3)
         return None
+
+
+class _Link:
+    """One connection between a consumer and a producer: multiprocessing's
+    ``Connection`` for the messages, over a socket this keeps so that
+    another thread can shut it down (which wakes a read blocked on it)."""
+
+    def __init__(self, sock: socket.socket):
+        sock.settimeout(None)  # Connection reads a blocking descriptor; answers are waited for with poll()
+        self.sock = sock
+        self.conn = Connection(os.dup(sock.fileno()))
+
+    def handshake(self, authkey: bytes, timeout_s: float, *, server: bool) -> None:
+        """multiprocessing's HMAC challenge, both ways, within ``timeout_s``
+        (its own functions wait forever on a peer that says nothing).
+
+        Raises:
+          TimeoutError: the peer did not finish it in time (the link is
+            closed).
+          AuthenticationError: another key.
+          OSError, EOFError: the connection failed.
+        """
+        failed: list[BaseException] = []
+
+        def run():
+            try:
+                first, second = (deliver_challenge, answer_challenge) if server else (answer_challenge,
+                                                                                       deliver_challenge)
+                first(self.conn, authkey)
+                second(self.conn, authkey)
+            except BaseException as e:  # reported to the waiting thread
+                failed.append(e)
+
+        thread = threading.Thread(target=run, name="kv-handshake", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            self.close()
+            raise TimeoutError(f"no handshake within {timeout_s} s")
+        if failed:
+            self.close()
+            raise failed[0]
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self.conn.close()
 
 
 class KVConnector(abc.ABC):
@@ -277,20 +347,20 @@ class KVProducer(KVConnector):
         self._lock = threading.Lock()  # the store, shared by the engine thread and the socket threads
         host, port = parse_address("kv_transfer.address", config.address)
         try:
-            self._listener = Listener((host, port), authkey=config.authkey)
-        except OSError as e:
+            self._server = socket.create_server((host, port))
+        except (OSError, ValueError, TypeError) as e:  # UnicodeError is a ValueError
             raise ValueError(f"kv_transfer.address={config.address!r} cannot be listened on: {e}") from None
-        self.address = f"{host}:{self._listener.address[1]}"
+        self.address = f"{host}:{self._server.getsockname()[1]}"
         self._transfer = None if config.transport == "host" else _start_transfer_server(host)
         if self._transfer is None and config.transport == "jax_transfer":
-            self._listener.close()
+            self._server.close()
             raise ValueError("kv_transfer.transport='jax_transfer': no jax.experimental.transfer server starts "
                              "on this platform; use 'auto' or 'host'")
         self.transport = "host" if self._transfer is None else "jax_transfer"
         self.served_pages = 0  # pages sent to consumers
         self.served_bytes = 0
         self._closed = False
-        self._conns: set[Connection] = set()  # consumers connected
+        self._links: set[_Link] = set()  # consumers connected
         threading.Thread(target=self._accept, name="kv-producer", daemon=True).start()
 
     @property
@@ -332,30 +402,39 @@ class KVProducer(KVConnector):
             return
         self._closed = True
         try:  # wakes the accepting thread, which sees it is closed
-            socket.create_connection(self._listener.address, timeout=1).close()
+            self._server.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        self._listener.close()
+        self._server.close()
         with self._lock:
-            conns, self._conns = self._conns, set()
-        for conn in conns:
-            conn.close()
+            links, self._links = self._links, set()
+        for link in links:
+            link.close()
 
     def _accept(self) -> None:
         while not self._closed:
             try:
-                conn = self._listener.accept()
-            except Exception:  # closed, or a client that failed authentication: keep serving the others
+                sock, _ = self._server.accept()
+            except OSError:  # closed, or a failure of one client's: keep serving the others
+                if not self._closed:
+                    time.sleep(0.01)
                 continue
+            link = _Link(sock)
             with self._lock:
                 if self._closed:
-                    conn.close()
+                    link.close()
                     return
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="kv-producer-conn", daemon=True).start()
+                self._links.add(link)
+            # The handshake in the connection's own thread: a client that says nothing delays nobody else.
+            threading.Thread(target=self._serve, args=(link,), name="kv-producer-conn", daemon=True).start()
 
-    def _serve(self, conn: Connection) -> None:
+    def _serve(self, link: _Link) -> None:
+        conn = link.conn
         try:
+            try:
+                link.handshake(self.config.authkey, self.config.timeout_s, server=True)
+            except BaseException:  # another key, a silent or gone client: dropped
+                return
             while True:
                 try:
                     data = conn.recv_bytes(MAX_MESSAGE_BYTES)
@@ -371,8 +450,8 @@ class KVProducer(KVConnector):
                     return
         finally:
             with self._lock:
-                self._conns.discard(conn)
-            conn.close()
+                self._links.discard(link)
+            link.close()
 
     def _answer(self, msg: dict) -> tuple[dict, KVPool | None]:
         """The reply to one message (a :func:`paged_jax.tiers.disk.pack_frame`
@@ -435,18 +514,22 @@ class KVConsumer(KVConnector):
         self.lookup_s = 0.0  # seconds spent in them, round trips and pulls included
         self.config, self.fingerprint, self.layout, self.page_size = config, fingerprint, layout, page_size
         self._address = parse_address("kv_transfer.address", config.address)
-        self._conn: Connection | None = None
+        self._link: _Link | None = None
+        self._closed = False
         self._retry_at = 0.0  # time.monotonic() before which a lost producer is not tried again
         self._pull = None  # a jax.experimental.transfer connection to the producer's server
         self._transfer = None if config.transport == "host" else _start_transfer_server()
         try:
             hello = self._connect()
-        except (OSError, EOFError, TimeoutError, AuthenticationError) as e:
+        except (OSError, EOFError, TimeoutError, AuthenticationError, ValueError, TypeError) as e:
+            self._drop()
             raise ValueError(f"kv_transfer.address={config.address!r}: no KV producer answers there "
                              f"({type(e).__name__}: {e})") from None
         if "refused" in hello:
+            self._drop()
             raise ValueError(f"kv_transfer.address={config.address!r}: the producer refused: {hello['detail']}")
         if config.transport == "jax_transfer" and self.transport != "jax_transfer":
+            self._drop()
             raise ValueError(f"kv_transfer.transport='jax_transfer': the producer at {config.address} or this "
                              "process has no jax.experimental.transfer server; use 'auto' or 'host'")
 
@@ -454,19 +537,14 @@ class KVConsumer(KVConnector):
         """Connects (again), within ``timeout_s``, and says hello; returns the
         producer's answer."""
         self._drop()
-        sock = socket.create_connection(self._address, timeout=self.config.timeout_s)
-        sock.settimeout(None)  # Connection reads a blocking descriptor; answers are waited for with poll()
-        conn = Connection(sock.detach())
-        try:  # what multiprocessing.connection.Client does, on a socket that could time out connecting
-            answer_challenge(conn, self.config.authkey)
-            deliver_challenge(conn, self.config.authkey)
-        except BaseException:
-            conn.close()
-            raise
-        self._conn = conn
-        conn.send_bytes(pack_frame({"protocol": PROTOCOL, "op": "hello"}))
-        hello, _ = self._receive(conn)
+        link = _Link(socket.create_connection(self._address, timeout=self.config.timeout_s))
+        link.handshake(self.config.authkey, self.config.timeout_s, server=False)
+        self._link = link
+        link.conn.send_bytes(pack_frame({"protocol": PROTOCOL, "op": "hello"}))
+        hello, _ = self._receive(link.conn)
         addr = hello.get("transfer_address")
+        if addr is not None and not isinstance(addr, str):
+            raise ValueError(f"a hello whose transfer_address is {addr!r}")
         self.transport = "host"
         if "refused" not in hello and addr is not None and self._transfer is not None:
             self._pull = self._transfer.connect(addr)
@@ -491,9 +569,9 @@ class KVConsumer(KVConnector):
             raise ValueError(f"a reply that is not a frame ({type(e).__name__}: {e})") from None
 
     def _drop(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-        self._conn = self._pull = None
+        if self._link is not None:
+            self._link.close()
+        self._link = self._pull = None
 
     def __contains__(self, group_key: tuple[int, bytes]) -> bool:
         return False
@@ -505,6 +583,8 @@ class KVConsumer(KVConnector):
         return 0
 
     def close(self) -> None:
+        """Drops the connection; no lookup is sent from now on."""
+        self._closed = True
         self._drop()
 
     def _refuse(self, reason: str, detail: str) -> RemoteRun:
@@ -520,7 +600,7 @@ class KVConsumer(KVConnector):
         ``max_pages``), fetched into this process and checked (keys, shapes,
         dtypes); an empty run when it holds none, refuses, fails a check or
         does not answer within ``timeout_s`` (counted in :attr:`refused`)."""
-        if start >= min(max_pages, len(keys)):
+        if start >= min(max_pages, len(keys)) or self._closed:
             return RemoteRun()
         t0 = time.perf_counter()
         try:
@@ -538,20 +618,21 @@ class KVConsumer(KVConnector):
                "layout": _layout_json(self.layout), "tokens": [int(t) for t in tokens],
                "keys": [k.hex() for k in keys], "extra": encoded, "start": start, "max_pages": max_pages,
                "transport": self.transport, "uuid": uuid}
-        if self._conn is None and time.monotonic() < self._retry_at:
+        if self._link is None and time.monotonic() < self._retry_at:
             return self._refuse("unreachable", "waiting to connect again")
         try:
-            if self._conn is None:
+            if self._link is None:
                 self._connect()
-            self._conn.send_bytes(pack_frame(msg))
-            reply, kv = self._receive(self._conn)
-        except ValueError as e:  # an answer that is not a frame: the connection is out of step, made again
+            self._link.conn.send_bytes(pack_frame(msg))
+            reply, kv = self._receive(self._link.conn)
+        except (ValueError, TypeError) as e:  # an answer that is not one: the connection is out of step, made again
             self._drop()
-            return self._refuse("bad answer", str(e))
+            return self._refuse("bad answer", f"{type(e).__name__}: {e}")
         except (OSError, EOFError, TimeoutError, AuthenticationError) as e:
             self._drop()  # connect again at the next lookup, RETRY_S from now at the soonest
             self._retry_at = time.monotonic() + min(RETRY_S, self.config.timeout_s)
-            return self._refuse("unreachable", f"{type(e).__name__}: {e}")
+            why = f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__}: the producer closed the connection"
+            return self._refuse("unreachable", why)
         if "refused" in reply:
             return self._refuse(str(reply["refused"]), str(reply.get("detail")))
         try:
@@ -563,6 +644,8 @@ class KVConsumer(KVConnector):
         if got != tuple(keys[start:start + len(got)]) or start + len(got) > max_pages:
             return self._refuse("bad answer", f"pages {start}.. came back under other keys")
         n = len(got)
+        if kv is None and self._pull is None:
+            return self._refuse("bad answer", f"{n} page keys without their K/V")
         if kv is None:
             n = _pow2(n)  # padded by the producer
             shapes = {f: (dtype, shape[:2] + (n,) + shape[3:]) for f, (dtype, shape) in self.layout.items()}
@@ -578,4 +661,6 @@ class KVConsumer(KVConnector):
         have = page_layout(kv) if isinstance(kv, KVPool) else None
         if have != self.layout or {x.shape[2] for x in jax.tree.leaves(kv)} != {n}:
             return self._refuse("bad answer", f"{n} pages of layout {have}, expected {self.layout}")
+        if not all_finite(kv):  # never loaded: the request would fail on them (a producer checks what it saves)
+            return self._refuse("bad answer", "pages holding NaN or inf")
         return RemoteRun(got, kv, len(got) * sum(x.nbytes // x.shape[2] for x in jax.tree.leaves(kv)))

@@ -30,6 +30,7 @@ import dataclasses
 from typing import Hashable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.checks import check_int
@@ -84,6 +85,17 @@ def page_copies(copied: KVPool, count: int) -> list[KVPool]:
     count = check_int("count", count, 0, copied.num_pages + 1)
     host = jax.tree.map(np.asarray, copied)
     return [jax.tree.map(lambda x: np.array(x[:, :, i : i + 1], copy=True), host) for i in range(count)]
+
+
+def all_finite(kv: KVPool) -> bool:
+    """Whether every K/V value (and scale) of ``kv`` is finite: NumPy
+    leaves checked on the host, device leaves on their device."""
+    def finite(x) -> bool:
+        if isinstance(x, np.ndarray):
+            return bool(np.isfinite(x.astype(np.float32)).all())
+        return bool(jnp.isfinite(x).all())
+
+    return all(finite(x) for x in jax.tree.leaves(kv) if jnp.issubdtype(x.dtype, jnp.inexact))
 
 
 def stack_pages(pages: Sequence[HostPage]) -> KVPool:

@@ -53,17 +53,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 from typing import Hashable, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.paging.kv_cache import KVPool
 from paged_jax.paging.swap import gather_pages, scatter_pages
 from paged_jax.tiers.connector import ROLES, TRANSPORTS, KVConnector, KVTransferConfig, RemoteRun
 from paged_jax.tiers.disk import DiskTier
-from paged_jax.tiers.host import HostPage, HostTier, page_copies, stack_pages
+from paged_jax.tiers.host import HostPage, HostTier, all_finite, page_copies, stack_pages
 
 
 @dataclasses.dataclass
@@ -100,12 +99,6 @@ class TierStats:
     refused_files: int = 0
     refused_lookups: int = 0
     evicted_pages: int = 0
-
-
-def _finite(kv: KVPool) -> bool:
-    """Whether every K/V value (and scale) of a host page is finite."""
-    return all(np.isfinite(x.astype(np.float32)).all() for x in jax.tree.leaves(kv)
-               if jnp.issubdtype(x.dtype, jnp.inexact))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +216,7 @@ class Offload:
             for c, kv in zip(copies, page_copies(copied, len(copies))):
                 e = c.entry
                 pages.append((c, HostPage(group=e.group, key=e.key, parent_key=e.parent_key, tokens=e.tokens,
-                                          extra=e.extra, kv=kv), _finite(kv)))
+                                          extra=e.extra, kv=kv), all_finite(kv)))
             for c, page, finite in pages:  # evicted pages come tail first: the host drops a chain's tail first
                 if c.to_host:
                     self._store_host(page, finite)
@@ -386,7 +379,14 @@ def add_tier_flags(parser) -> None:
                        help="how the K/V travel: jax.experimental.transfer, host memory, or auto (the first where "
                             "both ends have it)")
     group.add_argument("--kv-buffer-gib", type=float, default=1.0, metavar="GIB",
-                       help="a producer's store of pages for consumers, least recently used out")
+                       help="a producer's store of pages for consumers, least recently used out (default "
+                            "%(default)s)")
+    group.add_argument("--kv-timeout-s", type=float, default=30.0, metavar="S",
+                       help="a consumer's wait to connect, for an answer and for a pull before it computes the "
+                            "prefix itself (default %(default)s)")
+    group.add_argument("--kv-authkey", default=os.environ.get("PAGED_JAX_KV_AUTHKEY"), metavar="KEY",
+                       help="the key producer and consumer authenticate with (default $PAGED_JAX_KV_AUTHKEY, else "
+                            "a public one that only loopback addresses accept)")
 
 
 def tier_options_from_args(parser, args) -> dict:
@@ -408,9 +408,19 @@ def tier_options_from_args(parser, args) -> dict:
     out["disk_cache_dir"] = args.disk_cache_dir
     buffer_bytes = out.pop("kv_buffer_bytes")
     out["kv_transfer"] = None
-    if args.kv_role is not None:
+    if args.kv_role is None:
+        given = [flag for flag, name, default in (("--kv-address", "kv_address", "127.0.0.1:0"),
+                                                  ("--kv-transport", "kv_transport", "auto"),
+                                                  ("--kv-buffer-gib", "kv_buffer_gib", 1.0),
+                                                  ("--kv-timeout-s", "kv_timeout_s", 30.0))
+                 if getattr(args, name) != default]
+        if given:
+            parser.error(f"{', '.join(given)} without --kv-role: name the role (producer or consumer)")
+    else:
         try:
-            out["kv_transfer"] = KVTransferConfig(args.kv_role, args.kv_address, args.kv_transport, buffer_bytes)
+            key = {} if args.kv_authkey is None else {"authkey": args.kv_authkey.encode()}
+            out["kv_transfer"] = KVTransferConfig(args.kv_role, args.kv_address, args.kv_transport, buffer_bytes,
+                                                  args.kv_timeout_s, **key)
         except ValueError as e:
             parser.error(f"--kv-role {args.kv_role}: {e}")
     return out
