@@ -102,9 +102,10 @@ def unpack_frame(data: bytes, start: int = 0) -> tuple[dict, KVPool | None]:
     which must end where ``data`` does (the leaves copied out of ``data``).
 
     Raises:
-      ValueError, KeyError, TypeError, IndexError, struct.error
-      (:data:`FRAME_ERRORS`): not such a frame (short, long, an unknown or
-      repeated field, a dtype that is not a plain one).
+      ValueError: not such a frame (short, long, an unknown or repeated
+        field, a dtype that is not a plain one); so may KeyError,
+        TypeError, IndexError and struct.error (all in
+        :data:`FRAME_ERRORS`).
     """
     (n,) = _LEN.unpack_from(data, start)
     start += _LEN.size
