@@ -360,10 +360,10 @@ def test_what_a_breaker_found_is_refused_and_the_engine_goes_on(tmp_path):
                    EngineConfig(max_seqs=8, max_seq_len=80, max_num_batched_tokens=64, disk_cache_dir=str(tmp_path),
                                 disk_cache_bytes=1 << 20), vocab_size=VOCAB)
     other.model.config = "another configuration"
-    assert other._disk_tier(other.kv).fingerprint != disk.fingerprint
+    assert other._fingerprint(other.kv) != disk.fingerprint
     # update_weights whose folder is taken by a file: refused by name, nothing changed.
     new = toy_params(seed=5)
-    blocker = tmp_path / second._disk_tier(second.kv, new).fingerprint[:32]
+    blocker = tmp_path / second._disk_tier(second.kv, second._fingerprint(second.kv, new)).fingerprint[:32]
     shutil.rmtree(blocker)
     blocker.write_text("x")
     old_params, old_fp = second.params, disk.fingerprint

@@ -178,12 +178,13 @@ class Engine:
         self.stats = EngineStats()
         self.stats.keep_call_records(config.call_records)
         swap_pages = config.swap_space_pages if config.swap_space_pages is not None else kv_pool.num_pages - 1
+        fingerprint = self._fingerprint(kv_pool)  # hashed once, for the disk tier and the connector
         self.kv_manager = KVCacheManager(
             kv_pool, max_seqs=config.max_seqs, max_seq_len=config.max_seq_len, reservation=config.reservation,
             enable_prefix_caching=config.enable_prefix_caching, swap_space_pages=swap_pages, stats=self.stats,
             groups=groups, max_num_batched_tokens=config.max_num_batched_tokens, allocator=config.allocator,
-            host_cache_bytes=config.host_cache_bytes, disk=self._disk_tier(kv_pool),
-            connector=self._connector(kv_pool))
+            host_cache_bytes=config.host_cache_bytes, disk=self._disk_tier(kv_pool, fingerprint),
+            connector=self._connector(kv_pool, fingerprint))
         self.scheduler = Scheduler(
             max_seqs=config.max_seqs, max_num_batched_tokens=config.max_num_batched_tokens, tiling=config.tiling,
             preemption_mode=config.preemption_mode, kv=self.kv_manager, stats=self.stats)
@@ -205,19 +206,22 @@ class Engine:
             vocab_size=getattr(model, "vocab_size", None) or vocab_size, num_groups=groups.num_groups,
             make_engine=Engine)
 
-    def _fingerprint(self, kv_pool: KVPool, params=None) -> str:
+    def _fingerprint(self, kv_pool: KVPool, params=None) -> str | None:
         """What the tiers key this engine's K/V by: ``params`` (default the
         engine's), the model's class and configuration and this pool's
-        layout (:func:`paged_jax.tiers.disk.kv_fingerprint`)."""
+        layout (:func:`paged_jax.tiers.disk.kv_fingerprint`); None when no
+        disk tier or connector needs one (it hashes every weight once)."""
+        if self.config.disk_cache_dir is None and self.config.kv_transfer is None:
+            return None
         m = self.model
         identity = (f"{type(m).__module__}.{type(m).__qualname__};config={getattr(m, 'config', None)!r};"
                     f"window={getattr(m, 'kv_window', None)!r};groups={getattr(m, 'kv_groups', None)!r}")
         return kv_fingerprint(self.params if params is None else params, kv_pool, extra=identity)
 
-    def _connector(self, kv_pool: KVPool) -> KVConnector | None:
+    def _connector(self, kv_pool: KVPool, fingerprint: str | None) -> KVConnector | None:
         """The KV connector ``config.kv_transfer`` asks for
-        (:mod:`paged_jax.tiers.connector`), under this engine's
-        fingerprint; None without one.
+        (:mod:`paged_jax.tiers.connector`), under ``fingerprint``
+        (:meth:`_fingerprint`); None without one.
 
         Raises:
           ValueError: a producer's address cannot be listened on, or no
@@ -227,12 +231,12 @@ class Engine:
         if c is None:
             return None
         make = KVProducer if c.role == "producer" else KVConsumer
-        self._kv_connector = make(c, self._fingerprint(kv_pool), page_layout(kv_pool), kv_pool.page_size)
+        self._kv_connector = make(c, fingerprint, page_layout(kv_pool), kv_pool.page_size)
         return self._kv_connector
 
-    def _disk_tier(self, kv_pool: KVPool, params=None) -> DiskTier | None:
+    def _disk_tier(self, kv_pool: KVPool, fingerprint: str | None) -> DiskTier | None:
         """The prefix cache's disk tier ``config.disk_cache_dir`` asks for,
-        keyed by :meth:`_fingerprint`; None without one.
+        keyed by ``fingerprint`` (:meth:`_fingerprint`); None without one.
 
         Raises:
           ValueError: the folder cannot be used (named, with the OS's reason).
@@ -240,7 +244,6 @@ class Engine:
         c = self.config
         if c.disk_cache_dir is None:
             return None
-        fingerprint = self._fingerprint(kv_pool, params)
         try:
             return DiskTier(c.disk_cache_dir, c.disk_cache_bytes, kv_pool.page_size, fingerprint,
                             layout=page_layout(kv_pool))
@@ -404,7 +407,8 @@ class Engine:
                                  "its first step")
         offload = self.kv_manager.offload
         # The new weights' pages live under a new fingerprint: its folder made before anything changes.
-        disk = self._disk_tier(self.kv, params) if offload is not None and offload.disk is not None else None
+        fingerprint = self._fingerprint(self.kv, params)  # once, for the disk tier and the connector
+        disk = self._disk_tier(self.kv, fingerprint) if offload is not None and offload.disk is not None else None
         remote = offload.remote if offload is not None else None
         self.params = jax.tree.map(
             lambda new, old: jax.device_put(new, old.sharding) if isinstance(old, jax.Array) else new,
@@ -413,7 +417,7 @@ class Engine:
         if disk is not None:
             offload.disk = disk
         if remote is not None:  # a producer serves, a consumer asks for, the new weights' pages only
-            remote.set_fingerprint(self._fingerprint(self.kv))
+            remote.set_fingerprint(fingerprint)
         if self.speculator is not None:
             self.speculator.update_weights(self.model, self.params)
 

@@ -409,11 +409,9 @@ def tier_options_from_args(parser, args) -> dict:
     buffer_bytes = out.pop("kv_buffer_bytes")
     out["kv_transfer"] = None
     if args.kv_role is None:
-        given = [flag for flag, name, default in (("--kv-address", "kv_address", "127.0.0.1:0"),
-                                                  ("--kv-transport", "kv_transport", "auto"),
-                                                  ("--kv-buffer-gib", "kv_buffer_gib", 1.0),
-                                                  ("--kv-timeout-s", "kv_timeout_s", 30.0))
-                 if getattr(args, name) != default]
+        given = [f"--{name.replace('_', '-')}" for name in ("kv_address", "kv_transport", "kv_buffer_gib",
+                                                             "kv_timeout_s")
+                 if getattr(args, name) != parser.get_default(name)]
         if given:
             parser.error(f"{', '.join(given)} without --kv-role: name the role (producer or consumer)")
     else:
