@@ -419,7 +419,12 @@ class KVProducer(KVConnector):
                 if not self._closed:
                     time.sleep(0.01)
                 continue
-            link = _Link(sock)
+            try:
+                link = _Link(sock)
+            except OSError:  # no descriptor left for it: this client is dropped, the others served
+                sock.close()
+                time.sleep(0.01)
+                continue
             with self._lock:
                 if self._closed:
                     link.close()
@@ -527,7 +532,7 @@ class KVConsumer(KVConnector):
                              f"({type(e).__name__}: {e})") from None
         if "refused" in hello:
             self._drop()
-            raise ValueError(f"kv_transfer.address={config.address!r}: the producer refused: {hello['detail']}")
+            raise ValueError(f"kv_transfer.address={config.address!r}: the producer refused: {hello.get('detail')}")
         if config.transport == "jax_transfer" and self.transport != "jax_transfer":
             self._drop()
             raise ValueError(f"kv_transfer.transport='jax_transfer': the producer at {config.address} or this "
@@ -547,7 +552,10 @@ class KVConsumer(KVConnector):
             raise ValueError(f"a hello whose transfer_address is {addr!r}")
         self.transport = "host"
         if "refused" not in hello and addr is not None and self._transfer is not None:
-            self._pull = self._transfer.connect(addr)
+            try:
+                self._pull = self._transfer.connect(addr)
+            except Exception as e:  # JAX's runtime error for an address it cannot use
+                raise ValueError(f"a hello whose transfer_address {addr!r} cannot be connected to: {e}") from None
             self.transport = "jax_transfer"
         return hello
 

@@ -77,7 +77,7 @@ def kv_fingerprint(params, kv: KVPool, *, extra: str = "") -> str:
     return h.hexdigest()
 
 
-FRAME_ERRORS = (ValueError, KeyError, TypeError, IndexError, struct.error)
+FRAME_ERRORS = (ValueError, KeyError, TypeError, IndexError, struct.error, RecursionError)
 """What :func:`unpack_frame` raises on bytes that are not a frame."""
 
 
@@ -117,7 +117,7 @@ def unpack_frame(data: bytes, start: int = 0) -> tuple[dict, KVPool | None]:
         if field not in _FIELDS or field in leaves:
             raise ValueError(f"field {field!r}")
         dt, count = np.dtype(dtype), int(np.prod(shape))
-        if dt.hasobject or count < 0 or offset + count * dt.itemsize > len(data):
+        if dt.hasobject or dt != np.dtype(dt.name) or count < 0 or offset + count * dt.itemsize > len(data):
             raise ValueError("a leaf past the end")
         leaves[field] = np.frombuffer(data, dt, count, offset).reshape(shape).copy()
         offset += count * dt.itemsize
