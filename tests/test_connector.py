@@ -24,6 +24,7 @@ from models.config import LlamaConfig
 from models.llm import LLM
 from models.presets import PRESETS
 from paged_jax.engine.core import Engine, EngineConfig, Request
+from paged_jax.engine.sampling import SamplingParams
 from paged_jax.paging.kv_cache import KVPool
 from paged_jax.simulator.engine import SimulatedEngine
 from paged_jax.tiers.connector import PROTOCOL, KVConsumer, KVTransferConfig
@@ -224,6 +225,32 @@ def test_quantized_pages_and_their_scales_cross_between_engines(tiny):
     assert consumer.engine.stats.remote.hit_tokens == 2 * 32
 
 
+def test_pages_the_decoder_cannot_compute_on_cost_their_hit(tiny):
+    """The same through ``LLM`` and the Llama decoder (its forward's own
+    finiteness flags the bad pages), with swap preemption configured (the
+    recompute never swaps the bad pages out) and beam search."""
+    layout = {}
+    listener = _fake_producer(_keys_with(lambda n: KVPool(**{
+        f: np.full(shape[:2] + (n,) + shape[3:], 3e38, dtype) for f, (dtype, shape) in layout.items()})))
+    prompts = [[t % 64 for t in p] for p in _prompts(14, 2, length=34)]
+
+    def llm(kv_transfer=None):
+        return LLM("tiny", dtype=jnp.float32, kv_tokens=256, page_size=4, max_seqs=4, preemption_mode="swap",
+                   kv_transfer=kv_transfer)
+
+    consumer = llm(KVTransferConfig("consumer", address=f"127.0.0.1:{listener.address[1]}"))
+    layout.update(consumer.engine.kv_manager.offload.remote.layout)
+    with pytest.warns(UserWarning, match="bad pages"):
+        greedy = consumer.generate(prompts[:1], max_tokens=8)
+        beams = consumer.generate(prompts[1:], SamplingParams(beam_width=2), max_tokens=6)
+    ref = llm()
+    assert [o.output_ids for o in greedy] == [o.output_ids for o in ref.generate(prompts[:1], max_tokens=8)]
+    want = ref.generate(prompts[1:], SamplingParams(beam_width=2), max_tokens=6)
+    assert [[c.output_ids for c in o.outputs] for o in beams] == [[c.output_ids for c in o.outputs] for o in want]
+    assert consumer.engine.kv_manager.offload.remote.refused == {"bad pages": 2}
+    listener.close()
+
+
 class Exploit:
     """A pickle that would run code when unpickled."""
 
@@ -251,9 +278,11 @@ def test_a_bad_request_to_the_producer_is_answered_and_it_goes_on():
     assert out.num_remote_cached_tokens == 36
 
 
-def _fake_producer(answer):
-    """A peer that shakes hands and says hello as a producer, then answers
-    every lookup with ``answer(request header)``: raw bytes to send."""
+def _fake_producer(answer, *, raw=False, transfer_address=None):
+    """A peer that shakes hands and says hello as a producer (naming
+    ``transfer_address``), then answers every lookup with
+    ``answer(request header)``: a message's bytes, or with ``raw`` bytes
+    written as they are (no length before them)."""
     import threading
 
     listener = multiprocessing.connection.Listener(("127.0.0.1", 0), authkey=b"paged-jax-kv")
@@ -261,13 +290,16 @@ def _fake_producer(answer):
     def serve():
         with listener.accept() as conn:
             conn.recv_bytes()
-            conn.send_bytes(pack_frame({"transport": "host", "transfer_address": None}))  # hello
+            conn.send_bytes(pack_frame({"transport": "host", "transfer_address": transfer_address}))  # hello
             while True:
                 try:
                     head, _ = unpack_frame(conn.recv_bytes())
-                except EOFError:
+                except (EOFError, OSError):
                     return
-                conn.send_bytes(answer(head))
+                if raw:
+                    os.write(conn.fileno(), answer(head))
+                else:
+                    conn.send_bytes(answer(head))
 
     threading.Thread(target=serve, daemon=True).start()
     return listener
@@ -325,6 +357,86 @@ def test_a_silent_peer_neither_hangs_a_consumer_nor_blocks_a_producer():
     (out,) = _consumer(store.address).run(_requests([prompt]))
     assert out.num_remote_cached_tokens == 36
     stray.close()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_pages_the_model_cannot_compute_on_cost_their_hit_never_a_request(n):
+    """A producer in error sends finite K/V no model gives (3e38): they pass
+    the lookup's checks and are loaded, the first call on them goes
+    non-finite, and instead of failing the engine the pages leave the
+    cache, the request (each of its samples) is recomputed here and ends
+    right; the connector is not asked for those keys again."""
+    listener = _fake_producer(_keys_with(lambda n: jax.tree.map(lambda x: np.full(x.shape, 3e38, np.float32),
+                                                                   toy_pool(n))))
+    prompts = _prompts(13, 1) * 2  # the second hits the first's loaded pages on device
+    consumer = _consumer(f"127.0.0.1:{listener.address[1]}")
+
+    def reqs():
+        return [Request(request_id=i, prompt_ids=p, max_new_tokens=8,
+                        sampling=SamplingParams(n=n, temperature=1.0 if n > 1 else 0.0, seed=i))
+                for i, p in enumerate(prompts)]
+
+    with pytest.warns(UserWarning, match="bad pages"):
+        outs = consumer.run(reqs())
+    want = make_engine().run(reqs())
+    assert ({o.request_id: [c.output_ids for c in o.outputs] for o in outs}
+            == {o.request_id: [c.output_ids for c in o.outputs] for o in want})
+    remote = consumer.kv_manager.offload.remote
+    assert remote.refused == {"bad pages": 1} and remote.lookups == 1  # recomputing, the lookup stops before them
+    assert all(o.num_cached_tokens == o.num_remote_cached_tokens == 0 for o in outs)
+    assert consumer.stats.remote.hit_tokens == consumer.stats.prefix_hit_tokens == 0
+    assert consumer.stats.remote.loaded_pages == 9 and consumer.stats.preemptions == 2
+    check_accounting(consumer)
+    listener.close()
+
+
+@pytest.mark.parametrize("how", ["half a reply", "a pull nobody answers"])
+def test_a_peer_that_stops_half_way_costs_timeout_s_never_a_hang(how):
+    """A producer that sends the start of a reply and goes silent, or names
+    a transfer server where nothing answers a pull: the lookup gives up
+    after timeout_s (counted as unreachable) and the request is computed
+    here, right."""
+    import socket
+    import struct
+
+    silent = socket.create_server(("127.0.0.1", 0))
+    if how == "half a reply":
+        listener = _fake_producer(lambda head: struct.pack("!i", 1000) + b"x" * 10, raw=True)
+    else:  # keys without K/V: the consumer pulls them from a transfer server that is not one
+        listener = _fake_producer(lambda head: pack_frame({"keys": head["keys"][head["start"]:head["max_pages"]]}),
+                                  transfer_address=f"127.0.0.1:{silent.getsockname()[1]}")
+    consumer = make_engine(kv_transfer=KVTransferConfig("consumer", address=f"127.0.0.1:{listener.address[1]}",
+                                                        transport="auto", timeout_s=0.5))
+    remote = consumer.kv_manager.offload.remote
+    assert remote.transport == ("host" if how == "half a reply" else "jax_transfer")
+    prompt = _prompts(11, 1)[0]
+    with pytest.warns(UserWarning, match="unreachable"):
+        (out,) = consumer.run(_requests([prompt]))
+    assert out.outputs[0].output_ids == _ids(make_engine().run(_requests([prompt])))[0]
+    assert remote.refused == {"unreachable": 1} and remote.lookups == 1 and 0.5 <= remote.lookup_s < 3
+    listener.close()
+    silent.close()
+
+
+def test_a_consumer_that_stops_half_way_is_dropped_by_the_producer():
+    """A client that shakes hands, sends the start of a lookup and goes
+    silent: the producer drops it after its timeout_s and serves others."""
+    import struct
+    import time
+
+    prompt = _prompts(12, 1)[0]
+    producer = make_engine(kv_transfer=KVTransferConfig("producer", timeout_s=0.5))
+    store = producer.kv_manager.offload.remote
+    producer.run(_requests([prompt], max_new=1))
+    host, port = store.address.split(":")
+    with multiprocessing.connection.Client((host, int(port)), authkey=b"paged-jax-kv") as conn:
+        os.write(conn.fileno(), struct.pack("!i", 1000) + b"{")
+        t0 = time.monotonic()
+        with pytest.raises(EOFError):
+            conn.recv_bytes()  # the producer closes it
+        assert time.monotonic() - t0 < 5
+    (out,) = _consumer(store.address).run(_requests([prompt]))
+    assert out.num_remote_cached_tokens == 36
 
 
 def test_an_engine_refused_after_its_producer_started_frees_the_port_and_close_frees_it_too():

@@ -279,6 +279,8 @@ class KVCacheManager:
         self._first_kept = np.zeros(rows, np.int32)  # columns each row drops below in the next call
         self._hits: dict[int, tuple[list[int], int, int]] = {}  # row -> (pages, tokens, tokens ahead), next call
         self._reserving: dict[SequenceGroup, int] = {}  # reservation policies: admitted group -> pages per sequence
+        # Pages a KV connector sent, not yet read by a call that stayed finite: page -> its chain key (unverified).
+        self._from_remote: dict[int, bytes] = {}
         self.runs = (HeldRuns(make_allocator(allocator, kv_pool.num_pages - 1))
                      if reservation != "paged" and allocator in ALLOCATORS else None)
 
@@ -596,9 +598,12 @@ class KVCacheManager:
         self.pool.append_full_pages(seq.slot, fresh)
         table = hits + fresh
         self._hits[seq.slot] = (table, len(table) * L, 0)
+        local = len(run.host) + len(run.disk)
         for j, page in enumerate(fresh, start=len(hits)):
             if self.prefix_cache.insert(page, seq.tokens, seq.keys, seq.extra_key, j):
                 self._cached(page)
+            if j - len(hits) >= local:
+                self._from_remote[page] = seq.keys[j]
         seq.num_keyed = len(table)
 
     def _take_filled_pages(self, seq: Sequence, n: int) -> None:
@@ -747,6 +752,35 @@ class KVCacheManager:
         L = self.page_size
         cols = range(first // L, (first + n - 1) // L + 1)
         return [int(self.pool.block_tables[row][j]) for row in self.rows(seq) for j in cols]
+
+    def unverified(self, seq: Sequence) -> list[int]:
+        """The pages ``seq`` reads that a KV connector sent and no call has
+        computed on yet (loaded for it, or hit after another sequence
+        loaded them)."""
+        if not self._from_remote:
+            return []
+        out = []
+        for row in self.rows(seq):
+            for page in self.pool.pages(row):
+                key = self._from_remote.get(page)
+                if key is None:
+                    continue
+                entry = self.prefix_cache.entry(page)
+                if entry is not None and entry.key == key:
+                    out.append(page)
+                else:  # no longer the page that came: forgotten, or reused
+                    del self._from_remote[page]
+        return out
+
+    def verify_remote(self, pages: list[int], ok: bool) -> None:
+        """A call read ``pages`` (from :meth:`unverified`): with ``ok`` its
+        values stayed finite and they are pages like any other; without,
+        they leave the prefix cache and every tier, and the connector is not
+        asked for their keys again (:meth:`paged_jax.tiers.offload.Offload.distrust`)."""
+        keys = [self._from_remote.pop(p) for p in pages if p in self._from_remote]
+        if not ok and keys:
+            self.forget_cached(pages)
+            self.offload.distrust(pages, keys)
 
     def forget_cached(self, pages: list[int]) -> None:
         """Takes ``pages`` out of the prefix cache (their K/V are not what

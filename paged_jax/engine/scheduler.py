@@ -161,12 +161,12 @@ class Scheduler:
 
     # ------------------------------------------------------------ changes
 
-    def preempt(self, group: SequenceGroup) -> None:
+    def preempt(self, group: SequenceGroup, *, recompute: bool = False) -> None:
         """Frees every running sequence of ``group`` and puts them back at
         the head of the queue: by swap, their pages are copied out first
-        (recompute when the swap space is full)."""
+        (recompute when the swap space is full, or with ``recompute``)."""
         members = [s for s in group.live if s.running]
-        swapped = self.preemption_mode == "swap" and self.kv.swap_out(group, members)
+        swapped = not recompute and self.preemption_mode == "swap" and self.kv.swap_out(group, members)
         for seq in members:
             self.release(seq)
             if not swapped:

@@ -17,8 +17,8 @@ scheduler side (``get_num_new_matched_tokens``) and a worker side
 (``start_load_kv``, ``save_kv_layer``); here one process runs both, so a
 lookup returns the pages themselves.
 
-Transports. Lookups and their answers go over a
-``multiprocessing.connection`` socket, authenticated with a shared key
+Transports. Lookups and their answers go over a socket in
+``multiprocessing.connection``'s wire format, authenticated with a shared key
 (HMAC challenge) and bound to the loopback address by default, as frames
 of a JSON header and the K/V's raw bytes
 (:func:`paged_jax.tiers.disk.pack_frame`, a page file's own format), never
@@ -37,8 +37,12 @@ and configuration, the page size and the K/V layout); a producer whose
 fingerprint differs refuses it with the reason, so another model's or
 another dtype's K/V are never served. The consumer checks what comes back
 too (the keys it asked for, the shapes and dtypes of its own pool). A
-producer that is unreachable, slow or gone costs the consumer its hits,
-never its requests: the lookup returns nothing and is counted.
+producer that is unreachable, slow, gone, or stops half way through a
+message costs the consumer its hits, never its requests: every read and
+write has a deadline (``timeout_s``), the lookup returns nothing and is
+counted. Pages that pass the checks yet break the forward (finite numbers
+no model gives) cost their hit too: the engine verifies them on the first
+call that reads them (:meth:`paged_jax.engine.core.Engine._verify_remote`).
 
 Asynchrony. A save is a host-side store of a copy that
 :mod:`paged_jax.tiers.offload` gathered asynchronously; the producer's
@@ -52,14 +56,14 @@ from __future__ import annotations
 import abc
 import dataclasses
 import datetime
-import os
 import secrets
 import socket
+import struct
 import threading
 import time
 import warnings
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from multiprocessing.connection import answer_challenge, deliver_challenge
 from typing import Hashable, Sequence
 
 import jax
@@ -213,19 +217,103 @@ def _start_transfer_server(host: str = "127.0.0.1"):
         return None
 
 
+def _ready_within(tree, timeout_s: float):
+    """``tree`` once all of its arrays are ready, waited for at most
+    ``timeout_s`` by polling (a ``jax.experimental.transfer`` pull returns
+    at once and its arrays fill in later; from a peer that never answers
+    they never do, whatever ``timeout`` the pull was given, and a thread
+    blocked on them would hang the process at exit).
+
+    Raises:
+      TimeoutError: not ready in time (the arrays are left to be dropped).
+      Whatever error the arrays hold.
+    """
+    leaves = jax.tree.leaves(tree)
+    deadline = time.monotonic() + timeout_s
+    while not all(x.is_ready() for x in leaves):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no answer within {timeout_s} s")
+        time.sleep(2e-4)
+    return jax.block_until_ready(tree)  # ready: raises the error a failed pull holds
+
+
 class _Link:
-    """One connection between a consumer and a producer: multiprocessing's
-    ``Connection`` for the messages, over a socket this keeps so that
-    another thread can shut it down (which wakes a read blocked on it)."""
+    """One connection between a consumer and a producer. It speaks
+    ``multiprocessing.connection``'s wire format (a big-endian length, then
+    the message) and its HMAC handshake, but every read and write has a
+    deadline: a peer that stops half way through a message, or stops
+    reading, costs the waiting side ``timeout_s``, never a hang. Another
+    thread may :meth:`close` it, which wakes a read blocked on it."""
 
     def __init__(self, sock: socket.socket):
-        sock.settimeout(None)  # Connection reads a blocking descriptor; answers are waited for with poll()
         self.sock = sock
-        self.conn = Connection(os.dup(sock.fileno()))
+        self.deadline: float | None = None  # time.monotonic() by which the current exchange must end; None: none
+
+    def _left(self) -> float | None:
+        """Seconds to the deadline (None: no deadline).
+
+        Raises:
+          TimeoutError: it has passed."""
+        if self.deadline is None:
+            return None
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the peer did not finish the exchange in time")
+        return left
+
+    def _read(self, n: int) -> bytearray:
+        out = bytearray(n)
+        view, got = memoryview(out), 0
+        while got < n:
+            self.sock.settimeout(self._left())
+            k = self.sock.recv_into(view[got:])
+            if not k:
+                raise EOFError("the peer closed the connection")
+            got += k
+        return out
+
+    def send_bytes(self, buf) -> None:
+        """Sends one message (``Connection.send_bytes``) by the deadline."""
+        n = len(buf)
+        header = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
+        for part in ((header + bytes(buf),) if n <= 16384 else (header, buf)):  # small ones whole (Nagle)
+            self.sock.settimeout(self._left())
+            self.sock.sendall(part)
+
+    def recv_bytes(self, maxlength: int | None = None) -> bytearray:
+        """Reads one message (``Connection.recv_bytes``) by the deadline.
+
+        Raises:
+          TimeoutError: not all of it by the deadline.
+          EOFError: the peer closed the connection.
+          OSError: it is longer than ``maxlength`` bytes, or the
+            connection failed.
+        """
+        (size,) = struct.unpack("!i", self._read(4))
+        if size == -1:
+            (size,) = struct.unpack("!Q", self._read(8))
+        if size < 0 or (maxlength is not None and size > maxlength):
+            raise OSError(f"a message of {size} bytes (at most {maxlength})")
+        return self._read(size)
+
+    def next_message(self, maxlength: int, timeout_s: float) -> bytearray:
+        """Waits as long as it takes for the peer's next message to begin,
+        then reads it within ``timeout_s`` (a producer's wait for its
+        consumer's next lookup). Raises as :meth:`recv_bytes`."""
+        self.deadline = None
+        self.sock.settimeout(None)
+        if not self.sock.recv(1, socket.MSG_PEEK):
+            raise EOFError("the peer closed the connection")
+        return self.within(timeout_s).recv_bytes(maxlength)
+
+    def within(self, timeout_s: float | None) -> "_Link":
+        """Sets the deadline of the exchange that follows: ``timeout_s``
+        from now (None: none)."""
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        return self
 
     def handshake(self, authkey: bytes, timeout_s: float, *, server: bool) -> None:
-        """multiprocessing's HMAC challenge, both ways, within ``timeout_s``
-        (its own functions wait forever on a peer that says nothing).
+        """multiprocessing's HMAC challenge, both ways, within ``timeout_s``.
 
         Raises:
           TimeoutError: the peer did not finish it in time (the link is
@@ -233,26 +321,16 @@ class _Link:
           AuthenticationError: another key.
           OSError, EOFError: the connection failed.
         """
-        failed: list[BaseException] = []
-
-        def run():
-            try:
-                first, second = (deliver_challenge, answer_challenge) if server else (answer_challenge,
-                                                                                       deliver_challenge)
-                first(self.conn, authkey)
-                second(self.conn, authkey)
-            except BaseException as e:  # reported to the waiting thread
-                failed.append(e)
-
-        thread = threading.Thread(target=run, name="kv-handshake", daemon=True)
-        thread.start()
-        thread.join(timeout_s)
-        if thread.is_alive():
+        first, second = (deliver_challenge, answer_challenge) if server else (answer_challenge, deliver_challenge)
+        try:
+            self.within(timeout_s)
+            first(self, authkey)
+            second(self, authkey)
+        except BaseException:
             self.close()
-            raise TimeoutError(f"no handshake within {timeout_s} s")
-        if failed:
-            self.close()
-            raise failed[0]
+            raise
+        finally:
+            self.deadline = None
 
     def close(self) -> None:
         try:
@@ -260,7 +338,6 @@ class _Link:
         except OSError:
             pass
         self.sock.close()
-        self.conn.close()
 
 
 class KVConnector(abc.ABC):
@@ -273,9 +350,10 @@ class KVConnector(abc.ABC):
       fingerprint: the model fingerprint its pages are kept under.
       capacity_bytes, used_bytes: the bytes of pages it may keep and
         keeps (a producer's store; 0 for a consumer).
-      refused: lookups that brought nothing, by reason (a consumer: the
-        producer's fingerprint differs, it could not be reached or timed
-        out, its answer failed a check).
+      refused: lookups that brought nothing, by reason (a consumer:
+        ``"fingerprint"`` another model, ``"unreachable"`` not reached or
+        timed out, ``"bad answer"`` it failed a check, ``"bad pages"`` its
+        pages broke the first call on them and were recomputed).
 
     A consumer also counts ``lookups`` and ``lookup_s`` (seconds in them,
     round trips and pulls included); a producer ``served_pages`` and
@@ -434,7 +512,6 @@ class KVProducer(KVConnector):
             threading.Thread(target=self._serve, args=(link,), name="kv-producer-conn", daemon=True).start()
 
     def _serve(self, link: _Link) -> None:
-        conn = link.conn
         try:
             try:
                 link.handshake(self.config.authkey, self.config.timeout_s, server=True)
@@ -442,7 +519,7 @@ class KVProducer(KVConnector):
                 return
             while True:
                 try:
-                    data = conn.recv_bytes(MAX_MESSAGE_BYTES)
+                    data = link.next_message(MAX_MESSAGE_BYTES, self.config.timeout_s)
                 except Exception:  # the consumer left, sent too much, or close() closed the connection under us
                     return
                 try:
@@ -450,8 +527,8 @@ class KVProducer(KVConnector):
                 except Exception as e:  # a malformed request: answered, the producer goes on
                     reply, kv = {"refused": "bad request", "detail": f"{type(e).__name__}: {e}"}, None
                 try:
-                    conn.send_bytes(pack_frame(reply, kv))
-                except OSError:
+                    link.within(self.config.timeout_s).send_bytes(pack_frame(reply, kv))
+                except OSError:  # a TimeoutError too: a consumer that stopped reading
                     return
         finally:
             with self._lock:
@@ -545,32 +622,34 @@ class KVConsumer(KVConnector):
         link = _Link(socket.create_connection(self._address, timeout=self.config.timeout_s))
         link.handshake(self.config.authkey, self.config.timeout_s, server=False)
         self._link = link
-        link.conn.send_bytes(pack_frame({"protocol": PROTOCOL, "op": "hello"}))
-        hello, _ = self._receive(link.conn)
+        hello, _ = self._exchange(link, {"protocol": PROTOCOL, "op": "hello"})
         addr = hello.get("transfer_address")
         if addr is not None and not isinstance(addr, str):
             raise ValueError(f"a hello whose transfer_address is {addr!r}")
         self.transport = "host"
         if "refused" not in hello and addr is not None and self._transfer is not None:
             try:
-                self._pull = self._transfer.connect(addr)
+                self._pull = self._transfer.connect(addr)  # returns at once: the connection is made by a pull
             except Exception as e:  # JAX's runtime error for an address it cannot use
                 raise ValueError(f"a hello whose transfer_address {addr!r} cannot be connected to: {e}") from None
             self.transport = "jax_transfer"
         return hello
 
-    def _receive(self, conn: Connection) -> tuple[dict, KVPool | None]:
-        """The producer's next reply, header and K/V.
+    def _exchange(self, link: _Link, msg: dict) -> tuple[dict, KVPool | None]:
+        """Sends ``msg`` and reads the producer's reply, header and K/V, all
+        of it within ``timeout_s``.
 
         Raises:
-          TimeoutError: none within ``timeout_s``.
+          TimeoutError: not done within ``timeout_s`` (a producer that is
+            silent, or stops half way through its reply).
           OSError, EOFError: the connection failed.
           ValueError: the reply is not a frame (:data:`paged_jax.tiers.disk.FRAME_ERRORS`
             become ValueError).
         """
-        if not conn.poll(self.config.timeout_s):
-            raise TimeoutError(f"no answer within {self.config.timeout_s} s")
-        data = conn.recv_bytes(MAX_MESSAGE_BYTES)
+        link.within(self.config.timeout_s)
+        link.send_bytes(pack_frame(msg))
+        data = link.recv_bytes(MAX_MESSAGE_BYTES)
+        link.deadline = None
         try:
             return unpack_frame(data)
         except FRAME_ERRORS as e:
@@ -595,7 +674,9 @@ class KVConsumer(KVConnector):
         self._closed = True
         self._drop()
 
-    def _refuse(self, reason: str, detail: str) -> RemoteRun:
+    def refuse(self, reason: str, detail: str) -> RemoteRun:
+        """Counts a lookup that brought nothing under ``reason`` (warned the
+        first time); returns the empty run."""
         first = reason not in self.refused
         self.refused[reason] = self.refused.get(reason, 0) + 1
         if first:
@@ -627,33 +708,32 @@ class KVConsumer(KVConnector):
                "keys": [k.hex() for k in keys], "extra": encoded, "start": start, "max_pages": max_pages,
                "transport": self.transport, "uuid": uuid}
         if self._link is None and time.monotonic() < self._retry_at:
-            return self._refuse("unreachable", "waiting to connect again")
+            return self.refuse("unreachable", "waiting to connect again")
         try:
             if self._link is None:
                 self._connect()
-            self._link.conn.send_bytes(pack_frame(msg))
-            reply, kv = self._receive(self._link.conn)
+            reply, kv = self._exchange(self._link, msg)
         except (ValueError, TypeError) as e:  # an answer that is not one: the connection is out of step, made again
             self._drop()
-            return self._refuse("bad answer", f"{type(e).__name__}: {e}")
+            return self.refuse("bad answer", f"{type(e).__name__}: {e}")
         except (OSError, EOFError, TimeoutError, AuthenticationError) as e:
             self._drop()  # connect again at the next lookup, RETRY_S from now at the soonest
             self._retry_at = time.monotonic() + min(RETRY_S, self.config.timeout_s)
             why = f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__}: the producer closed the connection"
-            return self._refuse("unreachable", why)
+            return self.refuse("unreachable", why)
         if "refused" in reply:
-            return self._refuse(str(reply["refused"]), str(reply.get("detail")))
+            return self.refuse(str(reply["refused"]), str(reply.get("detail")))
         try:
             got = tuple(bytes.fromhex(k) for k in reply["keys"])
         except (KeyError, TypeError, ValueError):
-            return self._refuse("bad answer", f"a reply without page keys: {str(reply)[:200]}")
+            return self.refuse("bad answer", f"a reply without page keys: {str(reply)[:200]}")
         if not got:
             return RemoteRun()
         if got != tuple(keys[start:start + len(got)]) or start + len(got) > max_pages:
-            return self._refuse("bad answer", f"pages {start}.. came back under other keys")
+            return self.refuse("bad answer", f"pages {start}.. came back under other keys")
         n = len(got)
         if kv is None and self._pull is None:
-            return self._refuse("bad answer", f"{n} page keys without their K/V")
+            return self.refuse("bad answer", f"{n} page keys without their K/V")
         if kv is None:
             n = _pow2(n)  # padded by the producer
             shapes = {f: (dtype, shape[:2] + (n,) + shape[3:]) for f, (dtype, shape) in self.layout.items()}
@@ -662,13 +742,14 @@ class KVConsumer(KVConnector):
                                 for f, (dtype, shape) in shapes.items()})
             deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.config.timeout_s)
             try:
-                kv = jax.block_until_ready(self._pull.pull(uuid, structs, timeout=deadline))
+                kv = _ready_within(self._pull.pull(uuid, structs, timeout=deadline), self.config.timeout_s)
             except Exception as e:  # the pull timed out or failed: the arrays hold its error
                 self._drop()
-                return self._refuse("unreachable", f"pull failed: {type(e).__name__}: {e}")
+                self._retry_at = time.monotonic() + min(RETRY_S, self.config.timeout_s)
+                return self.refuse("unreachable", f"pull failed: {type(e).__name__}: {e}")
         have = page_layout(kv) if isinstance(kv, KVPool) else None
         if have != self.layout or {x.shape[2] for x in jax.tree.leaves(kv)} != {n}:
-            return self._refuse("bad answer", f"{n} pages of layout {have}, expected {self.layout}")
+            return self.refuse("bad answer", f"{n} pages of layout {have}, expected {self.layout}")
         if not all_finite(kv):  # never loaded: the request would fail on them (a producer checks what it saves)
-            return self._refuse("bad answer", "pages holding NaN or inf")
+            return self.refuse("bad answer", "pages holding NaN or inf")
         return RemoteRun(got, kv, len(got) * sum(x.nbytes // x.shape[2] for x in jax.tree.leaves(kv)))

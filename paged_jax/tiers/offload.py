@@ -116,6 +116,8 @@ class TierRun:
 
 MEMO_RUNS = 8
 """Lookups whose runs :meth:`Offload.lookup` keeps until they are loaded."""
+MAX_DISTRUSTED = 1 << 16
+"""Chain keys :meth:`Offload.distrust` remembers (the oldest forgotten first)."""
 
 
 @dataclasses.dataclass
@@ -156,6 +158,8 @@ class Offload:
         # The last lookups' runs, by what they looked up: a request at the head of the queue is costed every round
         # until it is admitted, and its run is read (files) or fetched (another engine) once, not every round.
         self._runs: collections.OrderedDict[tuple, TierRun] = collections.OrderedDict()
+        # Chain keys whose pages a connector sent and the model could not compute on (distrust): not asked again.
+        self._distrusted: collections.OrderedDict[bytes, None] = collections.OrderedDict()
 
     @property
     def pending_pages(self) -> int:
@@ -291,7 +295,9 @@ class Offload:
         remote = RemoteRun()
         if self.remote is not None and self.remote.role == "consumer":
             refused = sum(self.remote.refused.values())
-            remote = self.remote.lookup(tokens, keys, extra, start + len(host) + len(disk), max_pages)
+            first = start + len(host) + len(disk)
+            stop = next((j for j in range(first, min(max_pages, len(keys))) if keys[j] in self._distrusted), max_pages)
+            remote = self.remote.lookup(tokens, keys, extra, first, stop)
             self.remote_stats.refused_lookups += sum(self.remote.refused.values()) - refused
         run = TierRun(host, disk, remote)
         if len(run):
@@ -338,6 +344,25 @@ class Offload:
                 st.loaded_bytes += sum(p.nbytes for p in found)
         return kv
 
+    def distrust(self, pages: Sequence[int], keys: Sequence[bytes]) -> None:
+        """Pages a connector sent (pool pages ``pages``, chain keys ``keys``)
+        that the model computed non-finite values on: finite numbers no
+        model gives, from a producer in error (NaN and inf are refused at
+        the lookup). Their copies on the way to the tiers are dropped, the
+        connector is not asked for those keys again (a request recomputes
+        them), and the lookup is counted as refused (``"bad pages"``)."""
+        drop = set(pages)
+        self._pending = {k: c for k, c in self._pending.items() if c.page not in drop}
+        self._in_transit = [(kv, [dataclasses.replace(c, to_host=False, to_disk=False, to_remote=False)
+                                  if c.page in drop else c for c in copies]) for kv, copies in self._in_transit]
+        self._runs.clear()
+        for key in keys:
+            self._distrusted[key] = None
+        while len(self._distrusted) > MAX_DISTRUSTED:
+            self._distrusted.popitem(last=False)
+        self.remote_stats.refused_lookups += 1
+        self.remote.refuse("bad pages", f"{len(drop)} pages the model computed non-finite values on")
+
     def clear(self) -> int:
         """Forgets every page, stored or on its way, in every tier (the disk
         tier's files of this fingerprint deleted). Returns how many the
@@ -345,6 +370,7 @@ class Offload:
         self._pending.clear()
         self._in_transit.clear()
         self._runs.clear()
+        self._distrusted.clear()
         return sum(tier.clear() for tier in (self.host, self.disk, self.remote) if tier is not None)
 
 
