@@ -23,7 +23,7 @@ Writes (``train_tiny_smollm2.*`` with ``--init smollm2``):
   ``<out>/train_tiny.md``   the run's summary and the served samples.
   ``<out>/train_tiny.png``  the loss curves.
   ``--checkpoint``          the trained weights (safetensors,
-                            :mod:`models.checkpoint`); by default
+                            :mod:`models.loading.checkpoint`); by default
                             ``checkpoints/train_tiny[_smollm2].safetensors``
                             (git-ignored: weights are not results; 21 MB,
                             or 538 MB for SmolLM2).
@@ -49,7 +49,7 @@ from experiments.lib.cli import REPO, add_flag, check_out_dir
 from experiments.lib.serving import make_engine
 from experiments.lib.sharegpt import load_conversations
 from experiments.lib.tables import markdown_table, write_table
-from models.checkpoint import load_checkpoint, save_checkpoint
+from models.loading.checkpoint import load_checkpoint, save_checkpoint
 from models.llama import Llama, LlamaConfig, forward_dense
 from models.smollm2 import load_llama_gguf
 from models.tokenizer import load_tokenizer

@@ -1,17 +1,23 @@
 """Decoders that run on the paged KV cache, and the loaders for their checkpoints.
 
-Modules: ``gguf_loader`` (GGUF -> config + f32 numpy weights), ``tokenizer``
-(the GGUF's byte-level BPE and chat template), ``llama`` (a Flax NNX
-Llama-family decoder over a paged KV pool), ``smollm2`` (SmolLM2-135M-Instruct
-from its GGUF, and a greedy generation helper for tests), ``train`` (the
-dense forward's loss and an optax train step), ``checkpoint`` (weights and
-config in one safetensors file), ``hf_config`` (a Hugging Face ``config.json``
-of Llama 2-3.3, Mistral, Qwen2/3, Gemma 2/3 or OLMo 2 as a ``LlamaConfig``, or a
-refusal naming the field), ``hf_loader`` (those folders: safetensors weights,
-``tokenizer.json``, chat template), ``rope`` (RoPE and its ``linear``,
-``llama3`` and YaRN scalings), ``presets`` (random-weight models of published
-shapes), ``llm`` (offline generation: a checkpoint and text prompts in, text
-out).
+Modules: ``config`` (``LlamaConfig``), ``llama`` (a Flax NNX Llama-family
+decoder over a paged KV pool), ``ragged`` (its forward over the engine's
+flat batch, ``RaggedModel``), ``sharded`` (the decoder over a mesh),
+``smollm2`` (SmolLM2-135M-Instruct from its GGUF, and a greedy generation
+helper for tests), ``tokenizer`` (the GGUF's byte-level BPE and chat
+template), ``train`` (the dense forward's loss and an optax train step),
+``presets`` (random-weight models of published shapes), ``llm`` (offline
+generation: a checkpoint and text prompts in, text out).
+
+Rooms: ``loading`` reads checkpoints (``gguf_loader``: GGUF -> config + f32
+numpy weights, ``gguf_families`` each architecture's metadata, ``hf_config``
+a Hugging Face ``config.json`` of Llama 2-3.3, Mistral, Qwen2/3, Gemma 2/3
+or OLMo 2 as a ``LlamaConfig`` or a refusal naming the field,
+``hf_loader`` those folders: safetensors weights, ``tokenizer.json``, chat
+template, ``checkpoint`` weights and config in one safetensors file);
+``layers`` holds what more than one decoder uses (``rope``: RoPE and its
+``linear``, ``llama3`` and YaRN scalings; ``moe``: mixture-of-experts
+routers and routed experts).
 
 Axis alphabet, stated here once and used in every einsum and shape comment
 of ``models/``, ``paged_jax/`` and ``pallas_kernels/``:

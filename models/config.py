@@ -16,7 +16,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from models.rope import RopeScaling
+from models.layers.rope import RopeScaling
 from paged_jax.checks import check_bool, check_choice, check_float, check_instance, check_int
 from paged_jax.paging.kv_cache import KVPool, default_kv_dtype, init_kv_pool
 from pallas_kernels import common
@@ -59,7 +59,7 @@ class LlamaConfig:
         only the layers marked ``"sliding_attention"`` use it.
       rope_scaling: the scaled RoPE of the global layers (of every layer
         when ``local_rope_theta`` is None), or None for plain RoPE
-        (:class:`models.rope.RopeScaling`; a dict of its fields is taken
+        (:class:`models.layers.rope.RopeScaling`; a dict of its fields is taken
         too, as a checkpoint's JSON gives it back).
       layer_types: per layer, ``"full_attention"`` or
         ``"sliding_attention"``; None: every layer is sliding when
@@ -145,12 +145,12 @@ class LlamaConfig:
             raise ValueError(f"sliding_window must be None or an int >= 1, got sliding_window={self.sliding_window!r}")
         if self.sliding_window is not None:
             check_int("sliding_window", self.sliding_window)
-        # JSON (a checkpoint's metadata, models.checkpoint) gives back a dict
+        # JSON (a checkpoint's metadata, models.loading.checkpoint) gives back a dict
         # and a list; store the frozen, hashable forms.
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         if self.rope_scaling is not None:
-            check_instance("rope_scaling", self.rope_scaling, RopeScaling, what="models.rope.RopeScaling")
+            check_instance("rope_scaling", self.rope_scaling, RopeScaling, what="models.layers.rope.RopeScaling")
         if isinstance(self.layer_types, list):
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
         self._check_layer_types()

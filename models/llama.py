@@ -7,7 +7,7 @@ so a 30-layer model compiles one layer body instead of thirty.
 
 The config's family options (:class:`models.config.LlamaConfig`) add what
 Llama 3.1, Qwen3, Gemma 2 / 3 and OLMo 2 compute: scaled RoPE
-(:mod:`models.rope`), q/k RMSNorm, ``1 + w`` norms, norms after the
+(:mod:`models.layers.rope`), q/k RMSNorm, ``1 + w`` norms, norms after the
 sublayers, GeGLU, a scaled embedding, soft caps and a query scale.
 
 Sliding and global layers mixed (Gemma 2 / 3, Qwen3's ``layer_types``) keep
@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import LlamaConfig
-from models.rope import apply_rope, rope_angles
+from models.layers.rope import apply_rope, rope_angles
 from paged_jax.attention import paged as paged_attn
 from paged_jax.checks import check_choice
 from paged_jax.paging.kv_cache import KVPool, check_pool, unchecked_write_layer_kv

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.hf_loader import TOKENIZER, load_hf, load_hf_model
+from models.loading.hf_loader import TOKENIZER, load_hf, load_hf_model
 from models.llama import Llama
 from models.presets import PRESETS, random_model
 from models.ragged import RaggedModel
@@ -93,10 +93,10 @@ def load_model(spec: str | os.PathLike, *, dtype=jnp.float32) -> tuple[Llama, To
         - a key of :data:`models.presets.PRESETS` (``"smollm2-135m"``,
           ``"llama-3-8b"``, ...): that architecture with random weights and
           no tokenizer (serving measurements; prompts must be token ids);
-        - a path to a ``.gguf`` file (:mod:`models.gguf_families`; its
+        - a path to a ``.gguf`` file (:mod:`models.loading.gguf_families`; its
           tokenizer when :func:`models.tokenizer.load_tokenizer` rebuilds it,
           else None with a warning: prompts are then token ids);
-        - a Hugging Face checkpoint folder (:mod:`models.hf_loader`; its
+        - a Hugging Face checkpoint folder (:mod:`models.loading.hf_loader`; its
           ``tokenizer.json`` when there is one, else None with a warning).
       dtype: the weights' dtype (a float dtype; checkpoints are cast).
 

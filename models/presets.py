@@ -13,7 +13,7 @@ The shapes are those of the published ``config.json`` files:
 
 ``llama-3.1-8b``, ``qwen3-8b`` and ``gemma-3-12b`` are built from the
 published config values (:data:`PUBLISHED_CONFIGS`) by
-:func:`models.hf_config.config_from_hf`, the mapping a real checkpoint's
+:func:`models.loading.hf_config.config_from_hf`, the mapping a real checkpoint's
 ``config.json`` goes through, so a preset and the checkpoint it stands for
 cannot drift apart: ``meta-llama/Llama-3.1-8B`` (llama3 RoPE scaling, 8,030,261,248
 parameters), ``Qwen/Qwen3-8B`` (q/k head norms, 8,190,735,360) and the text
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import SMOLLM2_135M, LlamaConfig
-from models.hf_config import config_from_hf
+from models.loading.hf_config import config_from_hf
 from models.llama import Llama
 from paged_jax.checks import check_int
 
@@ -66,7 +66,7 @@ PUBLISHED_CONFIGS: dict[str, dict] = {
     },
 }
 """Published ``config.json`` values of the presets built through
-:func:`models.hf_config.config_from_hf` (fields that do not shape the
+:func:`models.loading.hf_config.config_from_hf` (fields that do not shape the
 decoder, such as token ids, left out)."""
 
 PRESETS: dict[str, LlamaConfig] = {

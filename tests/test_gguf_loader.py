@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.gguf_loader import load_gguf, smollm2_gguf_path, unpermute_rope_rows
+from models.loading.gguf_loader import load_gguf, smollm2_gguf_path, unpermute_rope_rows
 from models.config import SMOLLM2_135M, LlamaConfig
 from models.llama import Llama
 from models.smollm2 import assign_params, gguf_to_params, load_llama_gguf, load_smollm2
@@ -78,7 +78,7 @@ def test_corrupt_file(loader, kind, tmp_path):
 
 
 def test_wrong_architecture_and_missing_key_are_named(ckpt, monkeypatch):
-    from models import gguf_loader
+    from models.loading import gguf_loader
 
     reader = gguf_loader.open_gguf()
     real = reader.fields
@@ -134,7 +134,7 @@ def test_nan_in_tensor_data_is_reported(tmp_path):
 
     import gguf
 
-    from models.gguf_loader import load_gguf, smollm2_gguf_path
+    from models.loading.gguf_loader import load_gguf, smollm2_gguf_path
 
     src = smollm2_gguf_path()
     tensor = gguf.GGUFReader(src).tensors[5]

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint folders (models.hf_loader) against transformers.
+"""Hugging Face checkpoint folders (models.loading.hf_loader) against transformers.
 
 Each architecture's checkpoint is tiny, random and written by the test with
 ``save_pretrained`` (no download): llama in bf16 and sharded, mistral in f16
@@ -39,7 +39,7 @@ import transformers  # noqa: E402
 from tokenizers import Tokenizer as RawTokenizer  # noqa: E402
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from models.hf_loader import load_hf, load_hf_model, load_hf_tokenizer, read_hf_config  # noqa: E402
+from models.loading.hf_loader import load_hf, load_hf_model, load_hf_tokenizer, read_hf_config  # noqa: E402
 from models.llama import Llama, forward_dense, make_step_fn  # noqa: E402
 from models.ragged import RaggedModel  # noqa: E402
 from paged_jax.engine.core import Engine, EngineConfig, Request  # noqa: E402

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 from models.config import LlamaConfig
-from models.gguf_loader import smollm2_gguf_path
+from models.loading.gguf_loader import smollm2_gguf_path
 from models.llm import LLM, load_model
 from models.presets import PRESETS
 from paged_jax.engine.core import Engine, Request, SamplingParams

@@ -1,4 +1,4 @@
-"""Mixture-of-experts layers (models.moe): the routers of DeepSeek-V3,
+"""Mixture-of-experts layers (models.layers.moe): the routers of DeepSeek-V3,
 DeepSeek-V2 and Qwen3-MoE choose the experts and weights transformers'
 do, on random inputs and on crafted ties; the routed experts as grouped
 matmuls equal the one-hot dispatch and transformers' experts, and a whole
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.moe import RouterConfig, route, routed_experts_dense, routed_experts_ragged, routed_experts_sharded
+from models.layers.moe import RouterConfig, route, routed_experts_dense, routed_experts_ragged, routed_experts_sharded
 from paged_jax.distributed.sharding import make_mesh
 
 torch = pytest.importorskip("torch")

@@ -23,7 +23,7 @@ RECORDS = [{"conversations": [{"from": "human", "value": f"question {i} " * (3 +
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from models.gguf_loader import smollm2_gguf_path
+    from models.loading.gguf_loader import smollm2_gguf_path
     from models.tokenizer import load_tokenizer
 
     try:

@@ -16,7 +16,7 @@ from experiments.lib import provenance, serving, sharegpt
 from experiments.serving import serve_sharegpt
 from models.llama import Llama, LlamaConfig, forward_dense
 from models.presets import PRESETS, PUBLISHED_CONFIGS, bytes_to_build, random_model
-from models.rope import RopeScaling
+from models.layers.rope import RopeScaling
 
 PUBLISHED_PARAMS = {
     # Parameter counts of the published checkpoints (Hugging Face model cards / safetensors index totals).
@@ -41,7 +41,7 @@ def test_preset_shapes_hold_the_published_parameter_count(name):
 
 def test_published_configs_map_to_the_family_fields():
     """The presets built from published config.json values carry each family's
-    options (models.hf_config.config_from_hf, the checkpoint loader's mapping)."""
+    options (models.loading.hf_config.config_from_hf, the checkpoint loader's mapping)."""
     assert set(PUBLISHED_CONFIGS) <= set(PRESETS)
     llama = PRESETS["llama-3.1-8b"]
     assert llama.rope_theta == 500000.0 and llama.max_seq_len == 131072 and not llama.tie_embeddings

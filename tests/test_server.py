@@ -36,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from experiments.lib import http_backend
 from experiments.serving import bench_serving
-from models.gguf_loader import smollm2_gguf_path
+from models.loading.gguf_loader import smollm2_gguf_path
 from models.llm import LLM
 from models.tokenizer import TokenFloor
 from paged_jax.engine.core import Engine, Request, SamplingParams

@@ -9,7 +9,7 @@ from tokenizers import pre_tokenizers
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported
 
-from models.gguf_loader import smollm2_gguf_path  # noqa: E402
+from models.loading.gguf_loader import smollm2_gguf_path  # noqa: E402
 from models.tokenizer import BYTE_CHARS, TokenFloor, load_tokenizer, token_floor  # noqa: E402
 
 TEXTS = [

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from experiments.lib.sharegpt import load_conversations
-from models.checkpoint import FORMAT, load_checkpoint, save_checkpoint
+from models.loading.checkpoint import FORMAT, load_checkpoint, save_checkpoint
 from models.llama import Llama, LlamaConfig, forward, forward_dense
 from models.ragged import RaggedModel
 from models.train import PAD_SEGMENT, TrainConfig, Trainer, decay_mask, make_batch, next_token_loss, pack_documents

@@ -50,7 +50,7 @@ from tqdm.auto import tqdm
 from experiments.lib.latency import RequestRecord
 from experiments.lib.online import TOY_CONFIG, OnlineRun
 from experiments.lib.provenance import REPO
-from models.hf_loader import load_hf_tokenizer
+from models.loading.hf_loader import load_hf_tokenizer
 from models.llm import SMOLLM2
 from models.presets import PRESETS
 from models.tokenizer import load_tokenizer

@@ -27,8 +27,8 @@ from experiments.lib.online import TOY_CONFIG
 from experiments.lib.serving import pool_pages
 from experiments.lib.workloads import Workload
 from models.config import LlamaConfig
-from models.gguf_loader import open_gguf, read_config
-from models.hf_loader import read_hf_config
+from models.loading.gguf_loader import open_gguf, read_config
+from models.loading.hf_loader import read_hf_config
 from models.llm import SMOLLM2
 from models.presets import PRESETS
 from paged_jax.engine.core import Engine

@@ -37,7 +37,7 @@ from experiments.lib.cli import (
 from experiments.lib.serving import serve
 from experiments.lib.sharegpt import build_requests
 from experiments.lib.tables import markdown_table, write_table
-from models.gguf_loader import smollm2_gguf_path
+from models.loading.gguf_loader import smollm2_gguf_path
 from models.ragged import RaggedModel
 from models.smollm2 import load_smollm2
 

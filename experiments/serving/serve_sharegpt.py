@@ -18,8 +18,8 @@ programs the first one compiled.
 
 The model is SmolLM2-135M-Instruct from its GGUF (``--model smollm2``, the
 default), a local Hugging Face checkpoint folder (``--model PATH``: the
-families :mod:`models.hf_loader` reads), a ``.gguf`` file of those families
-(:mod:`models.gguf_loader`), or a real
+families :mod:`models.loading.hf_loader` reads), a ``.gguf`` file of those families
+(:mod:`models.loading.gguf_loader`), or a real
 architecture with random weights (``--model llama-3-8b``, ``qwen2.5-7b``,
 ``smollm2-135m``: :mod:`models.presets`). A preset needs neither the GGUF nor
 the ShareGPT package: it serves the packaged request lengths
@@ -64,8 +64,8 @@ from experiments.lib.cli import (
 from experiments.lib.serving import CSV_COLUMNS, MODES, MatmulFloor, ServeResult, load_model, serve
 from experiments.lib.sharegpt import MAX_SEQ_LEN, PACKAGED_LIMIT, PACKAGED_REQUESTS, build_requests, packaged_requests
 from experiments.lib.tables import markdown_table, write_table
-from models.gguf_loader import open_gguf, read_config
-from models.hf_loader import read_hf_config
+from models.loading.gguf_loader import open_gguf, read_config
+from models.loading.hf_loader import read_hf_config
 from models.presets import PRESETS, bytes_to_build
 from models.ragged import RaggedModel
 from paged_jax.distributed.sharding import init_distributed, make_mesh, parse_mesh

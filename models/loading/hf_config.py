@@ -23,7 +23,7 @@ Supported ``model_type`` values::
 RoPE: ``rope_parameters`` (transformers 5; per layer type for Gemma 3) or
 ``rope_theta`` / ``rope_scaling`` (older; ``rope_scaling`` wins when both are
 there, as in transformers 5); rope types ``default``, ``linear``, ``llama3``
-and ``yarn`` (:mod:`models.rope`). Defaults for absent fields are the
+and ``yarn`` (:mod:`models.layers.rope`). Defaults for absent fields are the
 family's transformers defaults (Gemma 2's soft caps 50 / 30, window 4096,
 ``query_pre_attn_scalar`` 256; Gemma 3's RoPE bases 1e6 global / 1e4 local).
 
@@ -44,7 +44,7 @@ from __future__ import annotations
 from typing import Any
 
 from models.config import LAYER_TYPES, LlamaConfig
-from models.rope import RopeScaling, yarn_attention_factor
+from models.layers.rope import RopeScaling, yarn_attention_factor
 from paged_jax.checks import is_float, is_int
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2")

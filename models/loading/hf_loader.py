@@ -4,7 +4,7 @@
 
 Which ``model_type`` values are supported (Llama 2 / 3 / 3.x, Mistral,
 Qwen2, Qwen3, Gemma 2, Gemma 3 text, OLMo 2), and what is refused, is
-:mod:`models.hf_config`'s business: it turns ``config.json`` into a
+:mod:`models.loading.hf_config`'s business: it turns ``config.json`` into a
 :class:`models.config.LlamaConfig` or a ``ValueError`` naming the file, the
 field and the value. A missing file is a ``FileNotFoundError`` naming it.
 
@@ -12,7 +12,7 @@ Weights are read with ``safetensors`` from ``model.safetensors``, or from the
 shards that ``model.safetensors.index.json`` lists. Hugging Face stores each
 projection as ``[out, in]`` and its RoPE rotates halves (``rotate_half``), as
 :mod:`models.llama` does, so the weights need only transposing and stacking
-by layer, no permutation (unlike a GGUF, :mod:`models.gguf_loader`)::
+by layer, no permutation (unlike a GGUF, :mod:`models.loading.gguf_loader`)::
 
   model.embed_tokens.weight                    [V, D]      embed
   model.layers.{i}.input_layernorm.weight      [D]         blocks.attn_norm.scale[i]  (not OLMo 2)
@@ -61,8 +61,8 @@ import safetensors
 import tokenizers
 from flax import nnx
 
-from models.checkpoint import assign_params
-from models.hf_config import CONFIG, config_from_hf
+from models.loading.checkpoint import assign_params
+from models.loading.hf_config import CONFIG, config_from_hf
 from models.llama import Llama, LlamaConfig
 from models.tokenizer import Tokenizer
 from paged_jax.checks import check_choice, is_int

@@ -5,10 +5,10 @@ A GGUF is what llama.cpp's converter (``convert_hf_to_gguf.py``, now the
 ``conversion/`` package of ggml-org/llama.cpp) wrote from a Hugging Face
 checkpoint. :func:`hf_config_fields` turns its metadata back into the
 ``config.json`` fields the converter read, so that
-:func:`models.hf_config.config_from_hf` applies each family's rules (and
+:func:`models.loading.hf_config.config_from_hf` applies each family's rules (and
 refusals) exactly as for the Hugging Face folder; :func:`layer_tensors`
 names the GGUF tensors of each block and where they go. The converter's own
-changes to the weights are undone by :func:`models.gguf_loader.load_gguf`:
+changes to the weights are undone by :func:`models.loading.gguf_loader.load_gguf`:
 
   architecture   model_type     RoPE pairs (llama.cpp)        weights changed by the converter
   llama,mistral  llama          adjacent (LLAMA_ROPE_TYPE_NORM) attn_q / attn_k rows permuted
@@ -48,7 +48,7 @@ factor per frequency pair as ``rope_freqs.weight`` (1 for short
 wavelengths, ``factor`` for long ones, ``1 / ((1 - s) / factor + s)``
 between), and llama.cpp divides each pair's angle by it (``theta / ff`` in
 ggml's ``rope_cache_init``). :func:`llama3_from_factors` finds the llama3
-parameters whose frequencies (``models.rope.inv_freq``, transformers'
+parameters whose frequencies (``models.layers.rope.inv_freq``, transformers'
 formula) equal ``base / factor`` for every pair, trying Meta's thresholds
 (``low_freq_factor`` 1, ``high_freq_factor`` 4, every Llama 3.x release)
 first, then the thresholds the factors themselves imply; factors that no
@@ -70,7 +70,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from models.config import LlamaConfig
-from models.rope import RopeScaling, inv_freq
+from models.layers.rope import RopeScaling, inv_freq
 
 ARCH_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3", "gemma2": "gemma2",
                     "gemma3": "gemma3_text", "olmo2": "olmo2"}
@@ -111,7 +111,7 @@ def hf_config_fields(meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[
       path: the file, for messages.
 
     Returns:
-      A dict for :func:`models.hf_config.config_from_hf` (``model_type``,
+      A dict for :func:`models.loading.hf_config.config_from_hf` (``model_type``,
       ``hidden_size``, ``rope_parameters``, ``layer_types``, ...).
 
     Raises:

