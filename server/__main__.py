@@ -146,6 +146,7 @@ def main(argv=None) -> None:
         except KeyboardInterrupt:  # uvicorn.run catches the signal it re-raises; Server.run does not
             pass
     finally:
+        llm.engine.close()  # a KV producer stops serving and its threads end before the interpreter does
         if profiler is not None:
             profiler.close()
             log.info("profiling: %d steps traced into %s (Perfetto: plugins/profile/*/perfetto_trace.json.gz)",

@@ -225,6 +225,44 @@ def test_quantized_pages_and_their_scales_cross_between_engines(tiny):
     assert consumer.engine.stats.remote.hit_tokens == 2 * 32
 
 
+def test_bad_pages_found_after_the_first_call_cost_their_hit_and_never_reach_the_disk_tier(tmp_path):
+    """Bad pages whose first call shows nothing: a prompt tail chunked so that
+    call samples no token (its K/V finite), or pages finite for the first
+    query and not for a later one (a key that only a decode query weights).
+    Found at the later call, they cost their hit all the same, the tokens in
+    flight are dropped, and nothing computed on them is kept: a fresh engine
+    on the consumer's disk folder serves the same outputs."""
+    prompts = _prompts(13, 3)
+    small = dict(budget=8, max_seqs=8)
+    want = _ids(make_engine(**small).run(_requests(prompts)))
+    listener = _fake_producer(_keys_with(lambda n: jax.tree.map(lambda x: np.full(x.shape, 3e38, np.float32),
+                                                                   toy_pool(n))))
+    consumer = _consumer(f"127.0.0.1:{listener.address[1]}", disk_cache_dir=str(tmp_path),
+                         disk_cache_bytes=1 << 24, **small)
+    with pytest.warns(UserWarning, match="bad pages"):
+        assert _ids(consumer.run(_requests(prompts))) == want
+    consumer.close()
+    fresh = make_engine(disk_cache_dir=str(tmp_path), disk_cache_bytes=1 << 24, **small)
+    outs = fresh.run(_requests(prompts))
+    assert _ids(outs) == want and all(o.num_disk_cached_tokens == 36 for o in outs)
+    listener.close()
+
+    def later(n):  # token 0 of page 0: a key only some queries weight, a value that overflows once they do
+        pool = toy_pool(n)
+        k, v = np.zeros(pool.k.shape, np.float32), np.zeros(pool.v.shape, np.float32)
+        k[:, :, 0, 0, 0], v[:, :, 0, 0, :] = 1e4, 3e38
+        return KVPool(k=k, v=v)
+
+    listener = _fake_producer(_keys_with(later))
+    prompt = _prompts(13, 1)
+    consumer = _consumer(f"127.0.0.1:{listener.address[1]}")
+    with pytest.warns(UserWarning, match="bad pages"):
+        assert _ids(consumer.run(_requests(prompt, max_new=20))) == _ids(make_engine().run(_requests(prompt,
+                                                                                                      max_new=20)))
+    assert consumer.kv_manager.offload.remote.refused == {"bad pages": 1}
+    listener.close()
+
+
 def test_pages_the_decoder_cannot_compute_on_cost_their_hit(tiny):
     """The same through ``LLM`` and the Llama decoder (its forward's own
     finiteness flags the bad pages), with swap preemption configured (the
@@ -403,7 +441,8 @@ def test_a_peer_that_stops_half_way_costs_timeout_s_never_a_hang(how):
     if how == "half a reply":
         listener = _fake_producer(lambda head: struct.pack("!i", 1000) + b"x" * 10, raw=True)
     else:  # keys without K/V: the consumer pulls them from a transfer server that is not one
-        listener = _fake_producer(lambda head: pack_frame({"keys": head["keys"][head["start"]:head["max_pages"]]}),
+        listener = _fake_producer(lambda head: pack_frame({"keys": head["keys"][head["start"]:head["max_pages"]],
+                                                           "layout": head["layout"]}),
                                   transfer_address=f"127.0.0.1:{silent.getsockname()[1]}")
     consumer = make_engine(kv_transfer=KVTransferConfig("consumer", address=f"127.0.0.1:{listener.address[1]}",
                                                         transport="auto", timeout_s=0.5))

@@ -98,7 +98,6 @@ class _InFlight:
     record: CallRecord
     kv_ok: jax.Array  # bool[S] per slot: its tokens' forwards stayed finite, K/V included (device)
     wrote: list[tuple[Sequence, int, list[int]]]  # (sequence, its slot, the pages its tokens were written to)
-    unverified: list[tuple[Sequence, int, list[int]]]  # (sequence, its slot, pages from a connector it reads first)
 
 
 class Engine:
@@ -507,9 +506,7 @@ class Engine:
                 self._complete(prev, finished, touched)
             if current is not None:
                 # A call with proposals, or one before proposals may come, is read now: they follow from it.
-                # So is one that first reads pages another engine sent: if they fail it, its sequences are
-                # recomputed (_verify_remote) before anything is dispatched on them.
-                if self.config.async_scheduling and not current.verifiers and not current.unverified and not (
+                if self.config.async_scheduling and not current.verifiers and not (
                         self.speculator is not None and self.speculator.active(len(self.scheduler.running))):
                     self._inflight = current
                 else:
@@ -566,7 +563,6 @@ class Engine:
         self.stats.programs.add((call.shape, call.options))
         c0, t0 = self._compile_clock(), self.clock()
         wrote = [(e.seq, e.seq.slot, kvm.pages_written(e.seq, e.seq.num_computed, e.num_tokens)) for e in scheduled]
-        unverified = [(e.seq, e.seq.slot, pages) for e in scheduled if (pages := kvm.unverified(e.seq))]
         record = CallRecord(
             shape=call.shape, tokens=sum(e.num_tokens for e in scheduled), compile_s=0.0, seconds=0.0,
             decode_tokens=sum(1 for e in scheduled if e.num_tokens == 1 and e.seq.num_computed >= e.seq.num_prompt),
@@ -598,7 +594,7 @@ class Engine:
             num_free=num_free, samplers=call.samplers,
             sampler_slots=[seq.slot for seq in call.samplers], expected_free=expected_free,
             record=record,
-            kv_ok=kv_ok, wrote=wrote, unverified=unverified,
+            kv_ok=kv_ok, wrote=wrote,
         )
 
     def _compile_clock(self) -> float:
@@ -642,15 +638,15 @@ class Engine:
                 f"host {call.expected_free}"
             )
         self.stats.record_call(rec)
-        recomputed = self._verify_remote(call, kv_ok, sampled, top_lps) if call.unverified else set()
+        self._recompute_bad_remote(call, kv_ok, sampled, top_lps)
         if not kv_ok.all():
-            self._refuse_poison(call, kv_ok, recomputed)
+            self._refuse_poison(call, kv_ok)
         self._prompt_lps.record(call.prompt_rows, prompt)
         now = self.clock()
         # A verifying sequence's tokens; the others' one each.
         emitted = self.speculator.verify(call.verifiers, verify, sampled, self.stats) if call.verifiers else {}
         bad = [seq.request.request_id for seq, slot in zip(call.samplers, call.sampler_slots)
-               if not seq.done and seq.group not in recomputed and (np.isnan(top_lps[slot]).any() if seq.group.beam
+               if not seq.done and not seq.stale and (np.isnan(top_lps[slot]).any() if seq.group.beam
                                     else min(emitted.get(seq, [sampled[slot]])) < 0)]
         if bad:  # a token drawn from NaN would look valid: stop instead (the engine is then failed)
             raise FloatingPointError(
@@ -659,7 +655,11 @@ class Engine:
         beam_groups: list[SequenceGroup] = []
         for seq, slot in zip(call.samplers, call.sampler_slots):
             seq.pending -= 1
-            if seq.done or seq.group in recomputed:  # it stopped on the token before, or reads bad pages: unwanted
+            if seq.stale:  # computed on a connector's bad pages: the sequence is being recomputed
+                seq.stale -= 1
+                self.stats.discarded_tokens += 1
+                continue
+            if seq.done:  # it stopped on the token before: this one was never wanted
                 self.stats.discarded_tokens += 1
                 continue
             group = seq.group
@@ -674,7 +674,8 @@ class Engine:
                     finished.append(seq)
                     break
         # Pages past what verification kept go back now (a finished sequence's all go at its release).
-        self.kv_manager.rollback([(seq, seq.num_computed) for seq, _, _ in call.verifiers if not seq.done])
+        self.kv_manager.rollback([(seq, seq.num_computed) for seq, _, _ in call.verifiers
+                                  if not seq.done and seq.running])
         for group in beam_groups:
             live = group.live
             if all(s.index in group.candidates and not s.pending for s in live):
@@ -706,43 +707,48 @@ class Engine:
             return True
         return False
 
-    def _verify_remote(self, call: _InFlight, kv_ok: np.ndarray, sampled: np.ndarray,
-                       top_lps: np.ndarray) -> set[SequenceGroup]:
-        """The pages a KV connector sent, read by ``call`` first (completed
-        before any later call is dispatched): where its values stayed
-        finite (``kv_ok``, and the logits of each of the group's rows that
-        sampled: ``sampled`` -1 or ``top_lps`` NaN where not) they are
-        trusted from now on; where not, they were bad (a
-        producer in error: finite numbers no model gives), so they leave
-        the prefix cache and the tiers, and the groups that read them are
-        preempted by recompute, to compute those tokens here: one bad
-        answer costs its hit, never a request (nor is it counted as cached
-        in the request's output). Returns those groups."""
-        nonfinite = {seq.group for seq, slot in zip(call.samplers, call.sampler_slots)
-                     if (np.isnan(top_lps[slot]).any() if seq.group.beam else sampled[slot] < 0)}
-        bad: dict[SequenceGroup, int] = {}  # -> the most bad pages a sequence of it read
-        for seq, slot, pages in call.unverified:
-            ok = bool(kv_ok[slot]) and seq.group not in nonfinite
-            self.kv_manager.verify_remote(pages, ok)
-            if not ok and not seq.done:
-                bad[seq.group] = max(bad.get(seq.group, 0), len(pages))
-        for group, num_pages in bad.items():
+    def _recompute_bad_remote(self, call: _InFlight, kv_ok: np.ndarray, sampled: np.ndarray,
+                              top_lps: np.ndarray) -> None:
+        """Where ``call`` computed non-finite values (``kv_ok``, or a row's
+        logits: ``sampled`` -1, ``top_lps`` NaN) for a group that reads
+        pages a KV connector sent, those pages were bad (a producer in
+        error: finite numbers no model gives; NaN and inf are refused at
+        the lookup). They and what the group computed after them leave the
+        prefix cache and the tiers (:meth:`KVCacheManager.distrust`), the
+        group's tokens in flight are marked stale, and it is preempted by
+        recompute (never swapped: its pages are what is wrong), to compute
+        those tokens here: one bad answer costs its hit, never a request or
+        the engine, and is not counted as cached in the request's output."""
+        bad: list[SequenceGroup] = []
+
+        def check(seq, broken):
+            if broken and seq.group.remote_pages and not seq.done and not seq.stale and seq.group not in bad:
+                bad.append(seq.group)
+
+        for seq, slot, _ in call.wrote:
+            check(seq, not kv_ok[slot])
+        for seq, slot in zip(call.samplers, call.sampler_slots):
+            check(seq, np.isnan(top_lps[slot]).any() if seq.group.beam else sampled[slot] < 0)
+        for group in bad:
             if not group.num_preemptions:  # its first admission counted those pages as cached: they were not
-                tokens = min(num_pages * self.page_size, group.num_cached_tokens)
+                tokens = min(len(group.remote_pages) * self.page_size, group.num_cached_tokens)
                 self.stats.prefix_hit_tokens -= tokens
                 self.stats.remote.hit_tokens -= group.num_remote_cached_tokens
                 group.num_cached_tokens -= tokens
                 group.num_remote_cached_tokens = 0
+            self.kv_manager.distrust([s for s in group.live if s.running], group.remote_pages)
+            group.remote_pages = {}
             group.candidates.clear()  # a beam's candidates from this call are not taken either
+            for seq in group.live:
+                seq.stale = seq.pending  # this call's token, and the next call's if one is in flight
             self.scheduler.preempt(group, recompute=True)
-        return bad
 
-    def _refuse_poison(self, call: _InFlight, kv_ok: np.ndarray, spared: set[SequenceGroup]) -> None:
+    def _refuse_poison(self, call: _InFlight, kv_ok: np.ndarray) -> None:
         """A call computed non-finite values for some sequences' tokens (their
         K/V, or what they reach): their pages leave
         the prefix cache (a later request must never hit them), and a
-        request still running is stopped by name, unless its group is in
-        ``spared`` (recomputed: :meth:`_verify_remote`); one already aborted or
+        request still running is stopped by name, unless it is being
+        recomputed (:meth:`_recompute_bad_remote`); one already aborted or
         finished is only counted (``EngineStats.nonfinite_kv``).
 
         Raises:
@@ -753,8 +759,7 @@ class Engine:
         for _, pages in poisoned:
             self.kv_manager.forget_cached(pages)
         self.stats.nonfinite_kv += len(poisoned)
-        live = list(dict.fromkeys(seq.request.request_id for seq, _ in poisoned
-                                  if not seq.done and seq.group not in spared))
+        live = list(dict.fromkeys(seq.request.request_id for seq, _ in poisoned if not seq.done and not seq.stale))
         if live:
             raise FloatingPointError(
                 f"the model computed non-finite values (NaN or inf) for tokens of requests {live}, whose K/V would "

@@ -279,7 +279,7 @@ class KVCacheManager:
         self._first_kept = np.zeros(rows, np.int32)  # columns each row drops below in the next call
         self._hits: dict[int, tuple[list[int], int, int]] = {}  # row -> (pages, tokens, tokens ahead), next call
         self._reserving: dict[SequenceGroup, int] = {}  # reservation policies: admitted group -> pages per sequence
-        # Pages a KV connector sent, not yet read by a call that stayed finite: page -> its chain key (unverified).
+        # Pages a KV connector sent, while they are cached under the key they came with: page -> chain key.
         self._from_remote: dict[int, bytes] = {}
         self.runs = (HeldRuns(make_allocator(allocator, kv_pool.num_pages - 1))
                      if reservation != "paged" and allocator in ALLOCATORS else None)
@@ -584,6 +584,7 @@ class KVCacheManager:
             taken = self.pool.share(row, pages, hit_tokens)
             self.num_free -= taken if self.reservation == "paged" else len(live)  # Orca holds a copy of a shared hit
             self._hits[row] = (pages, hit_tokens, 0)
+        self._note_remote(seq, hits[0])
 
     def _load_tiers(self, seq: Sequence, run: TierRun) -> None:
         """Loads ``run``'s pages from the tiers into fresh pages after
@@ -604,6 +605,7 @@ class KVCacheManager:
                 self._cached(page)
             if j - len(hits) >= local:
                 self._from_remote[page] = seq.keys[j]
+        self._note_remote(seq, fresh[local:])
         seq.num_keyed = len(table)
 
     def _take_filled_pages(self, seq: Sequence, n: int) -> None:
@@ -753,34 +755,44 @@ class KVCacheManager:
         cols = range(first // L, (first + n - 1) // L + 1)
         return [int(self.pool.block_tables[row][j]) for row in self.rows(seq) for j in cols]
 
-    def unverified(self, seq: Sequence) -> list[int]:
-        """The pages ``seq`` reads that a KV connector sent and no call has
-        computed on yet (loaded for it, or hit after another sequence
-        loaded them)."""
+    def _note_remote(self, seq: Sequence, pages) -> None:
+        """Records in ``seq``'s group which of ``pages`` (hit or loaded for
+        it) a KV connector sent: pages another process computed, never
+        trusted as the engine's own (:meth:`distrust`)."""
         if not self._from_remote:
-            return []
-        out = []
-        for row in self.rows(seq):
-            for page in self.pool.pages(row):
-                key = self._from_remote.get(page)
-                if key is None:
-                    continue
-                entry = self.prefix_cache.entry(page)
-                if entry is not None and entry.key == key:
-                    out.append(page)
-                else:  # no longer the page that came: forgotten, or reused
-                    del self._from_remote[page]
-        return out
+            return
+        for page in pages:
+            key = self._from_remote.get(page)
+            if key is None:
+                continue
+            entry = self.prefix_cache.entry(page)
+            if entry is not None and entry.key == key:
+                seq.group.remote_pages[page] = key
+            else:  # no longer the page that came: forgotten, or reused
+                del self._from_remote[page]
 
-    def verify_remote(self, pages: list[int], ok: bool) -> None:
-        """A call read ``pages`` (from :meth:`unverified`): with ``ok`` its
-        values stayed finite and they are pages like any other; without,
-        they leave the prefix cache and every tier, and the connector is not
-        asked for their keys again (:meth:`paged_jax.tiers.offload.Offload.distrust`)."""
-        keys = [self._from_remote.pop(p) for p in pages if p in self._from_remote]
-        if not ok and keys:
-            self.forget_cached(pages)
-            self.offload.distrust(pages, keys)
+    def distrust(self, members: list[Sequence], pages: dict[int, bytes]) -> None:
+        """A call computed non-finite values for ``members`` (a group's running
+        sequences), which read ``pages`` from a KV connector: those pages,
+        and every cached page the members computed after the first of them
+        (their K/V attended the bad ones), leave the prefix cache and every
+        tier (:meth:`paged_jax.tiers.offload.Offload.distrust`: the connector
+        is not asked for those keys again). Call it before the members'
+        pages are released."""
+        tainted: dict[int, bytes] = {}
+        for seq in members:
+            for row in self.rows(seq):
+                table = self.pool.pages(row)
+                first = next((j for j, p in enumerate(table) if p in pages), None)
+                for page in [] if first is None else table[first:]:
+                    entry = self.prefix_cache.entry(page)
+                    if entry is not None:
+                        tainted[page] = entry.key
+        for page, key in pages.items():
+            if self._from_remote.get(page) == key:
+                del self._from_remote[page]
+        self.forget_cached(list(tainted))
+        self.offload.distrust(list(tainted), list(dict.fromkeys([*pages.values(), *tainted.values()])))
 
     def forget_cached(self, pages: list[int]) -> None:
         """Takes ``pages`` out of the prefix cache (their K/V are not what

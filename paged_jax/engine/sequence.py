@@ -34,6 +34,8 @@ class Sequence:
       num_computed: tokens whose K/V are in the cache or being computed by a
         dispatched call.
       pending: tokens sampled on device and not yet read by the host (0 or 1).
+      stale: of them, those to discard when read: computed on pages a KV
+        connector sent that proved bad, so the sequence is recomputed.
       done: finished; a token still in flight for it is discarded when read.
       finish_reason: "stop", "length", "abort" or "pruned" once done.
       keys: prefix-cache key per full page of its tokens.
@@ -66,6 +68,7 @@ class Sequence:
     slot: int = NO_SLOT
     num_computed: int = 0
     pending: int = 0
+    stale: int = 0
     done: bool = False
     finish_reason: str = ""
     keys: list[bytes] = dataclasses.field(default_factory=list)
@@ -163,6 +166,9 @@ class SequenceGroup:
       num_disk_cached_tokens: of them, those loaded from the disk tier.
       num_remote_cached_tokens: of them, those a KV connector brought from
         another engine.
+      remote_pages: pages a KV connector sent that its sequences read
+        (page -> chain key): a non-finite value in its calls then costs
+        those pages and a recompute, never the engine.
       candidates: beam search: each live beam's candidates from the last
         call, by sequence index.
       hypotheses: beam search: the finished beams.
@@ -185,6 +191,7 @@ class SequenceGroup:
     num_host_cached_tokens: int = 0
     num_disk_cached_tokens: int = 0
     num_remote_cached_tokens: int = 0
+    remote_pages: dict[int, bytes] = dataclasses.field(default_factory=dict)
     candidates: dict[int, BeamCandidates] = dataclasses.field(default_factory=dict)
     hypotheses: list[BeamHypothesis] = dataclasses.field(default_factory=list)
     beam_done: bool = False

@@ -41,8 +41,9 @@ producer that is unreachable, slow, gone, or stops half way through a
 message costs the consumer its hits, never its requests: every read and
 write has a deadline (``timeout_s``), the lookup returns nothing and is
 counted. Pages that pass the checks yet break the forward (finite numbers
-no model gives) cost their hit too: the engine verifies them on the first
-call that reads them (:meth:`paged_jax.engine.core.Engine._verify_remote`).
+no model gives) cost their hit too: a group that reads a connector's pages
+and computes a non-finite value is recomputed without them
+(:meth:`paged_jax.engine.core.Engine._recompute_bad_remote`).
 
 Asynchrony. A save is a host-side store of a copy that
 :mod:`paged_jax.tiers.offload` gathered asynchronously; the producer's
@@ -54,14 +55,17 @@ ran past its own tiers (about a millisecond on loopback, plus the K/V).
 from __future__ import annotations
 
 import abc
+import atexit
 import dataclasses
 import datetime
+import itertools
 import secrets
 import socket
 import struct
 import threading
 import time
 import warnings
+import weakref
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import answer_challenge, deliver_challenge
 from typing import Hashable, Sequence
@@ -86,9 +90,18 @@ PROTOCOL = 2
 """The message format's version; a peer of another version is refused.
 Messages are :func:`paged_jax.tiers.disk.pack_frame` frames (a JSON header,
 then the K/V's raw bytes): reading one runs no code, unlike a pickle."""
-MAX_MESSAGE_BYTES = 1 << 31
-"""The largest message either end reads (2 GiB); a longer one ends the
-connection."""
+MAX_MESSAGE_BYTES = (1 << 31) - 1
+"""The largest reply a consumer reads (2 GiB less a byte, the longest
+length multiprocessing's four-byte header gives); a producer serves no
+longer run than fits in one, and a longer reply ends the connection."""
+MAX_REQUEST_BYTES = 1 << 28
+"""The largest lookup a producer reads (256 MiB: a prompt of millions of
+tokens, with its keys); a longer one ends the connection."""
+READ_CHUNK_BYTES = 1 << 20
+CLOSE_WAIT_S = 5.0
+"""``KVProducer.close`` waits this long at most (and at most ``timeout_s``)
+for the threads serving consumers to end."""
+"""A reader grows its buffer by at most this many bytes a read."""
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.001, 86_400.0
 """The shortest and longest ``KVTransferConfig.timeout_s``: a millisecond, a day."""
 RETRY_S = 5.0
@@ -203,6 +216,12 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def _close_at_exit(ref) -> None:
+    connector = ref()
+    if connector is not None:
+        connector.close()
+
+
 def _start_transfer_server(host: str = "127.0.0.1"):
     """A ``jax.experimental.transfer`` server of the first device, on
     ``host`` (any free port), or None where this JAX or platform has none
@@ -262,14 +281,16 @@ class _Link:
         return left
 
     def _read(self, n: int) -> bytearray:
-        out = bytearray(n)
-        view, got = memoryview(out), 0
-        while got < n:
+        """``n`` bytes, the buffer grown as they arrive (a length a peer
+        announces commits no memory before its bytes come)."""
+        out, scratch = bytearray(), bytearray(min(n, READ_CHUNK_BYTES))
+        view = memoryview(scratch)
+        while len(out) < n:
             self.sock.settimeout(self._left())
-            k = self.sock.recv_into(view[got:])
+            k = self.sock.recv_into(view[:n - len(out)])
             if not k:
                 raise EOFError("the peer closed the connection")
-            got += k
+            out += view[:k]
         return out
 
     def send_bytes(self, buf) -> None:
@@ -286,14 +307,14 @@ class _Link:
         Raises:
           TimeoutError: not all of it by the deadline.
           EOFError: the peer closed the connection.
-          OSError: it is longer than ``maxlength`` bytes, or the
-            connection failed.
+          ValueError: it is longer than ``maxlength`` bytes.
+          OSError: the connection failed.
         """
         (size,) = struct.unpack("!i", self._read(4))
         if size == -1:
             (size,) = struct.unpack("!Q", self._read(8))
         if size < 0 or (maxlength is not None and size > maxlength):
-            raise OSError(f"a message of {size} bytes (at most {maxlength})")
+            raise ValueError(f"a message of {size} bytes (at most {maxlength})")
         return self._read(size)
 
     def next_message(self, maxlength: int, timeout_s: float) -> bytearray:
@@ -439,7 +460,10 @@ class KVProducer(KVConnector):
         self.served_bytes = 0
         self._closed = False
         self._links: set[_Link] = set()  # consumers connected
-        threading.Thread(target=self._accept, name="kv-producer", daemon=True).start()
+        self._threads: set[threading.Thread] = set()  # serving consumers; close() waits for them
+        self._acceptor = threading.Thread(target=self._accept, name="kv-producer", daemon=True)
+        self._acceptor.start()
+        atexit.register(_close_at_exit, weakref.ref(self))  # never serving while the interpreter shuts down
 
     @property
     def capacity_bytes(self) -> int:
@@ -488,6 +512,13 @@ class KVProducer(KVConnector):
             links, self._links = self._links, set()
         for link in links:
             link.close()
+        # Each serving thread ends once its link is closed (a stage or pull in progress first): waited for, so that
+        # none is inside JAX when the interpreter shuts down (which aborts the process).
+        deadline = time.monotonic() + min(self.config.timeout_s, CLOSE_WAIT_S)
+        with self._lock:
+            threads = list(self._threads)
+        for thread in [self._acceptor, *threads]:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _accept(self) -> None:
         while not self._closed:
@@ -509,7 +540,10 @@ class KVProducer(KVConnector):
                     return
                 self._links.add(link)
             # The handshake in the connection's own thread: a client that says nothing delays nobody else.
-            threading.Thread(target=self._serve, args=(link,), name="kv-producer-conn", daemon=True).start()
+            thread = threading.Thread(target=self._serve, args=(link,), name="kv-producer-conn", daemon=True)
+            with self._lock:
+                self._threads.add(thread)
+            thread.start()
 
     def _serve(self, link: _Link) -> None:
         try:
@@ -519,7 +553,7 @@ class KVProducer(KVConnector):
                 return
             while True:
                 try:
-                    data = link.next_message(MAX_MESSAGE_BYTES, self.config.timeout_s)
+                    data = link.next_message(MAX_REQUEST_BYTES, self.config.timeout_s)
                 except Exception:  # the consumer left, sent too much, or close() closed the connection under us
                     return
                 try:
@@ -533,6 +567,7 @@ class KVProducer(KVConnector):
         finally:
             with self._lock:
                 self._links.discard(link)
+                self._threads.discard(threading.current_thread())
             link.close()
 
     def _answer(self, msg: dict) -> tuple[dict, KVPool | None]:
@@ -555,19 +590,26 @@ class KVProducer(KVConnector):
         with self._lock:
             pages = self._store.lookup(msg["tokens"], keys, tuple(msg["extra"]), msg["start"], msg["max_pages"])
             self._store.touch(0, [p.key for p in pages])
+        pull = msg["transport"] == "jax_transfer" and self._transfer is not None
+        uuid = int(msg["uuid"]) if pull else 0
+        if not pull:  # the K/V travel in the reply: no longer run than one message holds (the rest is computed)
+            room = MAX_MESSAGE_BYTES - (1 << 20) - 80 * len(pages)  # the header's keys and layout, generously
+            fits = next((i for i, total in enumerate(itertools.accumulate(p.nbytes for p in pages)) if total > room),
+                        len(pages))
+            pages = pages[:fits]
         if not pages:
             return {"keys": []}, None
         stacked = stack_pages(pages)
         self.served_pages += len(pages)
         self.served_bytes += sum(p.nbytes for p in pages)
-        out = {"keys": [p.key.hex() for p in pages]}
-        if msg["transport"] == "jax_transfer" and self._transfer is not None:
+        out = {"keys": [p.key.hex() for p in pages], "layout": _layout_json(self.layout)}
+        if pull:
             # A power of two of pages (zeros past the run), as paged_jax.paging.swap pads every copy: the
             # consumer's scatter then runs one of a handful of programs, never an op compiled per run length.
             n = _pow2(len(pages))
             stacked = jax.tree.map(lambda x: np.pad(x, [(0, 0), (0, 0), (0, n - x.shape[2])] + [(0, 0)] * (x.ndim - 3)),
                                    stacked)
-            self._transfer.await_pull(int(msg["uuid"]), jax.device_put(stacked))
+            self._transfer.await_pull(uuid, jax.device_put(stacked))
             return out, None
         return out, stacked
 
@@ -600,7 +642,8 @@ class KVConsumer(KVConnector):
         self._closed = False
         self._retry_at = 0.0  # time.monotonic() before which a lost producer is not tried again
         self._pull = None  # a jax.experimental.transfer connection to the producer's server
-        self._transfer = None if config.transport == "host" else _start_transfer_server()
+        self._transfer = None  # this process's transfer server, started on the interface that reaches the producer
+        self._transfer_tried = config.transport == "host"
         try:
             hello = self._connect()
         except (OSError, EOFError, TimeoutError, AuthenticationError, ValueError, TypeError) as e:
@@ -620,12 +663,18 @@ class KVConsumer(KVConnector):
         producer's answer."""
         self._drop()
         link = _Link(socket.create_connection(self._address, timeout=self.config.timeout_s))
+        if not self._transfer_tried:
+            self._transfer_tried = True
+            self._transfer = _start_transfer_server(link.sock.getsockname()[0])
         link.handshake(self.config.authkey, self.config.timeout_s, server=False)
         self._link = link
         hello, _ = self._exchange(link, {"protocol": PROTOCOL, "op": "hello"})
         addr = hello.get("transfer_address")
         if addr is not None and not isinstance(addr, str):
             raise ValueError(f"a hello whose transfer_address is {addr!r}")
+        host, _, port = (addr or "").rpartition(":")
+        if host in ("0.0.0.0", "[::]", "::"):  # a producer listening on every interface: reached where we dialled
+            addr = f"{self._address[0]}:{port}"
         self.transport = "host"
         if "refused" not in hello and addr is not None and self._transfer is not None:
             try:
@@ -735,6 +784,9 @@ class KVConsumer(KVConnector):
         if kv is None and self._pull is None:
             return self.refuse("bad answer", f"{n} page keys without their K/V")
         if kv is None:
+            if reply.get("layout") != _layout_json(self.layout):  # a pull takes our shapes: the producer's word
+                return self.refuse("bad answer", f"a run to pull staged as {reply.get('layout')}, expected "
+                                                 f"{_layout_json(self.layout)}")
             n = _pow2(n)  # padded by the producer
             shapes = {f: (dtype, shape[:2] + (n,) + shape[3:]) for f, (dtype, shape) in self.layout.items()}
             sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])

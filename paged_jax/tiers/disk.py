@@ -291,6 +291,18 @@ class DiskTier:
             except OSError:
                 pass
 
+    def discard(self, group: int, key: bytes) -> bool:
+        """Deletes ``(group, key)``'s file if this tier holds it (pages found
+        bad after they were stored); returns whether it did."""
+        if (group, key) not in self._files:
+            return False
+        self.used_bytes -= self._files.pop((group, key))
+        try:
+            self.path(group, key).unlink(missing_ok=True)
+        except OSError:
+            pass
+        return True
+
     def read(self, group: int, key: bytes) -> HostPage | None:
         """The page of ``key`` in ``group``, its file verified (module
         docstring); None when not held, or refused (counted, deleted)."""

@@ -220,6 +220,14 @@ class HostTier:
             if (group, key) in self._pages:
                 self._pages.move_to_end((group, key))
 
+    def discard(self, group: int, key: bytes) -> bool:
+        """Drops ``(group, key)``'s page if held (pages found bad after they
+        were stored); returns whether it was."""
+        page = self._pages.pop((group, key), None)
+        if page is not None:
+            self.used_bytes -= page.nbytes
+        return page is not None
+
     def clear(self) -> int:
         """Forgets every page (new weights make them stale). Returns how
         many there were."""

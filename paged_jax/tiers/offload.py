@@ -349,19 +349,25 @@ class Offload:
         that the model computed non-finite values on: finite numbers no
         model gives, from a producer in error (NaN and inf are refused at
         the lookup). Their copies on the way to the tiers are dropped, the
-        connector is not asked for those keys again (a request recomputes
+        host and disk tiers forget the keys if they stored them already,
+        the connector is not asked for them again (a request recomputes
         them), and the lookup is counted as refused (``"bad pages"``)."""
         drop = set(pages)
         self._pending = {k: c for k, c in self._pending.items() if c.page not in drop}
         self._in_transit = [(kv, [dataclasses.replace(c, to_host=False, to_disk=False, to_remote=False)
                                   if c.page in drop else c for c in copies]) for kv, copies in self._in_transit]
         self._runs.clear()
+        new = [key for key in keys if key not in self._distrusted]
         for key in keys:
             self._distrusted[key] = None
+            for tier in (self.host, self.disk):
+                if tier is not None:
+                    tier.discard(0, key)
         while len(self._distrusted) > MAX_DISTRUSTED:
             self._distrusted.popitem(last=False)
-        self.remote_stats.refused_lookups += 1
-        self.remote.refuse("bad pages", f"{len(drop)} pages the model computed non-finite values on")
+        if new:  # one bad answer read by several requests is counted once
+            self.remote_stats.refused_lookups += 1
+            self.remote.refuse("bad pages", f"{len(drop)} pages the model computed non-finite values on")
 
     def clear(self) -> int:
         """Forgets every page, stored or on its way, in every tier (the disk
