@@ -38,8 +38,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.loading.hf_loader import TOKENIZER, load_hf, load_hf_model
+from models.deepseek.config import MODEL_TYPES as DEEPSEEK_MODEL_TYPES
+from models.deepseek.loader import load_hf_deepseek
+from models.deepseek.model import DeepseekModel
 from models.llama import Llama
+from models.loading.hf_config import CONFIG
+from models.loading.hf_loader import TOKENIZER, load_hf, load_hf_model, load_hf_tokenizer, read_json
 from models.presets import PRESETS, random_model
 from models.ragged import RaggedModel
 from models.smollm2 import load_llama_gguf, load_smollm2
@@ -83,7 +87,7 @@ def _float_dtype(name: str, dtype) -> jnp.dtype:
     return dt
 
 
-def load_model(spec: str | os.PathLike, *, dtype=jnp.float32) -> tuple[Llama, Tokenizer | None, str]:
+def load_model(spec: str | os.PathLike, *, dtype=jnp.float32) -> tuple[Llama | DeepseekModel, Tokenizer | None, str]:
     """A decoder, its tokenizer and a display name from a model spec.
 
     Args:
@@ -97,7 +101,9 @@ def load_model(spec: str | os.PathLike, *, dtype=jnp.float32) -> tuple[Llama, To
           tokenizer when :func:`models.tokenizer.load_tokenizer` rebuilds it,
           else None with a warning: prompts are then token ids);
         - a Hugging Face checkpoint folder (:mod:`models.loading.hf_loader`; its
-          ``tokenizer.json`` when there is one, else None with a warning).
+          ``tokenizer.json`` when there is one, else None with a warning);
+          a DeepSeek-V3 folder (``model_type`` ``deepseek_v3``) gives a
+          :class:`models.deepseek.model.DeepseekModel` (MLA over latent pages).
       dtype: the weights' dtype (a float dtype; checkpoints are cast).
 
     Returns:
@@ -125,9 +131,14 @@ def load_model(spec: str | os.PathLike, *, dtype=jnp.float32) -> tuple[Llama, To
             return (*load_smollm2(param_dtype=dtype), "SmolLM2-135M-Instruct")
     path = pathlib.Path(spec).expanduser()
     if path.is_dir():
-        if not (path / TOKENIZER).is_file():  # served as token ids, as a GGUF without a tokenizer is
+        has_tokenizer = (path / TOKENIZER).is_file()
+        if not has_tokenizer:  # served as token ids, as a GGUF without a tokenizer is
             warnings.warn(f"{str(path)!r} has no {TOKENIZER}; serving without a tokenizer (prompts must be token "
                           "ids; outputs carry no text)", stacklevel=2)
+        if (path / CONFIG).is_file() and read_json(path / CONFIG).get("model_type") in DEEPSEEK_MODEL_TYPES:
+            tokenizer = load_hf_tokenizer(path) if has_tokenizer else None
+            return load_hf_deepseek(path, param_dtype=dtype), tokenizer, path.resolve().name
+        if not has_tokenizer:
             return load_hf_model(path, param_dtype=dtype), None, path.resolve().name
         return (*load_hf(path, param_dtype=dtype), path.resolve().name)
     if path.is_file():
@@ -197,7 +208,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str | os.PathLike | tuple[Llama, Tokenizer | None] = SMOLLM2,
+        model: str | os.PathLike | tuple[Llama | DeepseekModel, Tokenizer | None] = SMOLLM2,
         *,
         dtype=None,
         kv_dtype=None,
@@ -242,10 +253,10 @@ class LLM:
         EngineConfig(**engine_options)  # every engine option checked before the checkpoint is read
 
         if isinstance(model, tuple):
-            if len(model) != 2 or not isinstance(model[0], Llama) or not (
+            if len(model) != 2 or not isinstance(model[0], (Llama, DeepseekModel)) or not (
                     model[1] is None or isinstance(model[1], Tokenizer)):
-                raise ValueError(f"model as a tuple must be (models.llama.Llama, models.tokenizer.Tokenizer or "
-                                 f"None), got {model!r}")
+                raise ValueError(f"model as a tuple must be (models.llama.Llama or models.deepseek.model."
+                                 f"DeepseekModel, models.tokenizer.Tokenizer or None), got {model!r}")
             llama, tokenizer = model
             name = "model"
         else:
@@ -258,8 +269,11 @@ class LLM:
                              f"{max_seq_len=}")
         check_pool(max_seq_len)
         config = EngineConfig(max_seq_len=max_seq_len, **engine_options)
-        paged = RaggedModel(llama)
-        pool = paged.make_budget_kv_pool(num_pages, page_size, kv_dtype, grouped=config.pages_by_layer_group)
+        if isinstance(llama, DeepseekModel):  # MLA: a latent pool, one vector a token and layer
+            paged, pool = llama, llama.make_kv_pool(num_pages, page_size, kv_dtype)
+        else:
+            paged = RaggedModel(llama)
+            pool = paged.make_budget_kv_pool(num_pages, page_size, kv_dtype, grouped=config.pages_by_layer_group)
         self.engine = Engine(paged, pool, config,
                              stop_ids=tokenizer.stop_ids if tokenizer is not None else (), tokenizer=tokenizer)
         self.tokenizer = tokenizer

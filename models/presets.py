@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import SMOLLM2_135M, LlamaConfig
-from models.loading.hf_config import config_from_hf
 from models.llama import Llama
+from models.loading.hf_config import config_from_hf
 from paged_jax.checks import check_int
 
 PUBLISHED_CONFIGS: dict[str, dict] = {

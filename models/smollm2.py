@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.llama import Llama, LlamaConfig, StepFn, make_step_fn
 from models.loading.checkpoint import assign_params
 from models.loading.gguf_families import check_rope_factors, layer_tensors
 from models.loading.gguf_loader import load_gguf
-from models.llama import Llama, LlamaConfig, StepFn, make_step_fn
 from models.tokenizer import Tokenizer, load_tokenizer
 from paged_jax.checks import check_int
 from paged_jax.paging import page_state as ps

@@ -36,17 +36,21 @@ def small_mixed_batch() -> RaggedBatch:
                        shape=shape)
 
 
-def mixed_calls(model: Llama, schedule, *, page_size=PAGE_SIZE, num_pages=64, max_pages=16, tiling=None,
+def mixed_calls(model, schedule, *, page_size=PAGE_SIZE, num_pages=64, max_pages=16, tiling=None,
                 kv_dtype=None):
-    """Runs the decoder over a schedule of flat mixed batches through the
-    page state, on a pool full of NaN. ``schedule``: a list of calls, each a
-    list of ``(row, chunk_tokens)``. Returns, per call, ``{row: f32[V]
-    logits at the chunk's last token}``."""
-    rm = RaggedModel(model)
+    """Runs a decoder (a ``Llama``, or a paged model with ``make_kv_pool``
+    such as ``models.deepseek.model.DeepseekModel``) over a schedule of flat
+    mixed batches through the page state, on a pool full of NaN.
+    ``schedule``: a list of calls, each a list of ``(row, chunk_tokens)``.
+    Returns, per call, ``{row: f32[V] logits at the chunk's last token}``."""
+    rm = RaggedModel(model) if isinstance(model, Llama) else model
     rows_n = 1 + max(row for call in schedule for row, _ in call)
     state = ps.init_page_state(num_pages=num_pages, max_seqs=rows_n, max_pages_per_seq=max_pages,
                                page_size=page_size)
-    kv = nan_pool(model.config, num_pages, page_size, kv_dtype)
+    if isinstance(model, Llama):
+        kv = nan_pool(model.config, num_pages, page_size, kv_dtype)
+    else:
+        kv = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), model.make_kv_pool(num_pages, page_size, kv_dtype))
     apply = jax.jit(rm.apply, donate_argnums=2)
     tiling = tiling or Tiling(prefill_tile_q=4, decode_pages_per_block=2, prefill_pages_per_block=2,
                               decode_work_chunk=4, prefill_work_chunk=4, min_tokens=8)

@@ -1,1 +1,2 @@
-"""Layers more than one decoder uses: RoPE and its scalings, mixture-of-experts routing and experts (``models`` docstring)."""
+"""Layers more than one decoder uses: RoPE and its scalings, mixture-of-experts
+routing and experts (``models`` docstring)."""

@@ -1,1 +1,2 @@
-"""Checkpoint readers: GGUF files, Hugging Face folders, this package's own safetensors checkpoints (``models`` docstring)."""
+"""Checkpoint readers: GGUF files, Hugging Face folders, this package's own
+safetensors checkpoints (``models`` docstring)."""

@@ -60,11 +60,11 @@ MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "num_exper
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 CONFIG = "config.json"
-_MISSING = object()
+MISSING = object()
 _GEMMA = ("gemma2", "gemma3_text")
 
 
-class _Fields:
+class Fields:
     """Typed reads of a config object, each error naming the file and field."""
 
     def __init__(self, cfg: dict[str, Any], path: str):
@@ -73,14 +73,14 @@ class _Fields:
     def bad(self, name, value, why) -> ValueError:
         return ValueError(f"{self.path}: field {name!r} is {value!r}; {why}")
 
-    def get(self, name, default=_MISSING):
+    def get(self, name, default=MISSING):
         if name not in self.cfg:
-            if default is _MISSING:
+            if default is MISSING:
                 raise ValueError(f"{self.path}: field {name!r} is missing")
             return default
         return self.cfg[name]
 
-    def integer(self, name, default=_MISSING, low=1):
+    def integer(self, name, default=MISSING, low=1):
         value = self.get(name, default)
         if not is_int(value, low):
             raise self.bad(name, value, f"expected an int >= {low}")
@@ -116,7 +116,7 @@ def config_from_hf(cfg: dict[str, Any], path: str = CONFIG) -> LlamaConfig:
         field, or a feature the decoder cannot compute exactly (see the
         module docstring); names ``path``, the field and its value.
     """
-    f = _Fields(cfg, path)
+    f = Fields(cfg, path)
     model_type = f.get("model_type")
     if model_type in REFUSED_MODEL_TYPES:
         raise f.bad("model_type", model_type, REFUSED_MODEL_TYPES[model_type])
@@ -158,7 +158,7 @@ def config_from_hf(cfg: dict[str, Any], path: str = CONFIG) -> LlamaConfig:
     max_pos = f.integer("max_position_embeddings", 2048)
 
     window, types = _layer_pattern(f, model_type, layers)
-    theta, scaling, local_theta = _rope(f, model_type, max_pos)
+    theta, scaling, local_theta = read_rope(f, model_type, max_pos)
     fields = dict(
         vocab_size=f.integer("vocab_size"),
         model_dim=model_dim,
@@ -195,7 +195,7 @@ def config_from_hf(cfg: dict[str, Any], path: str = CONFIG) -> LlamaConfig:
         raise ValueError(f"{path}: the fields do not make a valid decoder: {e}") from e
 
 
-def _layer_pattern(f: _Fields, model_type: str, layers: int) -> tuple[int | None, tuple[str, ...] | None]:
+def _layer_pattern(f: Fields, model_type: str, layers: int) -> tuple[int | None, tuple[str, ...] | None]:
     """``(sliding_window, layer_types)`` for :class:`LlamaConfig`: the window
     and, where layers differ, each layer's type (transformers' rules for
     configs that give no ``layer_types``)."""
@@ -234,7 +234,7 @@ def _layer_pattern(f: _Fields, model_type: str, layers: int) -> tuple[int | None
     return window, (None if set(types) == {"sliding_attention"} else types)
 
 
-def _checked_types(f: _Fields, layers: int, types) -> tuple[str, ...]:
+def _checked_types(f: Fields, layers: int, types) -> tuple[str, ...]:
     if not isinstance(types, list) or len(types) != layers:
         raise f.bad("layer_types", types, f"expected a list of {layers} layer types")
     unknown = sorted({str(t) for t in types} - set(LAYER_TYPES))
@@ -244,7 +244,7 @@ def _checked_types(f: _Fields, layers: int, types) -> tuple[str, ...]:
     return tuple(types)
 
 
-def _rope(f: _Fields, model_type: str, max_pos: int) -> tuple[float, RopeScaling | None, float | None]:
+def read_rope(f: Fields, model_type: str, max_pos: int) -> tuple[float, RopeScaling | None, float | None]:
     """``(rope_theta, rope_scaling, local_rope_theta)`` as transformers 5
     reads them: ``rope_scaling`` if set, else ``rope_parameters``; the base
     from the dict, else the top-level ``rope_theta``."""
@@ -260,7 +260,7 @@ def _rope(f: _Fields, model_type: str, max_pos: int) -> tuple[float, RopeScaling
         if nested:
             raise f.bad(name, rope, f"per-layer-type RoPE parameters are not expected for {model_type}")
         top = f.get("rope_theta", None)
-        theta, scaling = _rope_kind(f, name, rope, 10000.0 if top is None else top, max_pos)
+        theta, scaling = rope_kind(f, name, rope, 10000.0 if top is None else top, max_pos)
         return theta, scaling, None
     # Gemma 3: global layers take rope_scaling / rope_parameters["full_attention"]
     # (base rope_theta, default 1e6), sliding layers rope_parameters["sliding_attention"]
@@ -273,16 +273,16 @@ def _rope(f: _Fields, model_type: str, max_pos: int) -> tuple[float, RopeScaling
     if name == "rope_scaling":
         full.update(f.cfg["rope_scaling"])
     top, top_local = f.get("rope_theta", None), f.get("rope_local_base_freq", None)
-    theta, scaling = _rope_kind(f, name, full, 1e6 if top is None else top, max_pos)
+    theta, scaling = rope_kind(f, name, full, 1e6 if top is None else top, max_pos)
     local = params.get("sliding_attention") or {}
-    local_theta, local_scaling = _rope_kind(f, "rope_parameters", local, 1e4 if top_local is None else top_local,
+    local_theta, local_scaling = rope_kind(f, "rope_parameters", local, 1e4 if top_local is None else top_local,
                                             max_pos)
     if local_scaling is not None:
         raise f.bad("rope_parameters", params, "scaled RoPE on the sliding layers is not supported")
     return theta, scaling, local_theta
 
 
-def _rope_kind(f: _Fields, name: str, rope: dict, theta_default, max_pos: int) -> tuple[float, RopeScaling | None]:
+def rope_kind(f: Fields, name: str, rope: dict, theta_default, max_pos: int) -> tuple[float, RopeScaling | None]:
     """One RoPE dict -> ``(theta, RopeScaling or None)``, with transformers'
     defaults (``_compute_*_parameters``, ``standardize_rope_params``)."""
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -295,9 +295,9 @@ def _rope_kind(f: _Fields, name: str, rope: dict, theta_default, max_pos: int) -
     if kind == "default":
         return theta, None
 
-    def num(key, default=_MISSING):
+    def num(key, default=MISSING):
         value = rope.get(key, default)
-        if value is _MISSING:
+        if value is MISSING:
             raise f.bad(name, rope, f"rope type {kind!r} needs {key!r}")
         if not is_float(value, 0, low_open=True):
             raise f.bad(name, rope, f"{key!r} must be a finite number > 0, got {value!r}")

@@ -61,9 +61,9 @@ import safetensors
 import tokenizers
 from flax import nnx
 
+from models.llama import Llama, LlamaConfig
 from models.loading.checkpoint import assign_params
 from models.loading.hf_config import CONFIG, config_from_hf
-from models.llama import Llama, LlamaConfig
 from models.tokenizer import Tokenizer
 from paged_jax.checks import check_choice, is_int
 
@@ -82,7 +82,13 @@ CHAT_TEMPLATE = "chat_template.jinja"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers older exports saved; recomputed from the config
 
 
-def _read_json(path: pathlib.Path) -> dict:
+def read_json(path: pathlib.Path) -> dict:
+    """The JSON object in ``path`` (a checkpoint's ``config.json`` and the like).
+
+    Raises:
+      FileNotFoundError: no such file.
+      ValueError: not JSON, or not an object; names the file.
+    """
     if not path.is_file():
         raise FileNotFoundError(f"{str(path)!r} does not exist; a Hugging Face checkpoint folder needs it")
     try:
@@ -94,7 +100,22 @@ def _read_json(path: pathlib.Path) -> dict:
     return data
 
 
-def _folder(path: str | os.PathLike) -> pathlib.Path:
+def check_param_dtype(param_dtype) -> None:
+    """Raises ValueError, naming ``param_dtype`` and the choices, unless it
+    is one of :data:`PARAM_DTYPES` (as a dtype or its name)."""
+    try:
+        dtype_name = jnp.dtype(param_dtype).name
+    except TypeError:
+        dtype_name = repr(param_dtype)
+    check_choice("param_dtype", dtype_name, PARAM_DTYPES)
+
+
+def checkpoint_folder(path: str | os.PathLike) -> pathlib.Path:
+    """``path`` as a checkpoint folder (``~`` expanded).
+
+    Raises:
+      FileNotFoundError: not a folder; names it.
+    """
     folder = pathlib.Path(path).expanduser()
     if not folder.is_dir():
         raise FileNotFoundError(f"{str(folder)!r} is not a folder; a Hugging Face checkpoint is a folder "
@@ -113,21 +134,21 @@ def read_hf_config(folder: str | os.PathLike) -> LlamaConfig:
       FileNotFoundError: no such folder, or no ``config.json`` in it.
       ValueError: as :func:`config_from_hf`.
     """
-    path = _folder(folder) / CONFIG
-    return config_from_hf(_read_json(path), str(path))
+    path = checkpoint_folder(folder) / CONFIG
+    return config_from_hf(read_json(path), str(path))
 
 
 # ----------------------------------------------------------------------------- weights
 
 
-class _Tensors:
+class Tensors:
     """The tensors of a checkpoint folder: which file holds each, and reading
     them (``model.safetensors``, or the shards of its index)."""
 
     def __init__(self, folder: pathlib.Path):
         index, single = folder / INDEX, folder / SINGLE
         if index.is_file():
-            weight_map = _read_json(index).get("weight_map")
+            weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise ValueError(f"{str(index)!r}: field 'weight_map' must map tensor names to shard files, "
                                  f"got {type(weight_map).__name__}")
@@ -257,14 +278,10 @@ def load_hf_model(folder: str | os.PathLike, *, param_dtype=jnp.float32) -> Llam
         the file and the field or tensor. A ``param_dtype`` other than f32,
         bf16 or f16.
     """
-    try:
-        dtype_name = jnp.dtype(param_dtype).name
-    except TypeError:
-        dtype_name = repr(param_dtype)
-    check_choice("param_dtype", dtype_name, PARAM_DTYPES)
-    folder = _folder(folder)
+    check_param_dtype(param_dtype)
+    folder = checkpoint_folder(folder)
     config = read_hf_config(folder)
-    tensors = _Tensors(folder)
+    tensors = Tensors(folder)
     layout = _layout(config)
     ignored = [name for name in tensors.where if name.endswith(_IGNORED_SUFFIXES)
                or (config.tie_embeddings and name == "lm_head.weight")]  # tied: transformers ignores it too
@@ -343,7 +360,7 @@ def load_hf_tokenizer(folder: str | os.PathLike) -> Tokenizer:
         not in the vocabulary; no EOS token at all. Each names the file and
         the field.
     """
-    folder = _folder(folder)
+    folder = checkpoint_folder(folder)
     tok_path = folder / TOKENIZER
     if not tok_path.is_file():
         extra = " (only tokenizer.model is there: a slow SentencePiece tokenizer; save the fast one)" if (
@@ -355,9 +372,9 @@ def load_hf_tokenizer(folder: str | os.PathLike) -> Tokenizer:
         raise ValueError(f"{str(tok_path)!r} is not a readable tokenizers file: {e}") from e
 
     cfg_path = folder / TOKENIZER_CONFIG
-    cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
-    model_cfg = _read_json(folder / CONFIG) if (folder / CONFIG).is_file() else {}
-    gen_cfg = _read_json(folder / GENERATION_CONFIG) if (folder / GENERATION_CONFIG).is_file() else {}
+    cfg = read_json(cfg_path) if cfg_path.is_file() else {}
+    model_cfg = read_json(folder / CONFIG) if (folder / CONFIG).is_file() else {}
+    gen_cfg = read_json(folder / GENERATION_CONFIG) if (folder / GENERATION_CONFIG).is_file() else {}
 
     def token_id(name: str) -> int | None:
         text = _token_text(cfg.get(name), cfg_path, name)

@@ -1,0 +1,198 @@
+"""The DeepSeek-V3 decoder (models.deepseek) against transformers.
+
+Two tiny random checkpoints written by ``transformers.DeepseekV3ForCausalLM``
+(no download): one all dense (``first_k_dense_replace`` >= layers) with a
+full query projection (DeepSeek-V2-Lite's attention), default RoPE and
+``rope_interleave`` off; one with a query LoRA, a dense first layer then
+two mixture-of-experts layers (sigmoid routing with a random correction
+bias, 4 groups of which 2 are kept, top-2 of 8 experts, a shared expert,
+``routed_scaling_factor``), YaRN RoPE with mscale and interleaved RoPE dims.
+Weights are random at unit-ish scale, norms included, so a mapping error
+cannot hide behind ones. transformers expands the latent to per-head K/V;
+ours attends in the absorbed form over latent pages: the oracle computes
+the other formulation, not a copy of ours.
+
+Checked: logits through flat mixed batches (prefill chunks beside decode
+tokens) on a latent pool full of NaN, at every chunk's last token, within
+``LOGIT_ATOL`` (f32 on both sides, matmul precision "highest"); greedy
+continuations through the serving engine, with prefix caching and with
+recompute preemption, equal to ``generate(do_sample=False)``; the pool's
+bytes per token equal the MLA maths; bad configs refused by name.
+"""
+
+import json  # noqa: I001  (family_helpers before torch: it sets HF_HUB_OFFLINE before transformers loads)
+
+import jax
+import numpy as np
+import pytest
+
+import tests.family_helpers  # noqa: F401
+
+import torch
+import transformers
+
+from models.deepseek.config import config_from_hf
+from models.deepseek.loader import load_hf_deepseek
+from models.deepseek.model import DeepseekModel, init_params
+from models.llm import LLM
+from paged_jax.engine.core import Engine, EngineConfig, Request
+from paged_jax.memory import ModelPreset
+from paged_jax.paging.kv_cache import init_kv_pool
+from tests.decoder_helpers import mixed_calls
+
+LOGIT_ATOL = 5e-5
+VOCAB = 96
+PROMPTS = [[(7 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((23, 17, 30))]
+NEW_TOKENS = 8
+
+DIMS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+            max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1)
+CHECKPOINTS = {
+    "dense": dict(q_lora_rank=None, first_k_dense_replace=3, n_routed_experts=8, num_experts_per_tok=2,
+                  rope_interleave=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "moe": dict(q_lora_rank=48, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                topk_group=2, n_shared_experts=1, moe_intermediate_size=32, routed_scaling_factor=2.5,
+                norm_topk_prob=True, rope_interleave=True,
+                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
+                                 "mscale": 0.707, "mscale_all_dim": 0.707}),
+}
+
+
+@pytest.fixture(scope="module", params=list(CHECKPOINTS))
+def checkpoint(request, tmp_path_factory):
+    """(name, folder, the transformers model, its logits per prompt f32[n, V])."""
+    name = request.param
+    config = transformers.DeepseekV3Config(**DIMS, **CHECKPOINTS[name])
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for pname, p in hf.named_parameters():
+            if pname.endswith("norm.weight") or "layernorm" in pname:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+        for module in hf.modules():
+            if isinstance(module, transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter):
+                module.e_score_correction_bias.copy_(0.3 * torch.randn_like(module.e_score_correction_bias))
+    folder = tmp_path_factory.mktemp(f"deepseek-{name}")
+    hf.save_pretrained(folder)
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        logits = [hf(torch.tensor([p])).logits[0].numpy() for p in PROMPTS]
+    return name, folder, hf, logits
+
+
+def test_the_config_reads_what_transformers_computes(checkpoint):
+    name, folder, hf, _ = checkpoint
+    config = config_from_hf(json.loads((folder / "config.json").read_text()))
+    assert config.latent_dim == 40 and (config.router is None) == (name == "dense")
+    assert config.query_scale == pytest.approx(hf.model.layers[0].self_attn.scaling, rel=1e-12)
+    if name == "moe":
+        assert config.num_dense_layers == 1 and config.router.topk_group == 2 and config.num_shared_experts == 1
+
+
+def test_ragged_batches_match_transformers(checkpoint):
+    """Three sequences through flat mixed batches on a latent pool full of
+    NaN: each chunk's last logits equal transformers' at that position."""
+    name, folder, _, want = checkpoint
+    model = load_hf_deepseek(folder)
+    p = PROMPTS
+    schedule = [
+        [(0, p[0][:13]), (1, p[1][:6])],
+        [(0, p[0][13:20]), (1, p[1][6:7]), (2, p[2][:22])],
+        [(0, p[0][20:21]), (1, p[1][7:17]), (2, p[2][22:23])],
+    ]
+    got = mixed_calls(model, schedule)
+    seen = [0, 0, 0]
+    worst = 0.0
+    for call, logits in zip(schedule, got):
+        for row, chunk in call:
+            seen[row] += len(chunk)
+            w = want[row][seen[row] - 1]
+            worst = max(worst, float(np.abs(logits[row] - w).max()))
+            np.testing.assert_allclose(logits[row], w, atol=LOGIT_ATOL, err_msg=f"{name} row {row} at {seen[row]}")
+    print(f"{name}: largest logit difference {worst:.2e}")
+
+
+@pytest.mark.parametrize("pages", [256, 14], ids=["roomy", "preempting"])
+def test_greedy_continuations_through_the_engine_match_transformers(checkpoint, pages):
+    """Through the serving engine (chunked prefill, page size 4, prefix
+    caching, a prompt again afterwards to hit it; a pool small enough to
+    preempt by recompute): the tokens of ``generate(do_sample=False)``."""
+    name, folder, hf, _ = checkpoint
+    model = load_hf_deepseek(folder)
+    prompts = PROMPTS + [PROMPTS[0]]
+    with torch.no_grad():
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
+    engine = Engine(model, model.make_kv_pool(pages, 4),
+                    EngineConfig(max_seqs=4, max_seq_len=48, max_num_batched_tokens=16, enable_prefix_caching=True))
+    requests = [Request(request_id=i, prompt_ids=p, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+                for i, p in enumerate(prompts)]
+    outs = engine.run(requests[:3]) + engine.run(requests[3:])  # the last hits the first's cached pages
+    assert {o.request_id: o.outputs[0].output_ids for o in outs} == dict(enumerate(want))
+    if pages == 14:
+        assert engine.stats.preemptions > 0
+    else:
+        assert engine.stats.prefix_hit_tokens == 20  # the repeated prompt's 5 full pages
+
+
+def test_llm_serves_the_folder(checkpoint):
+    """``LLM`` takes a DeepSeek-V3 folder like any other (a latent pool,
+    token-id prompts without a tokenizer); a quantized pool is refused by
+    name."""
+    name, folder, hf, _ = checkpoint
+    if name == "dense":
+        pytest.skip("one architecture is enough for the entry point")
+    with pytest.warns(UserWarning, match="no tokenizer.json"):
+        llm = LLM(str(folder), kv_tokens=256, page_size=4, max_seqs=2)
+    assert llm.engine.kv.latent and llm.engine.kv.head_dim == 40
+    with torch.no_grad():
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p):].tolist()
+                for p in PROMPTS[:2]]
+    assert [o.output_ids for o in llm.generate(PROMPTS[:2], max_tokens=6)] == want
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="float pages only"):
+        LLM(str(folder), kv_tokens=64, page_size=4, max_seq_len=32, kv_dtype="int8")
+
+
+def test_a_latent_pool_holds_the_mla_bytes_per_token():
+    """One token costs ``layers * (kv_lora_rank + qk_rope_head_dim) * itemsize``
+    bytes in the pool, what paged_jax.memory counts for MLA."""
+    config = config_from_hf({**DIMS, **CHECKPOINTS["moe"], "model_type": "deepseek_v3",
+                             "moe_intermediate_size": 32})
+    model = DeepseekModel(config, init_params(config, jax.random.key(0)))
+    pool = model.make_kv_pool(9, 4)
+    per_token = sum(x.nbytes for x in jax.tree.leaves(pool)) / (9 * 4)
+    preset = ModelPreset(name="tiny-mla", num_layers=3, kv_lora_rank=32, qk_rope_head_dim=8, num_params=1,
+                         source="this test")
+    assert per_token == 3 * 40 * 4 == preset.kv_bytes_per_token("float32")
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("model_type", "deepseek_v2", "expected one of deepseek_v3"),
+    ("topk_method", "greedy", "noaux_tc"),
+    ("scoring_func", "softmax", "sigmoid"),
+    ("hidden_act", "gelu", "silu"),
+    ("qk_rope_head_dim", 7, "even"),
+    ("n_group", 3, "divisible"),
+    ("kv_lora_rank", 0, "kv_lora_rank"),
+])
+def test_bad_configs_are_refused_by_name(field, value, words):
+    cfg = {**DIMS, **CHECKPOINTS["moe"], "model_type": "deepseek_v3", "moe_intermediate_size": 32, field: value}
+    with pytest.raises(ValueError, match=words):
+        config_from_hf(cfg, "x/config.json")
+
+
+def test_weights_of_other_shapes_are_refused_by_name():
+    config = config_from_hf({**DIMS, **CHECKPOINTS["moe"], "model_type": "deepseek_v3",
+                             "moe_intermediate_size": 32})
+    params = init_params(config, jax.random.key(0))
+    params["moe"]["w_uk"] = params["moe"]["w_uk"][:, :, :3]
+    with pytest.raises(ValueError, match=r"params\['moe'\]\['w_uk'\]: shape \(2, 4, 3, 32\)"):
+        DeepseekModel(config, params)
+    with pytest.raises(ValueError, match="latent pool"):  # a GQA pool for an MLA model
+        Engine(DeepseekModel(config, init_params(config, jax.random.key(0))),
+               init_kv_pool(num_layers=3, num_kv_heads=1, num_pages=9, page_size=4, head_dim=40),
+               EngineConfig(max_seqs=2, max_seq_len=16, max_num_batched_tokens=16))
