@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import abc
 import atexit
+import collections
 import dataclasses
 import datetime
 import itertools
@@ -98,6 +99,12 @@ MAX_REQUEST_BYTES = 1 << 28
 """The largest lookup a producer reads (256 MiB: a prompt of millions of
 tokens, with its keys); a longer one ends the connection."""
 READ_CHUNK_BYTES = 1 << 20
+MAX_HANDSHAKES = 64
+"""Connections a producer keeps that have not authenticated yet; a newer
+one drops the oldest."""
+HANDSHAKE_S = 5.0
+"""A producer drops a connection that has not authenticated in this many
+seconds (or ``timeout_s``, if shorter)."""
 CLOSE_WAIT_S = 5.0
 """``KVProducer.close`` waits this long at most (and at most ``timeout_s``)
 for the threads serving consumers to end."""
@@ -106,8 +113,11 @@ MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.001, 86_400.0
 """The shortest and longest ``KVTransferConfig.timeout_s``: a millisecond, a day."""
 RETRY_S = 5.0
 """After a lookup could not reach the producer, a consumer tries again no
-sooner than this many seconds (at most ``timeout_s``) later; the lookups
-between find nothing, at no cost to the engine."""
+sooner than this many seconds (at most ``timeout_s``) later, the wait
+doubling while the producer stays unreachable; the lookups between find
+nothing, at no cost to the engine."""
+MAX_RETRY_S = 60.0
+"""The longest wait between tries at an unreachable producer, seconds."""
 
 
 def parse_address(name: str, address: str) -> tuple[str, int]:
@@ -146,10 +156,12 @@ class KVTransferConfig:
         it.
       buffer_bytes: a producer's store for consumers, bytes of K/V (least
         recently used out); unused by a consumer.
-      timeout_s: seconds a consumer waits to connect, for an answer and for
-        a pull, before it gives up on that lookup (at most a day); after a
-        producer could not be reached it is tried again :data:`RETRY_S`
-        seconds later at the soonest.
+      timeout_s: seconds one lookup of a consumer may take, connecting,
+        round trip and pull together, before it gives up (at most a day);
+        after a producer could not be reached it is tried again
+        :data:`RETRY_S` seconds later at the soonest, the wait doubling while
+        it stays unreachable (up to :data:`MAX_RETRY_S`); a producer's
+        limit for each step of serving a consumer.
       authkey: the shared key both ends authenticate with (the server's
         ``--kv-authkey``, default ``$PAGED_JAX_KV_AUTHKEY``). The default,
         :data:`DEFAULT_AUTHKEY`, is public: it is refused for an address
@@ -461,6 +473,7 @@ class KVProducer(KVConnector):
         self._closed = False
         self._links: set[_Link] = set()  # consumers connected
         self._threads: set[threading.Thread] = set()  # serving consumers; close() waits for them
+        self._handshaking: collections.OrderedDict[_Link, None] = collections.OrderedDict()  # not authenticated yet
         self._acceptor = threading.Thread(target=self._accept, name="kv-producer", daemon=True)
         self._acceptor.start()
         atexit.register(_close_at_exit, weakref.ref(self))  # never serving while the interpreter shuts down
@@ -539,6 +552,13 @@ class KVProducer(KVConnector):
                     link.close()
                     return
                 self._links.add(link)
+                self._handshaking[link] = None
+                # Connections that have not authenticated yet hold descriptors: past MAX_HANDSHAKES the oldest is
+                # dropped, so a flood of silent ones turns over instead of locking consumers out.
+                excess = len(self._handshaking) - MAX_HANDSHAKES
+                stale = [self._handshaking.popitem(last=False)[0] for _ in range(excess)]
+            for old in stale:
+                old.close()
             # The handshake in the connection's own thread: a client that says nothing delays nobody else.
             thread = threading.Thread(target=self._serve, args=(link,), name="kv-producer-conn", daemon=True)
             with self._lock:
@@ -548,9 +568,12 @@ class KVProducer(KVConnector):
     def _serve(self, link: _Link) -> None:
         try:
             try:
-                link.handshake(self.config.authkey, self.config.timeout_s, server=True)
+                link.handshake(self.config.authkey, min(self.config.timeout_s, HANDSHAKE_S), server=True)
             except BaseException:  # another key, a silent or gone client: dropped
                 return
+            finally:
+                with self._lock:
+                    self._handshaking.pop(link, None)
             while True:
                 try:
                     data = link.next_message(MAX_REQUEST_BYTES, self.config.timeout_s)
@@ -641,10 +664,13 @@ class KVConsumer(KVConnector):
         self._link: _Link | None = None
         self._closed = False
         self._retry_at = 0.0  # time.monotonic() before which a lost producer is not tried again
+        self._failures = 0  # lookups in a row that could not reach the producer (the retry wait doubles)
+        self._deadline = 0.0  # time.monotonic() by which the current lookup (or the first hello) must end
         self._pull = None  # a jax.experimental.transfer connection to the producer's server
         self._transfer = None  # this process's transfer server, started on the interface that reaches the producer
         self._transfer_tried = config.transport == "host"
         try:
+            self._deadline = time.monotonic() + config.timeout_s
             hello = self._connect()
         except (OSError, EOFError, TimeoutError, AuthenticationError, ValueError, TypeError) as e:
             self._drop()
@@ -662,11 +688,11 @@ class KVConsumer(KVConnector):
         """Connects (again), within ``timeout_s``, and says hello; returns the
         producer's answer."""
         self._drop()
-        link = _Link(socket.create_connection(self._address, timeout=self.config.timeout_s))
+        link = _Link(socket.create_connection(self._address, timeout=self._left()))
         if not self._transfer_tried:
             self._transfer_tried = True
             self._transfer = _start_transfer_server(link.sock.getsockname()[0])
-        link.handshake(self.config.authkey, self.config.timeout_s, server=False)
+        link.handshake(self.config.authkey, self._left(), server=False)
         self._link = link
         hello, _ = self._exchange(link, {"protocol": PROTOCOL, "op": "hello"})
         addr = hello.get("transfer_address")
@@ -684,9 +710,29 @@ class KVConsumer(KVConnector):
             self.transport = "jax_transfer"
         return hello
 
+    def _left(self) -> float:
+        """Seconds left of the current lookup's ``timeout_s``: connecting,
+        the handshake, the round trip and the pull share it.
+
+        Raises:
+          TimeoutError: none left."""
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"the lookup took its timeout_s={self.config.timeout_s} s")
+        return left
+
+    def _unreachable(self) -> None:
+        """After a lookup that could not reach the producer: no lookup tries
+        again for :data:`RETRY_S` (at most ``timeout_s``), the wait doubling
+        while it stays unreachable, up to :data:`MAX_RETRY_S`; the lookups
+        between find nothing at no cost."""
+        self._failures += 1
+        first = min(RETRY_S, self.config.timeout_s)
+        self._retry_at = time.monotonic() + min(first * 2 ** min(self._failures - 1, 16), MAX_RETRY_S)
+
     def _exchange(self, link: _Link, msg: dict) -> tuple[dict, KVPool | None]:
         """Sends ``msg`` and reads the producer's reply, header and K/V, all
-        of it within ``timeout_s``.
+        of it within what is left of the lookup's ``timeout_s``.
 
         Raises:
           TimeoutError: not done within ``timeout_s`` (a producer that is
@@ -695,7 +741,7 @@ class KVConsumer(KVConnector):
           ValueError: the reply is not a frame (:data:`paged_jax.tiers.disk.FRAME_ERRORS`
             become ValueError).
         """
-        link.within(self.config.timeout_s)
+        link.within(self._left())
         link.send_bytes(pack_frame(msg))
         data = link.recv_bytes(MAX_MESSAGE_BYTES)
         link.deadline = None
@@ -758,6 +804,7 @@ class KVConsumer(KVConnector):
                "transport": self.transport, "uuid": uuid}
         if self._link is None and time.monotonic() < self._retry_at:
             return self.refuse("unreachable", "waiting to connect again")
+        self._deadline = time.monotonic() + self.config.timeout_s
         try:
             if self._link is None:
                 self._connect()
@@ -766,10 +813,11 @@ class KVConsumer(KVConnector):
             self._drop()
             return self.refuse("bad answer", f"{type(e).__name__}: {e}")
         except (OSError, EOFError, TimeoutError, AuthenticationError) as e:
-            self._drop()  # connect again at the next lookup, RETRY_S from now at the soonest
-            self._retry_at = time.monotonic() + min(RETRY_S, self.config.timeout_s)
+            self._drop()  # connect again at a later lookup (_unreachable)
+            self._unreachable()
             why = f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__}: the producer closed the connection"
             return self.refuse("unreachable", why)
+        self._failures = 0  # it answered
         if "refused" in reply:
             return self.refuse(str(reply["refused"]), str(reply.get("detail")))
         try:
@@ -792,12 +840,13 @@ class KVConsumer(KVConnector):
             sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
             structs = KVPool(**{f: jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)
                                 for f, (dtype, shape) in shapes.items()})
-            deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.config.timeout_s)
+            budget = self._left()
+            deadline = datetime.datetime.now() + datetime.timedelta(seconds=budget)
             try:
-                kv = _ready_within(self._pull.pull(uuid, structs, timeout=deadline), self.config.timeout_s)
+                kv = _ready_within(self._pull.pull(uuid, structs, timeout=deadline), budget)
             except Exception as e:  # the pull timed out or failed: the arrays hold its error
                 self._drop()
-                self._retry_at = time.monotonic() + min(RETRY_S, self.config.timeout_s)
+                self._unreachable()
                 return self.refuse("unreachable", f"pull failed: {type(e).__name__}: {e}")
         have = page_layout(kv) if isinstance(kv, KVPool) else None
         if have != self.layout or {x.shape[2] for x in jax.tree.leaves(kv)} != {n}:
