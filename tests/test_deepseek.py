@@ -15,8 +15,8 @@ the other formulation, not a copy of ours.
 Checked: logits through flat mixed batches (prefill chunks beside decode
 tokens) on a latent pool full of NaN, at every chunk's last token, within
 ``LOGIT_ATOL`` (f32 on both sides, matmul precision "highest"); greedy
-continuations through the serving engine, with prefix caching and with
-recompute preemption, equal to ``generate(do_sample=False)``; the pool's
+continuations through the serving engine, with prefix caching and (``-m
+slow``) with recompute preemption, equal to ``generate(do_sample=False)``; the pool's
 bytes per token equal the MLA maths; bad configs refused by name.
 """
 
@@ -116,7 +116,8 @@ def test_ragged_batches_match_transformers(checkpoint):
     print(f"{name}: largest logit difference {worst:.2e}")
 
 
-@pytest.mark.parametrize("pages", [256, 14], ids=["roomy", "preempting"])
+@pytest.mark.parametrize("pages", [pytest.param(256, id="roomy"),
+                                   pytest.param(14, id="preempting", marks=pytest.mark.slow)])
 def test_greedy_continuations_through_the_engine_match_transformers(checkpoint, pages):
     """Through the serving engine (chunked prefill, page size 4, prefix
     caching, a prompt again afterwards to hit it; a pool small enough to
