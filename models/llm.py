@@ -43,7 +43,14 @@ from models.deepseek.loader import load_hf_deepseek
 from models.deepseek.model import DeepseekModel
 from models.llama import Llama
 from models.loading.hf_config import CONFIG
-from models.loading.hf_loader import TOKENIZER, load_hf, load_hf_model, load_hf_tokenizer, read_json
+from models.loading.hf_loader import (
+    TOKENIZER,
+    folder_stop_ids,
+    load_hf,
+    load_hf_model,
+    load_hf_tokenizer,
+    read_json,
+)
 from models.presets import PRESETS, random_model
 from models.ragged import RaggedModel
 from models.smollm2 import load_llama_gguf, load_smollm2
@@ -269,13 +276,16 @@ class LLM:
                              f"{max_seq_len=}")
         check_pool(max_seq_len)
         config = EngineConfig(max_seq_len=max_seq_len, **engine_options)
+        stop_ids = tokenizer.stop_ids if tokenizer is not None else ()
+        if tokenizer is None and not isinstance(model, tuple) and pathlib.Path(model).expanduser().is_dir():
+            stop_ids = folder_stop_ids(pathlib.Path(model).expanduser())  # no tokenizer.json: config's EOS
         if isinstance(llama, DeepseekModel):  # MLA: a latent pool, one vector a token and layer
             paged, pool = llama, llama.make_kv_pool(num_pages, page_size, kv_dtype)
         else:
             paged = RaggedModel(llama)
             pool = paged.make_budget_kv_pool(num_pages, page_size, kv_dtype, grouped=config.pages_by_layer_group)
         self.engine = Engine(paged, pool, config,
-                             stop_ids=tokenizer.stop_ids if tokenizer is not None else (), tokenizer=tokenizer)
+                             stop_ids=stop_ids, tokenizer=tokenizer)
         self.tokenizer = tokenizer
         self.name = name
         self.config = llama.config

@@ -38,6 +38,7 @@ from models.llm import LLM
 from paged_jax.engine.core import Engine, EngineConfig, Request
 from paged_jax.memory import ModelPreset
 from paged_jax.paging.kv_cache import init_kv_pool
+from paged_jax.tiers.connector import KVTransferConfig
 from tests.decoder_helpers import mixed_calls
 
 LOGIT_ATOL = 5e-5
@@ -142,8 +143,8 @@ def test_greedy_continuations_through_the_engine_match_transformers(checkpoint, 
 
 def test_llm_serves_the_folder(checkpoint):
     """``LLM`` takes a DeepSeek-V3 folder like any other (a latent pool,
-    token-id prompts without a tokenizer); a quantized pool is refused by
-    name."""
+    token-id prompts without a tokenizer, the config's EOS as the stop
+    token); a quantized pool is refused by name."""
     name, folder, hf, _ = checkpoint
     if name == "dense":
         pytest.skip("one architecture is enough for the entry point")
@@ -151,11 +152,41 @@ def test_llm_serves_the_folder(checkpoint):
         llm = LLM(str(folder), kv_tokens=256, page_size=4, max_seqs=2)
     assert llm.engine.kv.latent and llm.engine.kv.head_dim == 40
     with torch.no_grad():
-        want = [hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p):].tolist()
-                for p in PROMPTS[:2]]
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False,
+                            eos_token_id=DIMS["eos_token_id"])[0, len(p):].tolist() for p in PROMPTS[:2]]
     assert [o.output_ids for o in llm.generate(PROMPTS[:2], max_tokens=6)] == want
     with pytest.warns(UserWarning), pytest.raises(ValueError, match="float pages only"):
         LLM(str(folder), kv_tokens=64, page_size=4, max_seq_len=32, kv_dtype="int8")
+
+
+@pytest.mark.parametrize("transport", ["host", "jax_transfer"])
+def test_latent_pages_cross_between_engines(transport):
+    """Prefill/decode disaggregation on an MLA model: a producer engine keeps
+    the latent pages (no V), a consumer loads them over either transport;
+    outputs equal one engine's."""
+    config = config_from_hf({**DIMS, **CHECKPOINTS["moe"], "model_type": "deepseek_v3",
+                             "moe_intermediate_size": 32})
+    model = DeepseekModel(config, init_params(config, jax.random.key(1), std=0.2))
+
+    def engine(kv_transfer=None):
+        return Engine(model, model.make_kv_pool(64, 4), EngineConfig(max_seqs=2, max_seq_len=48,
+                                                                     max_num_batched_tokens=32,
+                                                                     kv_transfer=kv_transfer))
+
+    def requests(max_new):
+        return [Request(request_id=i, prompt_ids=p, max_new_tokens=max_new, ignore_eos=True)
+                for i, p in enumerate(PROMPTS[:2])]
+
+    want = {o.request_id: o.outputs[0].output_ids for o in engine().run(requests(NEW_TOKENS))}
+    producer = engine(KVTransferConfig("producer", transport=transport))
+    producer.run(requests(1))
+    consumer = engine(KVTransferConfig("consumer", address=producer.kv_manager.offload.remote.address,
+                                       transport=transport, timeout_s=10))
+    outs = consumer.run(requests(NEW_TOKENS))
+    assert {o.request_id: o.outputs[0].output_ids for o in outs} == want
+    assert [o.num_remote_cached_tokens for o in outs] == [20, 16] and not consumer.kv_manager.offload.remote.refused
+    producer.close()
+    consumer.close()
 
 
 def test_a_latent_pool_holds_the_mla_bytes_per_token():

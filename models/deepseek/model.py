@@ -140,7 +140,8 @@ def check_latent_pool(config: DeepseekConfig, kv: KVPool) -> None:
                          f"{kv.head_dim}; this model needs {config.num_layers} layers, 1 head of "
                          f"{config.latent_dim}")
     if kv.quantized:
-        raise ValueError(f"kv is a {kv.k.dtype} latent pool; the MLA decoder reads float pages only for now")
+        raise ValueError(f"kv_dtype={kv.k.dtype.name}: the MLA decoder reads float pages only for now (float32, "
+                         "bfloat16, float16)")
 
 
 def forward_ragged(config: DeepseekConfig, params: dict, batch: RaggedBatch, kv: KVPool, *,
@@ -275,6 +276,8 @@ class DeepseekModel:
         check_latent_pool(self.config, kv)
 
     def apply(self, params, batch: RaggedBatch, kv: KVPool) -> tuple[jax.Array, KVPool, jax.Array]:
+        """:func:`forward_ragged` with this model's config and ``impl``:
+        ``(logits f32[R, V], kv, finite bool[T])``."""
         return forward_ragged(self.config, params, batch, kv, impl=self.impl)
 
 

@@ -326,6 +326,23 @@ def _token_text(value, path: pathlib.Path, name: str) -> str | None:
                      f"an object with 'content', or null")
 
 
+def folder_stop_ids(folder: str | os.PathLike) -> list[int]:
+    """The ``eos_token_id`` entries of a checkpoint folder's ``config.json``
+    and ``generation_config.json`` (where present): the tokens that end a
+    generation when the folder has no ``tokenizer.json`` to say so.
+
+    Raises:
+      FileNotFoundError: no such folder or ``config.json``.
+      ValueError: an entry that is not a token id, naming the file.
+    """
+    folder = checkpoint_folder(folder)
+    out = _id_list(read_json(folder / CONFIG).get("eos_token_id"), folder / CONFIG, "eos_token_id")
+    if (folder / GENERATION_CONFIG).is_file():
+        out += _id_list(read_json(folder / GENERATION_CONFIG).get("eos_token_id"), folder / GENERATION_CONFIG,
+                        "eos_token_id")
+    return list(dict.fromkeys(out))
+
+
 def _id_list(value, path: pathlib.Path, field: str) -> list[int]:
     """A token id or a list of them (``eos_token_id``), as a list.
 

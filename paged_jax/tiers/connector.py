@@ -76,7 +76,7 @@ import numpy as np
 
 from paged_jax.checks import check_int
 from paged_jax.paging.kv_cache import KVPool
-from paged_jax.tiers.disk import FRAME_ERRORS, encode_extra, pack_frame, page_layout, unpack_frame
+from paged_jax.tiers.disk import FRAME_ERRORS, KV_FIELDS, encode_extra, pack_frame, page_layout, unpack_frame
 from paged_jax.tiers.host import HostPage, HostTier, all_finite, stack_pages
 
 ROLES = ("producer", "consumer")
@@ -672,10 +672,15 @@ class KVConsumer(KVConnector):
         try:
             self._deadline = time.monotonic() + config.timeout_s
             hello = self._connect()
-        except (OSError, EOFError, TimeoutError, AuthenticationError, ValueError, TypeError) as e:
+        except AuthenticationError as e:
+            self._drop()
+            raise ValueError(f"kv_transfer.authkey: the KV producer at {config.address!r} holds another key "
+                             f"({e}); give both ends the same --kv-authkey / $PAGED_JAX_KV_AUTHKEY") from None
+        except (OSError, EOFError, TimeoutError, ValueError, TypeError) as e:
             self._drop()
             raise ValueError(f"kv_transfer.address={config.address!r}: no KV producer answers there "
-                             f"({type(e).__name__}: {e})") from None
+                             f"({type(e).__name__}: {e}); a producer opens its port once its model is "
+                             "loaded") from None
         if "refused" in hello:
             self._drop()
             raise ValueError(f"kv_transfer.address={config.address!r}: the producer refused: {hello.get('detail')}")
@@ -838,8 +843,8 @@ class KVConsumer(KVConnector):
             n = _pow2(n)  # padded by the producer
             shapes = {f: (dtype, shape[:2] + (n,) + shape[3:]) for f, (dtype, shape) in self.layout.items()}
             sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-            structs = KVPool(**{f: jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)
-                                for f, (dtype, shape) in shapes.items()})
+            structs = KVPool(**{f: jax.ShapeDtypeStruct(shapes[f][1], np.dtype(shapes[f][0]), sharding=sharding)
+                                if f in shapes else None for f in KV_FIELDS})  # a latent pool has no V
             budget = self._left()
             deadline = datetime.datetime.now() + datetime.timedelta(seconds=budget)
             try:

@@ -55,7 +55,8 @@ MAGIC = b"PJKV\x01"
 """The first bytes of a page file (format version 1)."""
 _LEN = struct.Struct("<I")
 _DIGEST = 32
-_FIELDS = ("k", "v", "k_scale", "v_scale")
+KV_FIELDS = ("k", "v", "k_scale", "v_scale")
+"""A :class:`paged_jax.paging.kv_cache.KVPool`'s leaves, in the order a frame holds them (None ones absent)."""
 
 
 def kv_fingerprint(params, kv: KVPool, *, extra: str = "") -> str:
@@ -91,7 +92,7 @@ def pack_frame(header: dict, kv: KVPool | None = None) -> bytes:
     Raises:
       TypeError: ``header`` not JSON-serializable.
     """
-    fields = [] if kv is None else [f for f in _FIELDS if getattr(kv, f) is not None]
+    fields = [] if kv is None else [f for f in KV_FIELDS if getattr(kv, f) is not None]
     leaves = [np.ascontiguousarray(np.asarray(getattr(kv, f))) for f in fields]
     head = json.dumps({**header, "leaves": [[f, x.dtype.name, list(x.shape)] for f, x in zip(fields, leaves)]})
     return b"".join([_LEN.pack(len(head)), head.encode(), *(x.view(np.uint8).reshape(-1).data for x in leaves)])
@@ -114,7 +115,7 @@ def unpack_frame(data: bytes, start: int = 0) -> tuple[dict, KVPool | None]:
         raise ValueError("the header is not an object")
     leaves, offset = {}, start + n
     for field, dtype, shape in head.pop("leaves"):
-        if field not in _FIELDS or field in leaves:
+        if field not in KV_FIELDS or field in leaves:
             raise ValueError(f"field {field!r}")
         dt, count = np.dtype(dtype), int(np.prod(shape))
         if dt.hasobject or dt != np.dtype(dt.name) or count < 0 or offset + count * dt.itemsize > len(data):
@@ -123,7 +124,7 @@ def unpack_frame(data: bytes, start: int = 0) -> tuple[dict, KVPool | None]:
         offset += count * dt.itemsize
     if offset != len(data):
         raise ValueError("bytes past the last leaf")
-    return head, (KVPool(**{f: leaves.get(f) for f in _FIELDS}) if leaves else None)
+    return head, (KVPool(**{f: leaves.get(f) for f in KV_FIELDS}) if leaves else None)
 
 
 def _expected_len(data: bytes) -> int | None:
@@ -147,7 +148,8 @@ def page_layout(kv: KVPool) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 def _leaves(kv: KVPool) -> dict[str, tuple[str, tuple[int, ...]]]:
     """``{field: (dtype name, shape)}`` of ``kv``'s leaves."""
-    return {f: (getattr(kv, f).dtype.name, tuple(getattr(kv, f).shape)) for f in _FIELDS if getattr(kv, f) is not None}
+    return {f: (getattr(kv, f).dtype.name, tuple(getattr(kv, f).shape))
+            for f in KV_FIELDS if getattr(kv, f) is not None}
 
 
 def encode_extra(extra: Hashable) -> list | None:
