@@ -145,9 +145,7 @@ def test_llm_serves_the_folder(checkpoint):
     """``LLM`` takes a DeepSeek-V3 folder like any other (a latent pool,
     token-id prompts without a tokenizer, the config's EOS as the stop
     token); a quantized pool is refused by name."""
-    name, folder, hf, _ = checkpoint
-    if name == "dense":
-        pytest.skip("one architecture is enough for the entry point")
+    _, folder, hf, _ = checkpoint
     with pytest.warns(UserWarning, match="no tokenizer.json"):
         llm = LLM(str(folder), kv_tokens=256, page_size=4, max_seqs=2)
     assert llm.engine.kv.latent and llm.engine.kv.head_dim == 40

@@ -721,14 +721,15 @@ class Engine:
         the engine, and is not counted as cached in the request's output."""
         bad: list[SequenceGroup] = []
 
-        def check(seq, broken):
-            if broken and seq.group.remote_pages and not seq.done and not seq.stale and seq.group not in bad:
-                bad.append(seq.group)
+        def suspect(seq):  # reads a connector's pages, and is not finished or being recomputed already
+            return seq.group.remote_pages and not seq.done and not seq.stale and seq.group not in bad
 
         for seq, slot, _ in call.wrote:
-            check(seq, not kv_ok[slot])
+            if suspect(seq) and not kv_ok[slot]:
+                bad.append(seq.group)
         for seq, slot in zip(call.samplers, call.sampler_slots):
-            check(seq, np.isnan(top_lps[slot]).any() if seq.group.beam else sampled[slot] < 0)
+            if suspect(seq) and (np.isnan(top_lps[slot]).any() if seq.group.beam else sampled[slot] < 0):
+                bad.append(seq.group)
         for group in bad:
             if not group.num_preemptions:  # its first admission counted those pages as cached: they were not
                 tokens = min(len(group.remote_pages) * self.page_size, group.num_cached_tokens)
