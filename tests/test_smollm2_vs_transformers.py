@@ -32,8 +32,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported
 import torch  # noqa: E402  (the test extra: the oracle must be there, never skipped)
 import transformers  # noqa: E402
 
-from models.loading.gguf_loader import smollm2_gguf_path  # noqa: E402
 from models.llama import make_step_fn  # noqa: E402
+from models.loading.gguf_loader import smollm2_gguf_path  # noqa: E402
 from models.smollm2 import generate_greedy, load_smollm2  # noqa: E402
 from tests.decoder_helpers import mixed_calls  # noqa: E402
 
