@@ -364,6 +364,18 @@ PRESETS: dict[str, ModelPreset] = {
             num_params=116_830_000_000, source="openai/gpt-oss-120b config.json",
             sliding_window=128, num_sliding_layers=sliding_layer_count(36, 2),
         ),
+        # meta-llama/Llama-3.1-405B: 126 layers, 128 heads, 8 KV heads, hidden 16384, FFN 53248
+        # ("The Llama 3 Herd of Models", Table 3); 405,853,388,800 = its shapes counted (untied).
+        ModelPreset(
+            name="llama-3.1-405b", num_layers=126, num_kv_heads=8, head_dim=128,
+            num_params=405_853_388_800, source="meta-llama/Llama-3.1-405B config.json",
+        ),
+        # Qwen/Qwen3-235B-A22B: 94 layers, 64 heads, 4 KV heads, head_dim 128, 128 experts
+        # (8 active) of width 1536, hidden 4096, untied; 235,093,658,624 = its shapes counted.
+        ModelPreset(
+            name="qwen3-235b-a22b", num_layers=94, num_kv_heads=4, head_dim=128,
+            num_params=235_093_658_624, source="Qwen/Qwen3-235B-A22B config.json",
+        ),
         # meta-llama/Llama-2-70b-hf: 80 layers, 64 heads, 8 KV heads, hidden 8192.
         ModelPreset(
             name="llama-2-70b", num_layers=80, num_kv_heads=8, head_dim=128,

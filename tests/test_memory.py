@@ -71,8 +71,8 @@ def test_dtypes_scale_kv_and_weights():
 def test_all_presets_valid_and_named():
     assert set(PRESETS) == {
         "llama-2-7b", "llama-3-8b", "llama-3.1-8b", "qwen3-8b", "gemma-2-9b", "gemma-3-12b", "gemma-3-27b",
-        "gpt-oss-20b", "gpt-oss-120b", "llama-2-70b", "llama-3-70b", "mixtral-8x7b",
-        "qwen2.5-7b", "smollm2-135m", "deepseek-v3", "kimi-k2",
+        "gpt-oss-20b", "gpt-oss-120b", "llama-3.1-405b", "qwen3-235b-a22b", "llama-2-70b", "llama-3-70b",
+        "mixtral-8x7b", "qwen2.5-7b", "smollm2-135m", "deepseek-v3", "kimi-k2",
     }
     assert sum(p.is_mla for p in PRESETS.values()) == 2
     # (layers, KV heads, head dim, window, sliding layers) of the published configs.

@@ -27,18 +27,16 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import time
 
-import numpy as np
 from flax import nnx
 
 from experiments.lib import provenance
 from experiments.lib.cli import machine
+from experiments.memory.engine_peak import serve_for_peak
 from models.config import LlamaConfig
 from models.llama import Llama
 from models.ragged import RaggedModel
-from paged_jax.engine.core import Engine, EngineConfig, Request
-from paged_jax.engine.sampling import SamplingParams
+from paged_jax.engine.core import Engine, EngineConfig
 from paged_jax.memory import layer_pages
 from paged_jax.paging.page_state import pages_for_tokens
 
@@ -65,15 +63,8 @@ def serve(model: RaggedModel, *, grouped: bool, full_pages: int, num_requests: i
     engine = Engine(model, pool, EngineConfig(
         max_seqs=args.max_seqs, max_seq_len=args.context, max_num_batched_tokens=args.budget_tokens,
         enable_prefix_caching=False, async_scheduling=True), vocab_size=config.vocab_size)
-    rng = np.random.default_rng(SEEDS["prompts"])
-    prompt_len = args.context - args.new_tokens
-    for i in range(num_requests):
-        engine.add_request(Request(request_id=i, prompt_ids=rng.integers(0, config.vocab_size, prompt_len).tolist(),
-                                   max_new_tokens=args.new_tokens, ignore_eos=True, sampling=SamplingParams()))
-    peak, t0 = 0, time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-        peak = max(peak, len(engine.running))
+    peak, seconds = serve_for_peak(engine, num_requests=num_requests, prompt_len=args.context - args.new_tokens,
+                                   new_tokens=args.new_tokens, vocab_size=config.vocab_size, seed=SEEDS["prompts"])
     st = engine.stats
     layers_per_page = pool.num_layers
     return {
@@ -87,7 +78,7 @@ def serve(model: RaggedModel, *, grouped: bool, full_pages: int, num_requests: i
         "window_dropped_pages": st.window_dropped_pages,
         "peak_layer_pages_used": st.peak_pages_used * layers_per_page,
         "generated_tokens": st.generated_tokens,
-        "seconds": round(time.perf_counter() - t0, 1),
+        "seconds": round(seconds, 1),
     }
 
 
