@@ -62,6 +62,20 @@ from paged_jax.attention.paged import (
 from paged_jax.checks import check_int
 
 
+def per_head_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w[n]`` for each head ``n``, in float32: x [..., N, A], w [N, A, Z]
+    -> f32[..., N, Z] (the absorptions ``W_UK`` and ``W_UV``). One batched
+    matmul with the heads as its batch axis, the query rows merged: XLA's
+    CPU backend runs ``einsum("TNH,NHC->TNC")`` with the head axis inside
+    5-20x slower at decode sizes (16 heads of DeepSeek-V3's 128 x 512, 4
+    to 32 rows: measured with ``experiments.kernels.mla_decode_bench``'s
+    machine), the same result."""
+    lead, (n, a) = x.shape[:-2], x.shape[-2:]
+    rows = x.reshape(-1, n, a).astype(jnp.float32)  # [M, N, A]
+    out = jax.lax.dot_general(rows, w.astype(jnp.float32), (((2,), (1,)), ((1,), (0,))))  # [N, M, Z]
+    return jnp.swapaxes(out, 0, 1).reshape(*lead, n, w.shape[-1])
+
+
 def _check_shapes(q_nope, q_pe, latent, w_uk, w_uv, kv_lora_rank, *, flat: bool) -> tuple[int, int]:
     """The shapes both forms and both layouts share (``flat``: the engine's
     [T, ...] queries and the stacked pool; else [B, T, ...] and a layer's
@@ -144,14 +158,14 @@ def absorbed_paged_attention(q_nope: jax.Array, q_pe: jax.Array, latent_pages: j
     """
     kv_lens, q_lens, layer = check_latent(q_nope, q_pe, latent_pages, block_tables, kv_lens, q_lens, w_uk, w_uv,
                                           kv_lora_rank, scale=scale, layer=layer)
-    q_lat = jnp.einsum("BTNH,NHC->BTNC", q_nope.astype(jnp.float32), w_uk.astype(jnp.float32))
+    q_lat = per_head_matmul(q_nope, w_uk)
     q = jnp.concatenate([q_lat, q_pe.astype(jnp.float32)], axis=-1)  # [B, T, N, C + R]
     # Keys and values are the same pages: the value of a token is its latent (the k_pe columns come out and
     # are dropped; FlashMLA computes them too, as one 576-wide pass).
     out = unchecked_xla_paged_attention(q, latent_pages, latent_pages, block_tables, kv_lens, q_lens, layer,
                                         scale=scale)
     o_lat = out[..., :kv_lora_rank].astype(jnp.float32)  # [B, T, N, C]
-    return jnp.einsum("BTNC,NCO->BTNO", o_lat, w_uv.astype(jnp.float32))
+    return per_head_matmul(o_lat, w_uv)
 
 
 def expanded_paged_attention(q_nope: jax.Array, q_pe: jax.Array, latent_pages: jax.Array, block_tables: jax.Array,
@@ -208,8 +222,8 @@ def absorbed_ragged_attention(q_nope: jax.Array, q_pe: jax.Array, latent_pool: j
       ValueError: shapes that disagree (named), or what ``attend`` refuses.
     """
     C, _ = _check_shapes(q_nope, q_pe, latent_pool, w_uk, w_uv, kv_lora_rank, flat=True)
-    q_lat = jnp.einsum("TNH,NHC->TNC", q_nope.astype(jnp.float32), w_uk.astype(jnp.float32))
+    q_lat = per_head_matmul(q_nope, w_uk)
     q = jnp.concatenate([q_lat, q_pe.astype(jnp.float32)], axis=-1)  # [T, N, C + R]
     out = ragged.attend(q, latent_pool, latent_pool, layer, batch, impl=impl, scale=scale)
-    return jnp.einsum("TNC,NCO->TNO", out[..., :C].astype(jnp.float32), w_uv.astype(jnp.float32))
+    return per_head_matmul(out[..., :C], w_uv)
 

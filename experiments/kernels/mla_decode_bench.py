@@ -1,0 +1,179 @@
+"""One decode step of MLA attention against a GQA step that reads the same bytes.
+
+    python -m experiments.kernels.mla_decode_bench
+
+MLA in the absorbed form (:func:`paged_jax.attention.latent.absorbed_paged_attention`:
+``W_UK`` folded into each head's query, multi-query attention over the
+latent pages, ``W_UV`` after) at DeepSeek-V3's per-head sizes (C = 512,
+R = 64, H_nope = H_v = 128) with ``N`` query heads (16: DeepSeek-V3's 128
+heads over 8-way tensor parallelism, as vLLM and SGLang serve it; 128: one
+device), against GQA paged attention
+(:func:`paged_jax.attention.paged.paged_attention`, the same XLA path
+underneath) with ``--gqa-kv-heads`` KV heads of a head dim chosen so K and
+V together are C + R = 576 values a token (2 heads of 144), and 16 query
+heads. Both read the same pages a token, the same tokens, in the same
+dtype; the MLA step also pays the two absorption einsums, which belong to
+its decode step. Each row times one call per layer (best of 5 loops,
+:func:`experiments.kernels.kernel_bench.time_call`) on uniform batches, and
+gives ``x GQA`` = MLA time / GQA time.
+
+Per key token MLA does ``N (2 (C + R) + 2 C)`` flops on one 576-value read;
+GQA does ``2 N (2 D)`` on the same read (D = 144). At N = 16 that is 17,408
+against 9,216 flops a token: both light enough to stay near memory speed on
+an accelerator; on a CPU, where a core's flops per byte are fewer, the
+ratio shows how much the extra work costs. Writes
+``results/mla_decode_bench.{md,csv}`` (with provenance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.kernels.kernel_bench import machine, time_call
+from experiments.lib import provenance
+from paged_jax.attention.latent import absorbed_paged_attention
+from paged_jax.attention.paged import paged_attention, unchecked_xla_paged_attention
+
+C, R, H, V = 512, 64, 128, 128  # DeepSeek-V3: kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim
+SEEDS = {"data": 0}
+TARGET = 1.5
+
+
+def _tables(batch: int, context: int, page_size: int) -> tuple[jax.Array, jax.Array, jax.Array, int]:
+    """Block tables (shuffled pages), kv_lens, q_lens for a uniform decode batch; pages in the pool."""
+    per_seq = -(-context // page_size)
+    rng = np.random.default_rng(SEEDS["data"])
+    pages = rng.permutation(batch * per_seq).reshape(batch, per_seq).astype(np.int32)
+    return (jnp.asarray(pages), jnp.full((batch,), context, jnp.int32), jnp.ones((batch,), jnp.int32),
+            batch * per_seq)
+
+
+def mla_call(batch: int, context: int, heads: int, page_size: int, dtype) -> tuple:
+    """The jitted absorbed decode step and its arguments."""
+    tables, kv_lens, q_lens, num_pages = _tables(batch, context, page_size)
+    k = jax.random.split(jax.random.key(SEEDS["data"]), 5)
+    latent = jax.random.normal(k[0], (1, num_pages, page_size, C + R), dtype)
+    q_nope = jax.random.normal(k[1], (batch, 1, heads, H), jnp.float32)
+    q_pe = jax.random.normal(k[2], (batch, 1, heads, R), jnp.float32)
+    w_uk = 0.05 * jax.random.normal(k[3], (heads, H, C), jnp.float32)
+    w_uv = 0.05 * jax.random.normal(k[4], (heads, C, V), jnp.float32)
+
+    def step(q_nope, q_pe, latent, tables, kv_lens, q_lens, w_uk, w_uv):
+        return absorbed_paged_attention(q_nope, q_pe, latent, tables, kv_lens, q_lens, w_uk, w_uv, kv_lora_rank=C,
+                                        scale=(H + R) ** -0.5)
+    return jax.jit(step), (q_nope, q_pe, latent, tables, kv_lens, q_lens, w_uk, w_uv)
+
+
+def mla_core_call(batch: int, context: int, heads: int, page_size: int, dtype) -> tuple:
+    """The attention of :func:`mla_call` alone: the absorbed queries (C + R
+    values a head) over the latent pages, keys and values the same pages,
+    as :func:`absorbed_paged_attention` calls it."""
+    tables, kv_lens, q_lens, num_pages = _tables(batch, context, page_size)
+    k = jax.random.split(jax.random.key(SEEDS["data"]), 2)
+    latent = jax.random.normal(k[0], (1, num_pages, page_size, C + R), dtype)
+    q = jax.random.normal(k[1], (batch, 1, heads, C + R), jnp.float32)
+
+    def step(q, latent, tables, kv_lens, q_lens):
+        return unchecked_xla_paged_attention(q, latent, latent, tables, kv_lens, q_lens, scale=(H + R) ** -0.5)
+    return jax.jit(step), (q, latent, tables, kv_lens, q_lens)
+
+
+def gqa_call(batch: int, context: int, heads: int, kv_heads: int, page_size: int, dtype) -> tuple:
+    """The jitted GQA decode step (head dim ``(C + R) / (2 kv_heads)``) and its arguments."""
+    head_dim = (C + R) // (2 * kv_heads)
+    tables, kv_lens, q_lens, num_pages = _tables(batch, context, page_size)
+    k = jax.random.split(jax.random.key(SEEDS["data"] + 1), 3)
+    kp = jax.random.normal(k[0], (kv_heads, num_pages, page_size, head_dim), dtype)
+    vp = jax.random.normal(k[1], (kv_heads, num_pages, page_size, head_dim), dtype)
+    q = jax.random.normal(k[2], (batch, 1, heads, head_dim), jnp.float32)
+
+    def step(q, kp, vp, tables, kv_lens, q_lens):
+        return paged_attention(q, kp, vp, tables, kv_lens, q_lens, impl="xla")
+    return jax.jit(step), (q, kp, vp, tables, kv_lens, q_lens)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m experiments.kernels.mla_decode_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", type=int, nargs="+", default=[8, 32], help="sequences a step")
+    p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048], help="tokens a sequence")
+    p.add_argument("--mla-heads", type=int, nargs="+", default=[16, 128], help="MLA query heads, N")
+    p.add_argument("--gqa-heads", type=int, default=16, help="GQA query heads")
+    p.add_argument("--gqa-kv-heads", type=int, default=2, choices=[1, 2, 3, 4, 6, 8, 9, 12],
+                   help="GQA KV heads; the head dim is 576 / (2 x this)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the pages' dtype")
+    p.add_argument("--min-seconds", type=float, default=0.2, help="each timed loop, seconds")
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
+    args = p.parse_args(argv)
+    for name in ("batches", "contexts", "mla_heads"):
+        if min(getattr(args, name)) < 1:
+            p.error(f"--{name.replace('_', '-')} must all be >= 1, got {getattr(args, name)}")
+    for name in ("gqa_heads", "page_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.gqa_heads % args.gqa_kv_heads:
+        p.error(f"--gqa-heads must be a multiple of --gqa-kv-heads, got {args.gqa_heads} and {args.gqa_kv_heads}")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    dtype = jnp.dtype(args.dtype)
+    rows = []
+    for batch in args.batches:
+        for context in args.contexts:
+            fn, a = gqa_call(batch, context, args.gqa_heads, args.gqa_kv_heads, args.page_size, dtype)
+            gqa_s = time_call(fn, *a, min_seconds=args.min_seconds)
+            kv_bytes = batch * context * (C + R) * dtype.itemsize
+            for heads in args.mla_heads:
+                fn, a = mla_call(batch, context, heads, args.page_size, dtype)
+                mla_s = time_call(fn, *a, min_seconds=args.min_seconds)
+                fn, a = mla_core_call(batch, context, heads, args.page_size, dtype)
+                core_s = time_call(fn, *a, min_seconds=args.min_seconds)
+                rows.append({"batch": batch, "context": context, "mla_heads": heads, "kv_mb": round(kv_bytes / 1e6, 1),
+                             "gqa_ms": round(gqa_s * 1e3, 3), "mla_core_ms": round(core_s * 1e3, 3),
+                             "mla_ms": round(mla_s * 1e3, 3), "core_x_gqa": round(core_s / gqa_s, 2),
+                             "x_gqa": round(mla_s / gqa_s, 2)})
+                print(rows[-1], flush=True)
+    head_dim = (C + R) // (2 * args.gqa_kv_heads)
+    text = "\n".join([
+        "# MLA decode step against a GQA step reading the same bytes",
+        "",
+        f"One layer's decode attention, one query token a sequence; pages of {args.page_size} tokens in "
+        f"{args.dtype}, 576 values a token on both sides. MLA: absorbed form, DeepSeek-V3's per-head sizes "
+        f"(C {C}, R {R}, H {H}, O {V}), N query heads, the absorption einsums included. GQA: "
+        f"{args.gqa_kv_heads} KV heads of {head_dim} (K and V: {2 * args.gqa_kv_heads * head_dim} values a token), "
+        f"{args.gqa_heads} query heads. Both through the XLA paged path. Machine: {machine()}.",
+        "",
+        "| batch | context | KV MB | GQA ms | MLA heads | MLA attention ms | x GQA | MLA step ms (with W_UK, W_UV) "
+        "| x GQA |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *[f"| {r['batch']} | {r['context']:,} | {r['kv_mb']:,} | {r['gqa_ms']} | {r['mla_heads']} | {r['mla_core_ms']} "
+          f"| {r['core_x_gqa']} | {r['mla_ms']} | {r['x_gqa']} |" for r in rows],
+        "",
+        f"Flops a key token and query token: GQA {2 * 2 * head_dim * args.gqa_heads:,} ({args.gqa_heads} heads x "
+        f"2 x 2 x {head_dim}); MLA {2 * (2 * (C + R)) * 1:,} a head ({2 * (C + R)} for the scores, as many for "
+        "the values, 576 columns of which 512 are kept), times N.",
+        "",
+        *[f"Target (issue 36): the MLA step at {n} heads within {TARGET}x the GQA step: "
+          f"{max(r['x_gqa'] for r in rows if r['mla_heads'] == n):.2f}x at worst "
+          f"({'met' if all(r['x_gqa'] <= TARGET for r in rows if r['mla_heads'] == n) else 'NOT met'}); "
+          f"its attention alone {max(r['core_x_gqa'] for r in rows if r['mla_heads'] == n):.2f}x at worst."
+          for n in args.mla_heads],
+    ])
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = provenance.collect("experiments.kernels.mla_decode_bench", argv, seeds=SEEDS)
+    provenance.write_markdown(args.out / "mla_decode_bench.md", text, record)
+    provenance.write_csv(args.out / "mla_decode_bench.csv", rows, list(rows[0]), record)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
