@@ -167,11 +167,7 @@ def main(argv=None) -> list[dict]:
           f"its attention alone {max(r['core_x_gqa'] for r in rows if r['mla_heads'] == n):.2f}x at worst."
           for n in args.mla_heads],
     ])
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    record = provenance.collect("experiments.kernels.mla_decode_bench", argv, seeds=SEEDS)
-    provenance.write_markdown(args.out / "mla_decode_bench.md", text, record)
-    provenance.write_csv(args.out / "mla_decode_bench.csv", rows, list(rows[0]), record)
+    provenance.publish(args.out, "mla_decode_bench", "experiments.kernels.mla_decode_bench", argv, SEEDS, text, rows)
     return rows
 
 

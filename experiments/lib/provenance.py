@@ -166,6 +166,20 @@ def write_csv(
         w.writerows(rows)
 
 
+def publish(out: pathlib.Path | str, stem: str, module: str, argv, seeds: Mapping, text: str,
+            rows: Sequence[Mapping]) -> None:
+    """Prints ``text`` and writes ``out/stem.md`` (``text``) and
+    ``out/stem.csv`` (``rows``, the first row's keys as the header), each
+    with the provenance of ``python -m module argv`` and ``seeds``; makes
+    ``out`` if missing."""
+    print(text)
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    record = collect(module, argv, seeds=seeds)
+    write_markdown(out / f"{stem}.md", text, record)
+    write_csv(out / f"{stem}.csv", rows, list(rows[0]), record)
+
+
 def read_csv(path: pathlib.Path | str) -> tuple[dict[str, str], list[dict[str, str]]]:
     """Reads a CSV written by :func:`write_csv` (or one without a block).
 

@@ -155,11 +155,7 @@ def main(argv=None) -> list[dict]:
           f"{n - args.new_tokens:,} tokens are prefilled, {args.budget_tokens:,} tokens a call) or "
           f"--num-requests." for r in rows if r["peak_layer_pages_used"] < 0.9 * budget],
     ])
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    record = provenance.collect("experiments.memory.hybrid_capacity", argv, seeds=SEEDS)
-    provenance.write_markdown(args.out / "hybrid_capacity.md", text, record)
-    provenance.write_csv(args.out / "hybrid_capacity.csv", rows, list(rows[0]), record)
+    provenance.publish(args.out, "hybrid_capacity", "experiments.memory.hybrid_capacity", argv, SEEDS, text, rows)
     return rows
 
 

@@ -168,11 +168,7 @@ def main(argv=None) -> dict:
         *[f"| {r['mla']} | {r['mla_params_b']} B | {r['mla_bytes_per_token']:,} | {r['gqa']} | {r['gqa_params_b']} B | "
           f"{r['gqa_bytes_per_token']:,} | {r['ratio']:.2f}x |" for r in sums],
     ])
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    record = provenance.collect("experiments.memory.mla_capacity", argv, seeds=SEEDS)
-    provenance.write_markdown(args.out / "mla_capacity.md", text, record)
-    provenance.write_csv(args.out / "mla_capacity.csv", rows, list(rows[0]), record)
+    provenance.publish(args.out, "mla_capacity", "experiments.memory.mla_capacity", argv, SEEDS, text, rows)
     return {"rows": rows, "measured": measured, "maths": maths, "maths_rows": sums}
 
 
