@@ -6,7 +6,10 @@ full query projection (DeepSeek-V2-Lite's attention), default RoPE and
 ``rope_interleave`` off; one with a query LoRA, a dense first layer then
 two mixture-of-experts layers (sigmoid routing with a random correction
 bias, 4 groups of which 2 are kept, top-2 of 8 experts, a shared expert,
-``routed_scaling_factor``), YaRN RoPE with mscale and interleaved RoPE dims.
+``routed_scaling_factor``), YaRN RoPE with mscale and interleaved RoPE dims;
+and one written by ``transformers.DeepseekV2ForCausalLM`` (softmax routing,
+``group_limited_greedy``, unnormalized weights, two shared experts, RoPE
+on complex pairs).
 Weights are random at unit-ish scale, norms included, so a mapping error
 cannot hide behind ones. transformers expands the latent to per-head K/V;
 ours attends in the absorbed form over latent pages: the oracle computes
@@ -58,16 +61,25 @@ CHECKPOINTS = {
                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                  "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
                                  "mscale": 0.707, "mscale_all_dim": 0.707}),
+    # DeepSeek-V2's softmax routing (group_limited_greedy, unnormalized weights) and complex-pair RoPE.
+    "v2": dict(q_lora_rank=None, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+               topk_group=2, topk_method="group_limited_greedy", n_shared_experts=2, moe_intermediate_size=32,
+               routed_scaling_factor=1.5,
+               rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
+                                "mscale": 0.707, "mscale_all_dim": 0.707}),
 }
+ARCHITECTURES = {"v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM")}
 
 
 @pytest.fixture(scope="module", params=list(CHECKPOINTS))
 def checkpoint(request, tmp_path_factory):
     """(name, folder, the transformers model, its logits per prompt f32[n, V])."""
     name = request.param
-    config = transformers.DeepseekV3Config(**DIMS, **CHECKPOINTS[name])
+    config_cls, model_cls = ARCHITECTURES.get(name, ("DeepseekV3Config", "DeepseekV3ForCausalLM"))
+    config = getattr(transformers, config_cls)(**DIMS, **CHECKPOINTS[name])
     torch.manual_seed(0)
-    hf = transformers.DeepseekV3ForCausalLM(config).eval()
+    hf = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
         for pname, p in hf.named_parameters():
             if pname.endswith("norm.weight") or "layernorm" in pname:
@@ -92,6 +104,8 @@ def test_the_config_reads_what_transformers_computes(checkpoint):
     assert config.query_scale == pytest.approx(hf.model.layers[0].self_attn.scaling, rel=1e-12)
     if name == "moe":
         assert config.num_dense_layers == 1 and config.router.topk_group == 2 and config.num_shared_experts == 1
+    if name == "v2":
+        assert (config.router.scoring, config.router.n_group, config.router.norm_topk_prob) == ("softmax", 4, False)
 
 
 def test_ragged_batches_match_transformers(checkpoint):
@@ -200,19 +214,32 @@ def test_a_latent_pool_holds_the_mla_bytes_per_token():
     assert per_token == 3 * 40 * 4 == preset.kv_bytes_per_token("float32")
 
 
-@pytest.mark.parametrize("field, value, words", [
-    ("model_type", "deepseek_v2", "expected one of deepseek_v3"),
-    ("topk_method", "greedy", "noaux_tc"),
-    ("scoring_func", "softmax", "sigmoid"),
-    ("hidden_act", "gelu", "silu"),
-    ("qk_rope_head_dim", 7, "even"),
-    ("n_group", 3, "divisible"),
-    ("kv_lora_rank", 0, "kv_lora_rank"),
+@pytest.mark.parametrize("base, field, value, words", [
+    ("moe", "model_type", "deepseek_v4", "expected one of deepseek_v3, deepseek_v2"),
+    ("moe", "topk_method", "greedy", "noaux_tc"),
+    ("moe", "scoring_func", "softmax", "sigmoid"),
+    ("moe", "hidden_act", "gelu", "silu"),
+    ("moe", "qk_rope_head_dim", 7, "even"),
+    ("moe", "n_group", 3, "divisible"),
+    ("moe", "kv_lora_rank", 0, "kv_lora_rank"),
+    ("v2", "topk_method", "noaux_tc", "'greedy' or 'group_limited_greedy'"),
+    ("v2", "scoring_func", "sigmoid", "softmax"),
+    ("v2", "norm_topk_prob", True, "never normalizes"),
+    ("v2", "n_group", 3, "divisible"),
 ])
-def test_bad_configs_are_refused_by_name(field, value, words):
-    cfg = {**DIMS, **CHECKPOINTS["moe"], "model_type": "deepseek_v3", "moe_intermediate_size": 32, field: value}
+def test_bad_configs_are_refused_by_name(base, field, value, words):
+    model_type = "deepseek_v2" if base == "v2" else "deepseek_v3"
+    cfg = {**DIMS, **CHECKPOINTS[base], "model_type": model_type, "moe_intermediate_size": 32, field: value}
     with pytest.raises(ValueError, match=words):
         config_from_hf(cfg, "x/config.json")
+
+
+def test_greedy_v2_routing_ignores_the_groups():
+    """DeepSeek-V2-Lite's ``topk_method: greedy``: plain top-k over every
+    expert, whatever ``n_group`` says."""
+    cfg = {**DIMS, **CHECKPOINTS["v2"], "model_type": "deepseek_v2", "topk_method": "greedy"}
+    router = config_from_hf(cfg, "x/config.json").router
+    assert (router.n_group, router.topk_group, router.scoring) == (1, 1, "softmax")
 
 
 def test_weights_of_other_shapes_are_refused_by_name():

@@ -1,4 +1,5 @@
-"""The DeepSeek-V3 architecture's shape (Kimi K2 shares it): multi-head
+"""The DeepSeek-V3 architecture's shape (Kimi K2 shares it; DeepSeek-V2 and
+V2-Lite are the same decoder with softmax routing): multi-head
 latent attention (MLA) with an optional query LoRA, the first
 ``first_k_dense_replace`` layers dense, the others mixture-of-experts with
 shared experts, YaRN RoPE with its mscale (DeepSeek-AI, "DeepSeek-V3
@@ -6,7 +7,8 @@ Technical Report", 2024, sections 2.1.1-2.1.2; the attention is
 DeepSeek-V2's, 2024, section 2.1).
 
 :func:`config_from_hf` reads a Hugging Face ``config.json`` of
-``model_type`` ``"deepseek_v3"`` (``kimi_k2`` checkpoints ship that type)
+``model_type`` ``"deepseek_v3"`` (``kimi_k2`` checkpoints ship that type) or
+``"deepseek_v2"``
 with :mod:`models.loading.hf_config`'s typed fields and RoPE reader, so a
 field that is missing, mistyped or asks for what the decoder cannot
 compute is refused by name.
@@ -23,7 +25,7 @@ from models.layers.rope import RopeScaling
 from models.loading.hf_config import CONFIG, Fields, read_rope
 from paged_jax.checks import check_bool, check_float, check_instance, check_int
 
-MODEL_TYPES = ("deepseek_v3",)
+MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
 """The ``config.json`` model types :func:`config_from_hf` reads."""
 
 
@@ -138,13 +140,18 @@ class DeepseekConfig:
 
 def config_from_hf(cfg: dict[str, Any], path: str = CONFIG) -> DeepseekConfig:
     """The :class:`DeepseekConfig` of a Hugging Face ``config.json`` (parsed)
-    of ``model_type`` ``"deepseek_v3"``, with transformers' defaults.
+    of ``model_type`` ``"deepseek_v3"`` or ``"deepseek_v2"``, with
+    transformers' defaults. DeepSeek-V2 routes with softmax scores,
+    ``topk_method`` ``"greedy"`` (no groups) or ``"group_limited_greedy"``,
+    weights not normalized (transformers' ``DeepseekV2TopkRouter``).
 
     Raises:
       ValueError: another ``model_type``; a missing or mistyped field; a
         feature the decoder does not compute (``hidden_act`` other than
-        ``silu``, ``attention_bias``, a quantized checkpoint, a ``topk_method``
-        other than ``noaux_tc``, ``scoring_func`` other than ``sigmoid``);
+        ``silu``, ``attention_bias``, a quantized checkpoint; for V3 a
+        ``topk_method`` other than ``noaux_tc`` or ``scoring_func`` other
+        than ``sigmoid``; for V2 one other than ``greedy`` /
+        ``group_limited_greedy`` or ``softmax``, or ``norm_topk_prob``);
         names ``path``, the field and its value.
     """
     f = Fields(cfg, path)
@@ -158,14 +165,28 @@ def config_from_hf(cfg: dict[str, Any], path: str = CONFIG) -> DeepseekConfig:
         raise f.bad("hidden_act", cfg["hidden_act"], "the MLPs are SwiGLU: only 'silu' is supported")
     if f.flag("attention_bias", False):
         raise f.bad("attention_bias", True, "MLA's projections have no biases here")
-    if f.get("topk_method", "noaux_tc") != "noaux_tc":
-        raise f.bad("topk_method", cfg["topk_method"], "DeepSeek-V3 routes by 'noaux_tc' (group-limited top-k "
-                                                       "with the correction bias)")
-    if f.get("scoring_func", "sigmoid") != "sigmoid":
-        raise f.bad("scoring_func", cfg["scoring_func"], "DeepSeek-V3 scores experts by 'sigmoid'")
+    v2 = model_type == "deepseek_v2"
+    if v2:
+        # transformers' DeepseekV2TopkRouter: softmax scores, "greedy" top-k or "group_limited_greedy" (groups
+        # scored by their best expert), weights never normalized, times routed_scaling_factor.
+        topk_method = f.get("topk_method", "greedy")
+        if topk_method not in ("greedy", "group_limited_greedy"):
+            raise f.bad("topk_method", topk_method, "DeepSeek-V2 routes by 'greedy' or 'group_limited_greedy'")
+        if f.get("scoring_func", "softmax") != "softmax":
+            raise f.bad("scoring_func", cfg["scoring_func"], "DeepSeek-V2 scores experts by 'softmax'")
+        if f.flag("norm_topk_prob", False):
+            raise f.bad("norm_topk_prob", True, "transformers' DeepSeek-V2 never normalizes the chosen weights; "
+                                                "a checkpoint that asks to is not supported")
+    else:
+        topk_method = f.get("topk_method", "noaux_tc")
+        if topk_method != "noaux_tc":
+            raise f.bad("topk_method", cfg["topk_method"], "DeepSeek-V3 routes by 'noaux_tc' (group-limited top-k "
+                                                           "with the correction bias)")
+        if f.get("scoring_func", "sigmoid") != "sigmoid":
+            raise f.bad("scoring_func", cfg["scoring_func"], "DeepSeek-V3 scores experts by 'sigmoid'")
     layers = f.integer("num_hidden_layers")
     max_pos = f.integer("max_position_embeddings", 4096)
-    theta, scaling, _ = read_rope(f, "deepseek_v3", max_pos)
+    theta, scaling, _ = read_rope(f, model_type, max_pos)
     rope = f.get("rope_scaling", None) or f.get("rope_parameters", None) or {}
     mscale_all = rope.get("mscale_all_dim", 0) or 0
     if not isinstance(mscale_all, (int, float)) or isinstance(mscale_all, bool) or mscale_all < 0:
@@ -175,9 +196,12 @@ def config_from_hf(cfg: dict[str, Any], path: str = CONFIG) -> DeepseekConfig:
     router = None
     if experts and first_dense < layers:
         try:
-            router = RouterConfig(num_experts=experts, top_k=f.integer("num_experts_per_tok"), scoring="sigmoid",
-                                  n_group=f.integer("n_group", 1), topk_group=f.integer("topk_group", 1),
-                                  norm_topk_prob=f.flag("norm_topk_prob", True),
+            grouped = topk_method != "greedy"
+            router = RouterConfig(num_experts=experts, top_k=f.integer("num_experts_per_tok"),
+                                  scoring="softmax" if v2 else "sigmoid",
+                                  n_group=f.integer("n_group", 1) if grouped else 1,
+                                  topk_group=f.integer("topk_group", 1) if grouped else 1,
+                                  norm_topk_prob=False if v2 else f.flag("norm_topk_prob", True),
                                   routed_scaling_factor=f.number("routed_scaling_factor",
                                                                  f.get("routed_scaling_factor", 1.0)))
         except ValueError as e:
@@ -207,6 +231,9 @@ def config_from_hf(cfg: dict[str, Any], path: str = CONFIG) -> DeepseekConfig:
 def rope_interleaved(cfg: dict[str, Any], path: str = CONFIG) -> bool:
     """Whether the checkpoint's RoPE dims come in interleaved pairs
     ``(x0, x1), (x2, x3), ...`` (``rope_interleave``, transformers' default
-    True for DeepSeek-V3); the loader then reorders those weights so the
-    decoder rotates halves, as for every other model here."""
+    True for DeepSeek-V3; always for DeepSeek-V2, whose rotation multiplies
+    the pairs as complex numbers); the loader then reorders those weights so
+    the decoder rotates halves, as for every other model here."""
+    if cfg.get("model_type") == "deepseek_v2":
+        return True
     return Fields(cfg, path).flag("rope_interleave", True)

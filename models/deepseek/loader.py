@@ -1,6 +1,6 @@
-"""DeepSeek-V3 checkpoints from Hugging Face folders (``DeepseekV3ForCausalLM``:
-``config.json`` and safetensors, the Hub's layout with one tensor per
-expert), into :class:`models.deepseek.model.DeepseekModel`'s weights.
+"""DeepSeek-V3 and DeepSeek-V2 checkpoints from Hugging Face folders
+(``DeepseekV3ForCausalLM``, ``DeepseekV2ForCausalLM``: ``config.json`` and
+safetensors, the Hub's layout with one tensor per expert), into :class:`models.deepseek.model.DeepseekModel`'s weights.
 
 What changes on the way: every ``[out, in]`` matrix is transposed to
 ``[in, out]``; ``kv_b_proj`` is split per head into ``w_uk`` [N, H, C] and
@@ -45,8 +45,8 @@ def _halves(rope_dims: int) -> np.ndarray:
 
 
 def load_hf_deepseek(folder: str | os.PathLike, *, param_dtype=jnp.float32, impl: str = "auto") -> DeepseekModel:
-    """A :class:`DeepseekModel` with a Hugging Face DeepSeek-V3 checkpoint's
-    weights.
+    """A :class:`DeepseekModel` with a Hugging Face DeepSeek-V3 or -V2
+    checkpoint's weights.
 
     Args:
       folder: the checkpoint folder.
@@ -113,7 +113,8 @@ def load_hf_deepseek(folder: str | os.PathLike, *, param_dtype=jnp.float32, impl
             continue
         E, Im, Is = c.router.num_experts, c.moe_mlp_dim, c.moe_mlp_dim * c.num_shared_experts
         put(m + "gate.weight", (E, D), stack, j, "router", lambda w: w)
-        put(m + "gate.e_score_correction_bias", (E,), stack, j, "bias", lambda w: w)
+        if c.router.scoring == "sigmoid":
+            put(m + "gate.e_score_correction_bias", (E,), stack, j, "bias", lambda w: w)
         for e in range(E):
             x = f"{m}experts.{e}."
             put(x + "gate_proj.weight", (Im, D), stack, (j, e), "w_gate", lambda w: w.T)

@@ -14,7 +14,7 @@ layers and one for the mixture-of-experts layers, each run under
   [N, C, O] (``kv_b_proj`` split per head); ``o`` [N, O, D];
 - dense layers: ``gate``, ``up`` [D, F], ``down`` [F, D];
 - MoE layers: ``router`` f32[E, D], ``bias`` f32[E] (the
-  ``e_score_correction_bias``), ``w_gate``, ``w_up`` [E, D, I], ``w_down``
+  ``e_score_correction_bias``; sigmoid routers only), ``w_gate``, ``w_up`` [E, D, I], ``w_down``
   [E, I, D], and the shared experts' ``shared_gate``, ``shared_up``
   [D, I_s], ``shared_down`` [I_s, D].
 
@@ -94,8 +94,10 @@ def param_shapes(config: DeepseekConfig) -> dict:
                            "down": (dense, c.mlp_dim, D)}
     if moe:
         E, Im, Is = c.router.num_experts, c.moe_mlp_dim, c.moe_mlp_dim * c.num_shared_experts
-        shapes["moe"] = {**layer(moe), "router": (moe, E, D), "bias": (moe, E), "w_gate": (moe, E, D, Im),
-                         "w_up": (moe, E, D, Im), "w_down": (moe, E, Im, D)}
+        shapes["moe"] = {**layer(moe), "router": (moe, E, D), "w_gate": (moe, E, D, Im), "w_up": (moe, E, D, Im),
+                         "w_down": (moe, E, Im, D)}
+        if c.router.scoring == "sigmoid":  # the correction bias: DeepSeek-V3's auxiliary-loss-free balancing
+            shapes["moe"]["bias"] = (moe, E)
         if Is:
             shapes["moe"].update(shared_gate=(moe, D, Is), shared_up=(moe, D, Is), shared_down=(moe, Is, D))
     return shapes
@@ -111,21 +113,19 @@ def init_params(config: DeepseekConfig, key: jax.Array, dtype=jnp.float32, std: 
     with ``std``, norms 1, the correction bias 0; for accelerator runs and
     tests where no checkpoint fits."""
     shapes = param_shapes(config)
-    flat, tree = jax.tree.flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
-        shapes, is_leaf=lambda s: isinstance(s, tuple))[0]]
-    keys = jax.random.split(key, len(flat))
-    out = []
-    for path, shape, k in zip(paths, flat, keys):
-        name = path.rsplit("'", 2)[-2]
+    is_shape = lambda s: isinstance(s, tuple)  # noqa: E731
+    keys = iter(jax.random.split(key, len(jax.tree.leaves(shapes, is_leaf=is_shape))))
+
+    def draw(path, shape):
+        name, k = path[-1].key, next(keys)
         dt = jnp.float32 if name in FLOAT32_PARAMS else dtype
         if name.endswith("norm"):
-            out.append(jnp.ones(shape, dt))
-        elif name == "bias":
-            out.append(jnp.zeros(shape, dt))
-        else:
-            out.append((std * jax.random.normal(k, shape, jnp.float32)).astype(dt))
-    return jax.tree.unflatten(tree, out)
+            return jnp.ones(shape, dt)
+        if name == "bias":
+            return jnp.zeros(shape, dt)
+        return (std * jax.random.normal(k, shape, jnp.float32)).astype(dt)
+
+    return jax.tree_util.tree_map_with_path(draw, shapes, is_leaf=is_shape)
 
 
 def check_latent_pool(config: DeepseekConfig, kv: KVPool) -> None:
@@ -194,7 +194,7 @@ def forward_ragged(config: DeepseekConfig, params: dict, batch: RaggedBatch, kv:
 
     def moe_mlp(p, h):
         logits = h.astype(jnp.float32) @ p["router"].T  # [T, E]
-        weights, experts = route(logits, c.router, p["bias"])
+        weights, experts = route(logits, c.router, p.get("bias"))
         y = routed_experts_ragged(h, experts, weights, p["w_gate"], p["w_up"], p["w_down"])
         if "shared_gate" in p:
             y = y + _swiglu(h, p["shared_gate"], p["shared_up"], p["shared_down"])
