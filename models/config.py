@@ -16,6 +16,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from models.layers.moe import RouterConfig
 from models.layers.rope import RopeScaling
 from paged_jax.checks import check_bool, check_choice, check_float, check_instance, check_int
 from paged_jax.paging.kv_cache import KVPool, default_kv_dtype, init_kv_pool
@@ -87,6 +88,12 @@ class LlamaConfig:
         (Gemma 2, some Gemma 3); None: no cap.
       query_scale: the attention logit scale; None: ``head_dim ** -0.5``
         (Gemma: ``query_pre_attn_scalar ** -0.5``).
+      router: None for dense MLPs; else every layer's MLP is a mixture of
+        experts routed by it (:class:`models.layers.moe.RouterConfig`,
+        Qwen3-MoE: softmax top-k; a dict of its fields is taken too), each
+        expert a SwiGLU of ``moe_mlp_dim`` (``mlp_dim`` then unused).
+      moe_mlp_dim: I, each routed expert's hidden width (>= 1 with a
+        router, 0 without).
 
     Raises:
       ValueError: a size that is not a positive int, an odd ``head_dim``
@@ -125,6 +132,8 @@ class LlamaConfig:
     attn_soft_cap: float | None = None
     final_soft_cap: float | None = None
     query_scale: float | None = None
+    router: RouterConfig | None = None
+    moe_mlp_dim: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "model_dim", "mlp_dim", "num_layers", "num_q_heads",
@@ -161,6 +170,18 @@ class LlamaConfig:
         check_bool("norm_plus_one", self.norm_plus_one)
         check_choice("norm_placement", self.norm_placement, NORM_PLACEMENTS)
         check_choice("mlp_activation", self.mlp_activation, MLP_ACTIVATIONS)
+        if isinstance(self.router, dict):
+            object.__setattr__(self, "router", RouterConfig(**self.router))
+        if self.router is None:
+            if self.moe_mlp_dim != 0:
+                raise ValueError(f"moe_mlp_dim is the experts' width: it must be 0 without a router, got "
+                                 f"moe_mlp_dim={self.moe_mlp_dim!r}")
+        else:
+            check_instance("router", self.router, RouterConfig, what="models.layers.moe.RouterConfig or None")
+            check_int("moe_mlp_dim", self.moe_mlp_dim)
+            if self.mlp_activation != "silu":
+                raise ValueError(f"the experts are SwiGLU: mlp_activation must be 'silu' with a router, got "
+                                 f"mlp_activation={self.mlp_activation!r}")
 
     def _check_layer_types(self) -> None:
         types = self.layer_types
@@ -200,7 +221,8 @@ class LlamaConfig:
         """Parameters, the embedding counted once when tied."""
         d, f, h = self.model_dim, self.mlp_dim, self.head_dim
         norms = {"pre": 2, "pre_post": 4, "post": 2}[self.norm_placement]
-        per_layer = norms * d + d * h * (2 * self.num_q_heads + 2 * self.num_kv_heads) + 3 * d * f
+        mlp = 3 * d * f if self.router is None else self.router.num_experts * (3 * d * self.moe_mlp_dim + d)
+        per_layer = norms * d + d * h * (2 * self.num_q_heads + 2 * self.num_kv_heads) + mlp
         if self.qkv_bias:
             per_layer += h * (self.num_q_heads + 2 * self.num_kv_heads)
         if self.qk_norm == "head":

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import LlamaConfig
+from models.layers.moe import route, routed_experts_ragged
 from models.layers.rope import apply_rope, rope_angles
 from paged_jax.attention import paged as paged_attn
 from paged_jax.checks import check_choice
@@ -148,6 +149,29 @@ class MLP(nnx.Module):
         return jnp.einsum("BTF,FD->BTD", act * up, self.w_down[...])
 
 
+class MoE(nnx.Module):
+    """A mixture-of-experts MLP (Qwen3-MoE's sparse block): the router's
+    top-k experts of ``config.router`` per token
+    (:func:`models.layers.moe.route`), each a SwiGLU of ``moe_mlp_dim``, run
+    as grouped matmuls (:func:`models.layers.moe.routed_experts_ragged`) and
+    summed with the router's weights. The router weight stays float32."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, stack: tuple[int, ...] = (),
+                 param_dtype=jnp.float32):
+        d, i, e = config.model_dim, config.moe_mlp_dim, config.router.num_experts
+        self.router = nnx.Param(_normal(rngs, stack + (e, d), d**-0.5, jnp.float32))  # [*, E, D]
+        self.w_gate = nnx.Param(_normal(rngs, stack + (e, d, i), d**-0.5, param_dtype))  # [*, E, D, I]
+        self.w_up = nnx.Param(_normal(rngs, stack + (e, d, i), d**-0.5, param_dtype))  # [*, E, D, I]
+        self.w_down = nnx.Param(_normal(rngs, stack + (e, i, d), i**-0.5, param_dtype))  # [*, E, I, D]
+        self.routing = config.router
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        flat = x.reshape(-1, x.shape[-1])  # [B * T, D]
+        weights, experts = route(flat.astype(jnp.float32) @ self.router[...].T, self.routing)
+        y = routed_experts_ragged(flat, experts, weights, self.w_gate[...], self.w_up[...], self.w_down[...])
+        return y.reshape(x.shape).astype(x.dtype)
+
+
 class Block(nnx.Module):
     """Decoder block. ``config.norm_placement``: ``"pre"``: ``x + attn(norm(x))``
     then ``x + mlp(norm(x))``; ``"pre_post"``: ``x + norm(attn(norm(x)))``
@@ -162,7 +186,8 @@ class Block(nnx.Module):
         self.attn = Attention(config, rngs=rngs, stack=stack, param_dtype=param_dtype)
         self.post_attn_norm = _norm(config, d, stack, param_dtype) if post else None
         self.mlp_norm = _norm(config, d, stack, param_dtype) if pre else None
-        self.mlp = MLP(config, rngs=rngs, stack=stack, param_dtype=param_dtype)
+        mlp = MLP if config.router is None else MoE
+        self.mlp = mlp(config, rngs=rngs, stack=stack, param_dtype=param_dtype)
         self.post_mlp_norm = _norm(config, d, stack, param_dtype) if post else None
 
     def __call__(self, x, cos, sin, cache, layer, attend, reduce=None):

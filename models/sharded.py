@@ -142,6 +142,10 @@ class ShardedLlama:
                              f"(paged_jax.distributed.sharding.make_mesh), got {mesh!r}")
         check_choice("impl", impl, paged_attn.IMPLS)
         base = model.config
+        if base.router is not None:
+            raise ValueError(f"model has a mixture-of-experts MLP ({base.router.num_experts} experts); tensor "
+                             "parallelism here splits dense MLPs only (experts split by "
+                             "models.layers.moe.routed_experts_sharded are not wired into this model yet)")
         m = mesh.shape[MODEL]
         self.mesh, self.impl = mesh, impl
         self.layout = head_layout(base.num_q_heads, base.num_kv_heads, m)

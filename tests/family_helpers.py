@@ -8,7 +8,7 @@ family differ from Llama to a value that changes the answer: an 8-token
 sliding window against prompts of 20-30 tokens, RoPE scaling whose
 thresholds fall inside the head's frequencies, soft caps small enough that
 ``tanh`` bends the logits, a ``query_pre_attn_scalar`` other than the head
-dim, a head dim other than ``D / N``. Weights are random at unit-ish scale
+dim, a head dim other than ``D / N``, top-2 of 8 experts renormalized. Weights are random at unit-ish scale
 (norm weights too), so a mapping error cannot hide behind zeros or ones.
 """
 
@@ -48,6 +48,10 @@ FAMILIES = {
                                        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
                                        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
     "olmo2": ("olmo2", dict()),
+    # Qwen3-MoE: every MLP 8 experts of width 32, top-2, renormalized.
+    "qwen3moe": ("qwen3_moe", dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   norm_topk_prob=True, rope_parameters={"rope_type": "default",
+                                                                         "rope_theta": 10000.0})),
 }
 """name -> (model_type, config fields beyond :data:`DIMS`)."""
 

@@ -4,7 +4,8 @@ models.layers.rope, the decoder's family options) against transformers.
 Each family's checkpoint is tiny, random and written by the test
 (tests/family_helpers.py: Llama 3.1 RoPE, Qwen3 with YaRN and a sliding
 layer, Gemma 2 with small soft caps, Gemma 3 with 5 sliding : 1 global
-layers and two RoPE bases, OLMo 2), loaded in f32 and compared with
+layers and two RoPE bases, OLMo 2, Qwen3-MoE with 8 experts a layer, top-2
+renormalized), loaded in f32 and compared with
 transformers (f32, eager attention) on the same weights:
 
 - logits at every position through the dense (training) forward, through
@@ -112,7 +113,11 @@ def test_config_is_what_the_family_computes(family):
         "gemma3": dict(qk_norm="head", attn_soft_cap=None, final_soft_cap=4.0, local_rope_theta=100.0,
                        rope_theta=10000.0, layer_types=("sliding_attention",) * 5 + ("full_attention",)),
         "olmo2": dict(qk_norm="full", norm_placement="post", tie_embeddings=False),
+        "qwen3moe": dict(qk_norm="head", head_dim=32, moe_mlp_dim=32, sliding_window=None),
     }[name]
+    if name == "qwen3moe":
+        assert (c.router.num_experts, c.router.top_k, c.router.scoring, c.router.norm_topk_prob) == (
+            8, 2, "softmax", True)
     assert {k: getattr(c, k) for k in expect} == expect
     assert (c.rope_scaling.rope_type if c.rope_scaling else None) == {
         "llama3": "llama3", "qwen3": "yarn", "gemma3": "linear"}.get(name)
@@ -184,7 +189,8 @@ def test_window_and_soft_caps_change_the_answer(family):
     c = model.config
     changes = {"llama3": dict(rope_scaling=None), "qwen3": dict(layer_types=None, sliding_window=None),
                "gemma2": dict(attn_soft_cap=None), "gemma3": dict(local_rope_theta=None),
-               "olmo2": dict(qk_norm=None)}[name]
+               "olmo2": dict(qk_norm=None),
+               "qwen3moe": dict(router=dataclasses.replace(c.router, norm_topk_prob=False))}[name]
     other = dataclasses.replace(c, **changes)
     twin = nnx.eval_shape(lambda: Llama(other, rngs=nnx.Rngs(0)))
     state = nnx.state(model)
@@ -302,8 +308,11 @@ def base(name: str) -> dict:
      r"field 'rope_parameters' is .*not a valid 'llama3' RoPE: high_freq_factor must be > low_freq_factor"),
     ("qwen3", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),
      r"field 'rope_parameters' is .*; rope type 'yarn' needs 'factor'"),
-    ("qwen3", dict(num_experts=8, num_experts_per_tok=2), r"field 'num_experts' is 8; mixture-of-experts"),
-    ("qwen3", dict(model_type="qwen3_moe"), r"field 'model_type' is 'qwen3_moe'; Qwen3-MoE is a mixture of experts"),
+    ("qwen3", dict(num_experts=8, num_experts_per_tok=2), r"field 'num_experts' is 8; mixture-of-experts fields"),
+    ("qwen3moe", dict(decoder_sparse_step=2), r"field 'decoder_sparse_step' is 2; only every layer sparse"),
+    ("qwen3moe", dict(mlp_only_layers=[0]), r"field 'mlp_only_layers' is \[0\]; dense layers among"),
+    ("qwen3moe", dict(num_experts_per_tok=9), r"the routing fields do not make a valid router: top_k"),
+    ("qwen3moe", dict(num_experts=None), r"field 'num_experts'"),
     ("gemma3", dict(model_type="gemma3"), r"field 'model_type' is 'gemma3'; this is the multimodal Gemma 3 config"),
     ("gemma3", dict(layer_types=["sliding_attention"] * 5),
      r"field 'layer_types' is \[.*\]; expected a list of 6 layer types"),

@@ -114,6 +114,17 @@ def test_an_uneven_mlp_split_names_both_numbers():
         ShardedLlama(Llama(TINY_GQA, rngs=nnx.Rngs(0)), mesh)
 
 
+def test_a_mixture_of_experts_model_is_refused_not_split_wrong():
+    """The dense MLP's column split would cut an expert's D axis: refused by name."""
+    import dataclasses
+
+    from models.layers.moe import RouterConfig
+
+    moe = dataclasses.replace(TINY_GQA, router=RouterConfig(num_experts=4, top_k=2), moe_mlp_dim=16)
+    with pytest.raises(ValueError, match="mixture-of-experts MLP \\(4 experts\\)"):
+        ShardedLlama(Llama(moe, rngs=nnx.Rngs(0)), make_mesh(1, 2, devices=jax.devices()[:2]))
+
+
 def test_weights_and_pool_are_split_over_the_mesh():
     """Each device holds its share: query/KV heads and MLP columns over the
     model axis, pages over the data axis."""

@@ -11,6 +11,9 @@ Supported ``model_type`` values::
   qwen3        Qwen3 (dense): RMSNorm on each query and key head before RoPE;
                sliding layers where ``layer_types`` (or ``max_window_layers``)
                puts them
+  qwen3_moe    Qwen3-MoE: Qwen3's attention, every MLP a mixture of experts
+               (softmax top-k, ``norm_topk_prob``; ``decoder_sparse_step`` 1,
+               no ``mlp_only_layers``)
   gemma2       GeGLU, ``sqrt(D)``-scaled embedding, ``1 + w`` norms before and
                after attention and MLP, attention and final logit soft caps,
                ``query_pre_attn_scalar``, sliding and global layers alternating
@@ -28,8 +31,8 @@ family's transformers defaults (Gemma 2's soft caps 50 / 30, window 4096,
 ``query_pre_attn_scalar`` 256; Gemma 3's RoPE bases 1e6 global / 1e4 local).
 
 Refused, each with a ``ValueError`` naming the file, the field and its value:
-other model types (``qwen3_moe``, ``qwen2_moe``, ``mixtral`` and ``gemma3``,
-the multimodal wrapper, by name); mixture-of-experts fields on any type;
+other model types (``qwen2_moe``, ``mixtral`` and ``gemma3``, the
+multimodal wrapper, by name); mixture-of-experts fields on any other type;
 rope types ``dynamic``, ``longrope`` and any other; partial rotary
 embeddings; an activation other than the family's (SiLU; Gemma's
 ``gelu_pytorch_tanh``); MLP biases; ``attention_bias`` (it adds an
@@ -44,12 +47,12 @@ from __future__ import annotations
 from typing import Any
 
 from models.config import LAYER_TYPES, LlamaConfig
+from models.layers.moe import RouterConfig
 from models.layers.rope import RopeScaling, yarn_attention_factor
 from paged_jax.checks import is_float, is_int
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "olmo2")
 REFUSED_MODEL_TYPES = {
-    "qwen3_moe": "Qwen3-MoE is a mixture of experts, which the decoder does not compute",
     "qwen2_moe": "Qwen2-MoE is a mixture of experts, which the decoder does not compute",
     "mixtral": "Mixtral is a mixture of experts, which the decoder does not compute",
     "gemma3": "this is the multimodal Gemma 3 config (text_config inside); only text-only checkpoints "
@@ -125,9 +128,14 @@ def config_from_hf(cfg: dict[str, Any], path: str = CONFIG) -> LlamaConfig:
     if f.get("quantization_config", None) is not None:
         raise f.bad("quantization_config", cfg["quantization_config"],
                     "quantized checkpoints are not supported (BF16 / F16 / F32 weights only)")
-    for name in MOE_FIELDS:
-        if f.get(name, None) not in (None, 0):
-            raise f.bad(name, cfg[name], "mixture-of-experts configs are not supported (dense MLPs only)")
+    if model_type == "qwen3_moe":
+        moe = _qwen3_moe(f)
+    else:
+        moe = {}
+        for name in MOE_FIELDS:
+            if f.get(name, None) not in (None, 0):
+                raise f.bad(name, cfg[name], f"mixture-of-experts fields are not supported for {model_type} "
+                                             "(dense MLPs only; qwen3_moe and deepseek_v3 / v2 have experts)")
     gemma = model_type in _GEMMA
     if gemma:  # Gemma's modeling code reads hidden_activation and ignores hidden_act
         act = f.get("hidden_activation", "gelu_pytorch_tanh")
@@ -176,10 +184,11 @@ def config_from_hf(cfg: dict[str, Any], path: str = CONFIG) -> LlamaConfig:
         layer_types=types,
         rope_scaling=scaling,
         local_rope_theta=local_theta,
-        qk_norm={"qwen3": "head", "gemma3_text": "head", "olmo2": "full"}.get(model_type),
+        qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "olmo2": "full"}.get(model_type),
         norm_plus_one=gemma,
         norm_placement="pre_post" if gemma else "post" if model_type == "olmo2" else "pre",
         mlp_activation="gelu_tanh" if gemma else "silu",
+        **moe,
     )
     if gemma:
         # transformers multiplies by hidden_size ** 0.5, rounded to the weights' dtype at run time.
@@ -195,6 +204,31 @@ def config_from_hf(cfg: dict[str, Any], path: str = CONFIG) -> LlamaConfig:
         raise ValueError(f"{path}: the fields do not make a valid decoder: {e}") from e
 
 
+def _qwen3_moe(f: Fields) -> dict:
+    """Qwen3-MoE's experts as :class:`LlamaConfig` fields (transformers'
+    ``Qwen3MoeSparseMoeBlock``: softmax over the router's logits, top
+    ``num_experts_per_tok``, renormalized with ``norm_topk_prob``), every
+    layer sparse: ``decoder_sparse_step`` 1 and no ``mlp_only_layers``
+    (the layer scan runs one kind of block; other patterns are refused)."""
+    step = f.integer("decoder_sparse_step", 1)
+    if step != 1:
+        raise f.bad("decoder_sparse_step", step, "only every layer sparse (1) is supported")
+    dense_layers = f.get("mlp_only_layers", None) or []
+    if dense_layers:
+        raise f.bad("mlp_only_layers", dense_layers, "dense layers among the sparse ones are not supported")
+    try:
+        # The Hub's configs say num_experts; transformers 5 writes its attribute map's num_local_experts.
+        experts = f.integer("num_experts" if "num_experts" in f.cfg or "num_local_experts" not in f.cfg
+                            else "num_local_experts")
+        router = RouterConfig(num_experts=experts, top_k=f.integer("num_experts_per_tok"),
+                              scoring="softmax", norm_topk_prob=f.flag("norm_topk_prob", False))
+    except ValueError as e:
+        if str(e).startswith(f.path):
+            raise
+        raise ValueError(f"{f.path}: the routing fields do not make a valid router: {e}") from e
+    return dict(router=router, moe_mlp_dim=f.integer("moe_intermediate_size"))
+
+
 def _layer_pattern(f: Fields, model_type: str, layers: int) -> tuple[int | None, tuple[str, ...] | None]:
     """``(sliding_window, layer_types)`` for :class:`LlamaConfig`: the window
     and, where layers differ, each layer's type (transformers' rules for
@@ -203,6 +237,9 @@ def _layer_pattern(f: Fields, model_type: str, layers: int) -> tuple[int | None,
         return None, None
     if model_type == "mistral":
         return (f.integer("sliding_window") if f.get("sliding_window", None) is not None else None), None
+    if model_type == "qwen3_moe":  # transformers' Qwen3MoeConfig: the window on every layer, or none
+        on = f.flag("use_sliding_window", False) and f.get("sliding_window", None) is not None
+        return (f.integer("sliding_window") if on else None), None
     if model_type in _GEMMA:
         if f.get("sliding_window", 4096) is None:
             raise f.bad("sliding_window", None, f"{model_type} needs a window for its sliding layers")

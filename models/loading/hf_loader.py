@@ -213,8 +213,9 @@ class Tensors:
 
 
 def _layout(config: LlamaConfig) -> dict[str, tuple[tuple[str, ...], int | None, tuple[int, ...], Callable]]:
-    """Hugging Face tensor name -> (our parameter path, layer or None, its
-    stored shape, stored array -> our per-layer array)."""
+    """Hugging Face tensor name -> (our parameter path, layer or None (or
+    ``(layer, expert)``), its stored shape, stored array -> our per-layer
+    array)."""
     v, d, f = config.vocab_size, config.model_dim, config.mlp_dim
     n, k, h = config.num_q_heads, config.num_kv_heads, config.head_dim
     same = lambda w: w  # noqa: E731
@@ -237,10 +238,22 @@ def _layout(config: LlamaConfig) -> dict[str, tuple[tuple[str, ...], int | None,
         ("self_attn.k_proj.weight", ("attn", "wk"), (k * h, d), lambda w: w.T.reshape(d, k, h)),
         ("self_attn.v_proj.weight", ("attn", "wv"), (k * h, d), lambda w: w.T.reshape(d, k, h)),
         ("self_attn.o_proj.weight", ("attn", "wo"), (d, n * h), lambda w: w.T.reshape(n, h, d)),
-        ("mlp.gate_proj.weight", ("mlp", "w_gate"), (f, d), transposed),
-        ("mlp.up_proj.weight", ("mlp", "w_up"), (f, d), transposed),
-        ("mlp.down_proj.weight", ("mlp", "w_down"), (d, f), transposed),
     ]
+    expert_tensors = []  # (suffix, path, shape, fn), one per expert: the layer index is (layer, expert)
+    if config.router is None:
+        layer_tensors += [
+            ("mlp.gate_proj.weight", ("mlp", "w_gate"), (f, d), transposed),
+            ("mlp.up_proj.weight", ("mlp", "w_up"), (f, d), transposed),
+            ("mlp.down_proj.weight", ("mlp", "w_down"), (d, f), transposed),
+        ]
+    else:  # the Hub's layout: one tensor per expert
+        i = config.moe_mlp_dim
+        layer_tensors.append(("mlp.gate.weight", ("mlp", "router"), (config.router.num_experts, d), same))
+        expert_tensors = [
+            ("gate_proj.weight", ("mlp", "w_gate"), (i, d), transposed),
+            ("up_proj.weight", ("mlp", "w_up"), (i, d), transposed),
+            ("down_proj.weight", ("mlp", "w_down"), (d, i), transposed),
+        ]
     if config.qkv_bias:
         layer_tensors += [
             ("self_attn.q_proj.bias", ("attn", "bq"), (n * h,), lambda b: b.reshape(n, h)),
@@ -256,6 +269,9 @@ def _layout(config: LlamaConfig) -> dict[str, tuple[tuple[str, ...], int | None,
     for i in range(config.num_layers):
         for suffix, path, shape, fn in layer_tensors:
             layout[f"model.layers.{i}.{suffix}"] = (("blocks",) + path, i, shape, fn)
+        for e in range(config.router.num_experts if expert_tensors else 0):
+            for suffix, path, shape, fn in expert_tensors:
+                layout[f"model.layers.{i}.mlp.experts.{e}.{suffix}"] = (("blocks",) + path, (i, e), shape, fn)
     return layout
 
 
