@@ -168,3 +168,15 @@ def test_a_latent_pool_refuses_kv_writes_and_bad_latents():
                                          (jnp.zeros((2, 20)), [4, 5], 2, "layer")):
         with pytest.raises(ValueError, match=needle):
             write_layer_latent(pool, layer, latent, jnp.asarray(slots, jnp.int32))
+
+
+def test_mla_decode_bench_compares_equal_bytes(tmp_path):
+    """experiments.kernels.mla_decode_bench at toy size: both sides read 576
+    values a token; the table and the target line are written."""
+    from experiments.kernels import mla_decode_bench
+
+    rows = mla_decode_bench.main(["--batches", "2", "--contexts", "32", "--mla-heads", "4", "--gqa-heads", "4",
+                                  "--min-seconds", "0.01", "--out", str(tmp_path)])
+    assert [(r["batch"], r["context"], r["mla_heads"], r["kv_mb"]) for r in rows] == [(2, 32, 4, 0.1)]
+    assert rows[0]["x_gqa"] > 0 and rows[0]["core_x_gqa"] > 0
+    assert "Target (issue 36): the MLA step at 4 heads within 1.5x" in (tmp_path / "mla_decode_bench.md").read_text()

@@ -255,3 +255,14 @@ def test_a_non_finite_logit_or_bias_gives_nan_weights_never_a_silent_choice(scor
     if scoring == "sigmoid":
         weights, _ = route(logits.at[1, 4].set(0.0), config, jnp.zeros(8).at[3].set(jnp.inf))
         assert np.isnan(weights).all()
+
+
+def test_moe_bench_times_both_forms(tmp_path):
+    """experiments.kernels.moe_bench at toy size: a row per (experts, tokens), both forms timed."""
+    from experiments.kernels import moe_bench
+
+    rows = moe_bench.main(["--tokens", "1", "16", "--experts", "4", "--model-dim", "16", "--expert-dim", "8",
+                           "--min-seconds", "0.01", "--out", str(tmp_path)])
+    assert [(r["experts"], r["tokens"]) for r in rows] == [(4, 1), (4, 16)]
+    assert all(r["ragged_ms"] > 0 and r["dense_ms"] > 0 for r in rows)
+    assert "one-hot / ragged_dot" in (tmp_path / "moe_bench.md").read_text()
