@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import pathlib
 import sys
 
 from experiments.lib import aot, aot_step, provenance

@@ -60,7 +60,6 @@ import itertools
 import math
 import os
 import pathlib
-import time
 from collections.abc import Callable
 
 import jax
@@ -70,6 +69,7 @@ import numpy as np
 from experiments.lib import provenance
 from experiments.lib.cli import RESULTS, add_flag, check_out_dir, cpu_model, resolve_dtype
 from experiments.lib.tables import markdown_table, write_table
+from experiments.lib.timing import time_call
 from models.presets import PRESETS as MODEL_PRESETS
 from paged_jax.attention import paged as attention
 from paged_jax.checks import check_int
@@ -154,24 +154,6 @@ def sharegpt_like_lengths(rng: np.random.Generator, batch: int, max_len: int) ->
     return np.clip(rng.lognormal(math.log(263), sigma, batch), 16, max_len).astype(np.int32)
 
 
-def time_call(fn, *args, min_seconds: float = 0.2, repeats: int = 5) -> float:
-    """Seconds per call: best over ``repeats`` of a loop lasting about
-    ``min_seconds`` (after one warm-up call that compiles)."""
-    jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    once = max(time.perf_counter() - start, 1e-6)
-    n = max(1, int(min_seconds / once))
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(n):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - start) / n)
-    return best
-
-
 @functools.partial(jax.jit, donate_argnums=1, keep_unused=True)
 def _copy_into(src: jax.Array, dst: jax.Array) -> jax.Array:
     """u32[n], u32[n] -> u32[n]: ``~src`` written into ``dst``'s donated
@@ -188,7 +170,7 @@ def copy_read_gbs(num_bytes: int, min_seconds: float = 0.2) -> float:
     GB/s (1e9 bytes read per second). The copy is one elementwise pass
     (bitwise not over u32, so no dtype conversion costs anything) from one
     buffer into another that reads every byte once and writes it once: it
-    moves twice the bytes counted. ``min_seconds``: see :func:`time_call`."""
+    moves twice the bytes counted. ``min_seconds``: see :func:`experiments.lib.timing.time_call`."""
     num_words = max(1, num_bytes // 4)
     src = jnp.zeros((num_words,), jnp.uint32)
     dst = [jnp.ones((num_words,), jnp.uint32)]
@@ -376,7 +358,7 @@ def run_case(cfg: BenchConfig, lengths: np.ndarray, dtype, impls: list[str], rng
       rng: source of the page order and the K/V and query values.
       label: the workload's name, written in every row.
       peak_read_gbs: the run's large-copy read bandwidth, GB/s (``pct_peak``).
-      min_seconds: length of each timed loop (:func:`time_call`).
+      min_seconds: length of each timed loop (:func:`experiments.lib.timing.time_call`).
 
     Raises:
       AssertionError: a paged implementation's output differs from dense

@@ -32,7 +32,7 @@ from flax import nnx
 
 from experiments.lib import provenance
 from experiments.lib.cli import machine
-from experiments.memory.engine_peak import serve_for_peak
+from experiments.lib.engine_peak import serve_for_peak
 from models.config import LlamaConfig
 from models.llama import Llama
 from models.ragged import RaggedModel
