@@ -312,6 +312,7 @@ def test_the_decoder_reads_per_group_tables_as_it_reads_one():
     assert got[True][r.request_id][0] == tokens[len(r.prompt_ids):]
 
 
+@pytest.mark.slow  # ~30 s; its engine path is the grouped-pool tests' above, its table is in results/
 def test_hybrid_capacity_script_counts_and_says_when_memory_did_not_bind(tmp_path):
     """experiments.memory.hybrid_capacity at toy size: the maths columns, and the
     warning when the schedule rather than the pool capped the sequences

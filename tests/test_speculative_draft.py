@@ -52,7 +52,8 @@ def _engine(**kwargs):
 
 @pytest.mark.parametrize("case", [
     dict(),
-    dict(preemption_mode="swap"),
+    # ~30 s; the default case preempts by recompute through the same rollback, test_speculative_engine swaps
+    pytest.param(dict(preemption_mode="swap"), marks=pytest.mark.slow),
     dict(prefix_caching=False, overlap=False),
 ], ids=["default", "swap", "no-prefix-cache-sync"])
 def test_draft_model_greedy_outputs_equal_without_speculation(case):
@@ -208,6 +209,7 @@ def test_a_batch_proposer_returning_the_wrong_number_of_lists_is_named():
             engine.step()
 
 
+@pytest.mark.slow  # ~35 s; test_an_early_exit_draft_keeps_greedy_outputs_and_follows_new_weights covers the draft
 def test_a_hybrid_targets_early_exit_pool_holds_its_share_of_the_bytes():
     # Sliding and full layers (Gemma 2's alternation): the target's pool holds a table per layer group; its first
     # three layers have a group more. The draft's pool holds as many tokens per group as the target's, so its
