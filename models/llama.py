@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import LlamaConfig
-from models.layers.moe import route, routed_experts_ragged
+from models.layers.moe import route, routed_experts
 from models.layers.rope import apply_rope, rope_angles
 from paged_jax.attention import paged as paged_attn
 from paged_jax.checks import check_choice
@@ -153,7 +153,7 @@ class MoE(nnx.Module):
     """A mixture-of-experts MLP (Qwen3-MoE's sparse block): the router's
     top-k experts of ``config.router`` per token
     (:func:`models.layers.moe.route`), each a SwiGLU of ``moe_mlp_dim``, run
-    as grouped matmuls (:func:`models.layers.moe.routed_experts_ragged`) and
+    by :func:`models.layers.moe.routed_experts` (one-hot on CPU, grouped matmuls elsewhere) and
     summed with the router's weights. The router weight stays float32."""
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, stack: tuple[int, ...] = (),
@@ -168,7 +168,7 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         flat = x.reshape(-1, x.shape[-1])  # [B * T, D]
         weights, experts = route(flat.astype(jnp.float32) @ self.router[...].T, self.routing)
-        y = routed_experts_ragged(flat, experts, weights, self.w_gate[...], self.w_up[...], self.w_down[...])
+        y = routed_experts(flat, experts, weights, self.w_gate[...], self.w_up[...], self.w_down[...])
         return y.reshape(x.shape).astype(x.dtype)
 
 

@@ -10,7 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.layers.moe import RouterConfig, route, routed_experts_dense, routed_experts_ragged, routed_experts_sharded
+from models.layers.moe import (
+    RouterConfig,
+    route,
+    routed_experts,
+    routed_experts_dense,
+    routed_experts_ragged,
+    routed_experts_sharded,
+)
 from paged_jax.distributed.sharding import make_mesh
 
 torch = pytest.importorskip("torch")
@@ -266,3 +273,21 @@ def test_moe_bench_times_both_forms(tmp_path):
     assert [(r["experts"], r["tokens"]) for r in rows] == [(4, 1), (4, 16)]
     assert all(r["ragged_ms"] > 0 and r["dense_ms"] > 0 for r in rows)
     assert "one-hot / ragged_dot" in (tmp_path / "moe_bench.md").read_text()
+
+
+def test_routed_experts_picks_a_form_and_every_form_agrees():
+    """``routed_experts``: "auto" is the one-hot dispatch on CPU (measured
+    faster there, moe_bench); every form gives the same outputs; an
+    unknown form is refused by name."""
+    k = jax.random.split(jax.random.key(3), 5)
+    x = jax.random.normal(k[0], (5, 8))
+    weights, ids = route(jax.random.normal(k[1], (5, 4)), RouterConfig(num_experts=4, top_k=2))
+    w_gate, w_up = jax.random.normal(k[2], (4, 8, 6)), jax.random.normal(k[3], (4, 8, 6))
+    w_down = jax.random.normal(k[4], (4, 6, 8))
+    args = (x, ids, weights, w_gate, w_up, w_down)
+    auto = routed_experts(*args)
+    assert jax.default_backend() == "cpu"
+    np.testing.assert_array_equal(auto, routed_experts_dense(*args))
+    np.testing.assert_allclose(routed_experts(*args, impl="ragged"), auto, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        routed_experts(*args, impl="loop")

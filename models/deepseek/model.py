@@ -27,7 +27,7 @@ slots, attention in the absorbed form
 folded into the query, multi-query attention over the latent pages,
 ``W_UV`` after) through the flat batch's one door, ``o``; a residual;
 RMSNorm, then the dense SwiGLU, or the routed experts
-(:func:`models.layers.moe.route`, :func:`models.layers.moe.routed_experts_ragged`)
+(:func:`models.layers.moe.route`, :func:`models.layers.moe.routed_experts`)
 plus the shared experts; a residual.
 
 Prefill is absorbed too, for now: the expanded form wins by flops only
@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.deepseek.config import DeepseekConfig
-from models.layers.moe import route, routed_experts_ragged
+from models.layers.moe import route, routed_experts
 from models.layers.rope import apply_rope, rope_angles
 from paged_jax.attention import paged as paged_attn
 from paged_jax.attention.batch import RaggedBatch
@@ -195,7 +195,7 @@ def forward_ragged(config: DeepseekConfig, params: dict, batch: RaggedBatch, kv:
     def moe_mlp(p, h):
         logits = h.astype(jnp.float32) @ p["router"].T  # [T, E]
         weights, experts = route(logits, c.router, p.get("bias"))
-        y = routed_experts_ragged(h, experts, weights, p["w_gate"], p["w_up"], p["w_down"])
+        y = routed_experts(h, experts, weights, p["w_gate"], p["w_up"], p["w_down"])
         if "shared_gate" in p:
             y = y + _swiglu(h, p["shared_gate"], p["shared_up"], p["shared_down"])
         return y

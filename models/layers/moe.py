@@ -29,9 +29,10 @@ assignments by expert and runs three ``jax.lax.ragged_dot`` grouped matmuls
 (work proportional to the assignments); :func:`routed_experts_dense` runs
 every expert on every token and combines with a one-hot weight matrix (work
 ``num_experts / top_k`` times more, in plain dense matmuls). Both give the
-same outputs; which is faster at which size is for a benchmark to say (not
-measured yet). :func:`routed_experts_sharded` splits the experts over a
-mesh axis (expert parallelism).
+same outputs; :func:`routed_experts` picks one (the one-hot dispatch on CPU,
+where ``experiments.kernels.moe_bench`` measured it faster at 9 of the 10
+sizes it tried; grouped matmuls elsewhere). :func:`routed_experts_sharded` splits the
+experts over a mesh axis (expert parallelism).
 
 Weights are ``x @ W`` oriented: ``w_gate`` and ``w_up`` ``[E, D, I]``,
 ``w_down`` ``[E, I, D]`` (a Hugging Face ``gate_up_proj`` ``[E, 2I, D]`` is
@@ -284,3 +285,28 @@ def routed_experts_dense(x: jax.Array, experts: jax.Array, weights: jax.Array, w
     y = jnp.einsum("tei,eid->ted", h, w_down).astype(jnp.float32)
     return jnp.einsum("te,ted->td", combine, y).astype(x.dtype)
 
+
+EXPERT_IMPLS = ("auto", "ragged", "dense")
+"""How :func:`routed_experts` runs the experts."""
+
+
+def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                   w_down: jax.Array, *, impl: str = "auto") -> jax.Array:
+    """The routed experts' output, by :func:`routed_experts_ragged`
+    (``impl="ragged"``) or :func:`routed_experts_dense` (``"dense"``); the
+    same arguments, result and errors. ``"auto"``: the one-hot dispatch on
+    CPU, where ``experiments.kernels.moe_bench`` measured it 1.15-1.6x
+    faster than ``ragged_dot`` at 9 of 10 sizes (1 to 2,048 tokens, 8 and
+    64 experts, top-2, model dim 512, experts 256 wide; 1.15x slower at 8
+    tokens and 8 experts: XLA's CPU ``ragged_dot`` costs more than running
+    every expert), and grouped matmuls elsewhere (GPU, TPU: the work the
+    assignments need, not ``E / top_k`` times it; unmeasured here).
+
+    Raises:
+      ValueError: an unknown ``impl``, or what the chosen form raises.
+    """
+    check_choice("impl", impl, EXPERT_IMPLS)
+    if impl == "auto":
+        impl = "dense" if jax.default_backend() == "cpu" else "ragged"
+    fn = routed_experts_dense if impl == "dense" else routed_experts_ragged
+    return fn(x, experts, weights, w_gate, w_up, w_down)
