@@ -171,6 +171,33 @@ def test_llm_serves_the_folder(checkpoint):
         LLM(str(folder), kv_tokens=64, page_size=4, max_seq_len=32, kv_dtype="int8")
 
 
+@pytest.mark.parametrize("checkpoint", ["moe"], indirect=True)  # one MoE checkpoint is enough for the server
+def test_the_server_serves_the_folder(checkpoint):
+    """The OpenAI server on an MLA model (a DeepSeek folder without a
+    tokenizer: token-id prompts): a completion's tokens are ``generate``'s,
+    and ``/metrics`` reports the latent pool."""
+    import httpx
+
+    from server import ThreadedServer, build_app
+
+    _, folder, hf, _ = checkpoint
+    with pytest.warns(UserWarning, match="no tokenizer.json"):
+        llm = LLM(str(folder), kv_tokens=256, page_size=4, max_seqs=2)
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=5, do_sample=False,
+                           eos_token_id=DIMS["eos_token_id"])[0, len(PROMPTS[0]):].tolist()
+    with ThreadedServer(build_app(llm, model_name="tiny-deepseek")) as srv, \
+            httpx.Client(base_url=srv.url, timeout=120) as http:
+        r = http.post("/v1/completions", json={"model": "tiny-deepseek", "prompt": PROMPTS[0], "max_tokens": 5,
+                                               "temperature": 0, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        metrics = http.get("/metrics").text
+    assert body["choices"][0]["token_ids"] == want and body["prompt_token_ids"] == PROMPTS[0]
+    assert body["usage"]["completion_tokens"] == len(want)
+    assert "paged_jax:" in metrics
+
+
 @pytest.mark.parametrize("transport", ["host", "jax_transfer"])
 def test_latent_pages_cross_between_engines(transport):
     """Prefill/decode disaggregation on an MLA model: a producer engine keeps
