@@ -62,13 +62,11 @@ import datetime
 import itertools
 import secrets
 import socket
-import struct
 import threading
 import time
 import warnings
 import weakref
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import answer_challenge, deliver_challenge
 from typing import Hashable, Sequence
 
 import jax
@@ -78,6 +76,7 @@ from paged_jax.checks import check_int
 from paged_jax.paging.kv_cache import KVPool
 from paged_jax.tiers.disk import FRAME_ERRORS, KV_FIELDS, encode_extra, pack_frame, page_layout, unpack_frame
 from paged_jax.tiers.host import HostPage, HostTier, all_finite, stack_pages
+from paged_jax.tiers.link import Link, ready_within, start_transfer_server
 
 ROLES = ("producer", "consumer")
 """A connector's roles: a producer saves pages and serves them, a consumer looks them up and loads them."""
@@ -98,7 +97,6 @@ longer run than fits in one, and a longer reply ends the connection."""
 MAX_REQUEST_BYTES = 1 << 28
 """The largest lookup a producer reads (256 MiB: a prompt of millions of
 tokens, with its keys); a longer one ends the connection."""
-READ_CHUNK_BYTES = 1 << 20
 MAX_HANDSHAKES = 64
 """Connections a producer keeps that have not authenticated yet; a newer
 one drops the oldest."""
@@ -234,145 +232,6 @@ def _close_at_exit(ref) -> None:
         connector.close()
 
 
-def _start_transfer_server(host: str = "127.0.0.1"):
-    """A ``jax.experimental.transfer`` server of the first device, on
-    ``host`` (any free port), or None where this JAX or platform has none
-    (the reason warned)."""
-    try:
-        from jax.experimental import transfer
-
-        return transfer.start_transfer_server(jax.devices()[0].client, f"{host}:0", [f"{host}:0"])
-    except Exception as e:  # an old jaxlib, a platform without the transfer library: the host path remains
-        warnings.warn(f"jax.experimental.transfer is not available here ({type(e).__name__}: {e}); the KV "
-                      "connector moves pages through host memory", stacklevel=3)
-        return None
-
-
-def _ready_within(tree, timeout_s: float):
-    """``tree`` once all of its arrays are ready, waited for at most
-    ``timeout_s`` by polling (a ``jax.experimental.transfer`` pull returns
-    at once and its arrays fill in later; from a peer that never answers
-    they never do, whatever ``timeout`` the pull was given, and a thread
-    blocked on them would hang the process at exit).
-
-    Raises:
-      TimeoutError: not ready in time (the arrays are left to be dropped).
-      Whatever error the arrays hold.
-    """
-    leaves = jax.tree.leaves(tree)
-    deadline = time.monotonic() + timeout_s
-    while not all(x.is_ready() for x in leaves):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no answer within {timeout_s} s")
-        time.sleep(2e-4)
-    return jax.block_until_ready(tree)  # ready: raises the error a failed pull holds
-
-
-class _Link:
-    """One connection between a consumer and a producer. It speaks
-    ``multiprocessing.connection``'s wire format (a big-endian length, then
-    the message) and its HMAC handshake, but every read and write has a
-    deadline: a peer that stops half way through a message, or stops
-    reading, costs the waiting side ``timeout_s``, never a hang. Another
-    thread may :meth:`close` it, which wakes a read blocked on it."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self.deadline: float | None = None  # time.monotonic() by which the current exchange must end; None: none
-
-    def _left(self) -> float | None:
-        """Seconds to the deadline (None: no deadline).
-
-        Raises:
-          TimeoutError: it has passed."""
-        if self.deadline is None:
-            return None
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the peer did not finish the exchange in time")
-        return left
-
-    def _read(self, n: int) -> bytearray:
-        """``n`` bytes, the buffer grown as they arrive (a length a peer
-        announces commits no memory before its bytes come)."""
-        out, scratch = bytearray(), bytearray(min(n, READ_CHUNK_BYTES))
-        view = memoryview(scratch)
-        while len(out) < n:
-            self.sock.settimeout(self._left())
-            k = self.sock.recv_into(view[:n - len(out)])
-            if not k:
-                raise EOFError("the peer closed the connection")
-            out += view[:k]
-        return out
-
-    def send_bytes(self, buf) -> None:
-        """Sends one message (``Connection.send_bytes``) by the deadline."""
-        n = len(buf)
-        header = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
-        for part in ((header + bytes(buf),) if n <= 16384 else (header, buf)):  # small ones whole (Nagle)
-            self.sock.settimeout(self._left())
-            self.sock.sendall(part)
-
-    def recv_bytes(self, maxlength: int | None = None) -> bytearray:
-        """Reads one message (``Connection.recv_bytes``) by the deadline.
-
-        Raises:
-          TimeoutError: not all of it by the deadline.
-          EOFError: the peer closed the connection.
-          ValueError: it is longer than ``maxlength`` bytes.
-          OSError: the connection failed.
-        """
-        (size,) = struct.unpack("!i", self._read(4))
-        if size == -1:
-            (size,) = struct.unpack("!Q", self._read(8))
-        if size < 0 or (maxlength is not None and size > maxlength):
-            raise ValueError(f"a message of {size} bytes (at most {maxlength})")
-        return self._read(size)
-
-    def next_message(self, maxlength: int, timeout_s: float) -> bytearray:
-        """Waits as long as it takes for the peer's next message to begin,
-        then reads it within ``timeout_s`` (a producer's wait for its
-        consumer's next lookup). Raises as :meth:`recv_bytes`."""
-        self.deadline = None
-        self.sock.settimeout(None)
-        if not self.sock.recv(1, socket.MSG_PEEK):
-            raise EOFError("the peer closed the connection")
-        return self.within(timeout_s).recv_bytes(maxlength)
-
-    def within(self, timeout_s: float | None) -> "_Link":
-        """Sets the deadline of the exchange that follows: ``timeout_s``
-        from now (None: none)."""
-        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        return self
-
-    def handshake(self, authkey: bytes, timeout_s: float, *, server: bool) -> None:
-        """multiprocessing's HMAC challenge, both ways, within ``timeout_s``.
-
-        Raises:
-          TimeoutError: the peer did not finish it in time (the link is
-            closed).
-          AuthenticationError: another key.
-          OSError, EOFError: the connection failed.
-        """
-        first, second = (deliver_challenge, answer_challenge) if server else (answer_challenge, deliver_challenge)
-        try:
-            self.within(timeout_s)
-            first(self, authkey)
-            second(self, authkey)
-        except BaseException:
-            self.close()
-            raise
-        finally:
-            self.deadline = None
-
-    def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-
-
 class KVConnector(abc.ABC):
     """What the engine asks of a connector (:mod:`paged_jax.tiers.offload`
     calls it beside the host and disk tiers). One layer group (0).
@@ -462,7 +321,7 @@ class KVProducer(KVConnector):
         except (OSError, ValueError, TypeError) as e:  # UnicodeError is a ValueError
             raise ValueError(f"kv_transfer.address={config.address!r} cannot be listened on: {e}") from None
         self.address = f"{host}:{self._server.getsockname()[1]}"
-        self._transfer = None if config.transport == "host" else _start_transfer_server(host)
+        self._transfer = None if config.transport == "host" else start_transfer_server(host)
         if self._transfer is None and config.transport == "jax_transfer":
             self._server.close()
             raise ValueError("kv_transfer.transport='jax_transfer': no jax.experimental.transfer server starts "
@@ -471,9 +330,9 @@ class KVProducer(KVConnector):
         self.served_pages = 0  # pages sent to consumers
         self.served_bytes = 0
         self._closed = False
-        self._links: set[_Link] = set()  # consumers connected
+        self._links: set[Link] = set()  # consumers connected
         self._threads: set[threading.Thread] = set()  # serving consumers; close() waits for them
-        self._handshaking: collections.OrderedDict[_Link, None] = collections.OrderedDict()  # not authenticated yet
+        self._handshaking: collections.OrderedDict[Link, None] = collections.OrderedDict()  # not authenticated yet
         self._acceptor = threading.Thread(target=self._accept, name="kv-producer", daemon=True)
         self._acceptor.start()
         atexit.register(_close_at_exit, weakref.ref(self))  # never serving while the interpreter shuts down
@@ -542,7 +401,7 @@ class KVProducer(KVConnector):
                     time.sleep(0.01)
                 continue
             try:
-                link = _Link(sock)
+                link = Link(sock)
             except OSError:  # no descriptor left for it: this client is dropped, the others served
                 sock.close()
                 time.sleep(0.01)
@@ -565,7 +424,7 @@ class KVProducer(KVConnector):
                 self._threads.add(thread)
             thread.start()
 
-    def _serve(self, link: _Link) -> None:
+    def _serve(self, link: Link) -> None:
         try:
             try:
                 link.handshake(self.config.authkey, min(self.config.timeout_s, HANDSHAKE_S), server=True)
@@ -661,7 +520,7 @@ class KVConsumer(KVConnector):
         self.lookup_s = 0.0  # seconds spent in them, round trips and pulls included
         self.config, self.fingerprint, self.layout, self.page_size = config, fingerprint, layout, page_size
         self._address = parse_address("kv_transfer.address", config.address)
-        self._link: _Link | None = None
+        self._link: Link | None = None
         self._closed = False
         self._retry_at = 0.0  # time.monotonic() before which a lost producer is not tried again
         self._failures = 0  # lookups in a row that could not reach the producer (the retry wait doubles)
@@ -693,10 +552,10 @@ class KVConsumer(KVConnector):
         """Connects (again), within ``timeout_s``, and says hello; returns the
         producer's answer."""
         self._drop()
-        link = _Link(socket.create_connection(self._address, timeout=self._left()))
+        link = Link(socket.create_connection(self._address, timeout=self._left()))
         if not self._transfer_tried:
             self._transfer_tried = True
-            self._transfer = _start_transfer_server(link.sock.getsockname()[0])
+            self._transfer = start_transfer_server(link.sock.getsockname()[0])
         link.handshake(self.config.authkey, self._left(), server=False)
         self._link = link
         hello, _ = self._exchange(link, {"protocol": PROTOCOL, "op": "hello"})
@@ -735,7 +594,7 @@ class KVConsumer(KVConnector):
         first = min(RETRY_S, self.config.timeout_s)
         self._retry_at = time.monotonic() + min(first * 2 ** min(self._failures - 1, 16), MAX_RETRY_S)
 
-    def _exchange(self, link: _Link, msg: dict) -> tuple[dict, KVPool | None]:
+    def _exchange(self, link: Link, msg: dict) -> tuple[dict, KVPool | None]:
         """Sends ``msg`` and reads the producer's reply, header and K/V, all
         of it within what is left of the lookup's ``timeout_s``.
 
@@ -848,7 +707,7 @@ class KVConsumer(KVConnector):
             budget = self._left()
             deadline = datetime.datetime.now() + datetime.timedelta(seconds=budget)
             try:
-                kv = _ready_within(self._pull.pull(uuid, structs, timeout=deadline), budget)
+                kv = ready_within(self._pull.pull(uuid, structs, timeout=deadline), budget)
             except Exception as e:  # the pull timed out or failed: the arrays hold its error
                 self._drop()
                 self._unreachable()
