@@ -109,9 +109,9 @@ def test_bad_shapes_are_named():
                 form(**kwargs)
 
 
-def test_the_flat_batch_through_the_one_door_equals_the_padded_form():
-    kv_lens, q_lens = [7, 1, 12, 4], [1, 1, 5, 3]  # decode rows and chunks, packed
-    pool, tables, latents, q_nope, q_pe, w_uk, w_uv = _case(4, kv_lens, q_lens, layers=2, seed=3)
+def _flat(tables, kv_lens, q_lens, q_nope, q_pe):
+    """The padded case as the engine's flat batch: ``(batch, flat q_nope
+    [T, N, H], flat q_pe [T, N, R], each row's first flat token)``."""
     ql = np.asarray(q_lens, np.int32)
     shape = batch_shape(ql, num_seq_rows=len(ql), tiling=Tiling(prefill_tile_q=4, min_tokens=8))
     starts = np.concatenate([[0], np.cumsum(ql)[:-1]]).astype(np.int32)
@@ -123,6 +123,14 @@ def test_the_flat_batch_through_the_one_door_equals_the_padded_form():
     batch = RaggedBatch(tokens=z, positions=z, slots=z, block_tables=jnp.asarray(tables), q_starts=jnp.asarray(starts),
                         q_lens=jnp.asarray(ql), kv_lens=jnp.asarray(kv_lens, jnp.int32),
                         logits_rows=jnp.zeros(1, jnp.int32), shape=shape)
+    return batch, flat_nope, flat_pe, starts
+
+
+def test_the_flat_batch_through_the_one_door_equals_the_padded_form():
+    kv_lens, q_lens = [7, 1, 12, 4], [1, 1, 5, 3]  # decode rows and chunks, packed
+    pool, tables, latents, q_nope, q_pe, w_uk, w_uv = _case(4, kv_lens, q_lens, layers=2, seed=3)
+    batch, flat_nope, flat_pe, starts = _flat(tables, kv_lens, q_lens, q_nope, q_pe)
+    ql = np.asarray(q_lens, np.int32)
     got = np.asarray(absorbed_ragged_attention(jnp.asarray(flat_nope), jnp.asarray(flat_pe), jnp.asarray(pool),
                                                jnp.int32(1), batch, jnp.asarray(w_uk), jnp.asarray(w_uv),
                                                kv_lora_rank=C, scale=0.25))
@@ -132,6 +140,29 @@ def test_the_flat_batch_through_the_one_door_equals_the_padded_form():
         np.testing.assert_allclose(got[s0:s0 + q], want, atol=2e-5, rtol=1e-4)
     np.testing.assert_array_equal(got[int(ql.sum()):], 0)
 
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+def test_quantized_latent_pages_through_the_door_equal_their_dequantized_values(kv_dtype):
+    """An int8 / fp8 latent pool (one scale a token, keys and values alike)
+    gives what a float pool holding the dequantized latents gives: the
+    scales reach the attention and are applied once to keys and values."""
+    from pallas_kernels.common import dequantize_kv, quantize_kv
+
+    kv_lens, q_lens = [7, 1, 12, 4], [1, 1, 5, 3]
+    pool, tables, _, q_nope, q_pe, w_uk, w_uv = _case(4, kv_lens, q_lens, layers=2, seed=5)
+    pool = np.nan_to_num(pool)  # quantizing NaN slots is not the point here
+    q_pages, scales = quantize_kv(jnp.asarray(pool), jnp.dtype(kv_dtype))  # [layers, 1, P, L, C + R], [.., L]
+    batch, flat_nope, flat_pe, _ = _flat(tables, kv_lens, q_lens, q_nope, q_pe)
+    args = (jnp.asarray(flat_nope), jnp.asarray(flat_pe))
+    weights = (batch, jnp.asarray(w_uk), jnp.asarray(w_uv))
+    got = absorbed_ragged_attention(*args, q_pages, jnp.int32(1), *weights, kv_lora_rank=C, scale=0.25,
+                                    latent_scales=scales)
+    want = absorbed_ragged_attention(*args, dequantize_kv(q_pages, scales), jnp.int32(1), *weights, kv_lora_rank=C,
+                                     scale=0.25)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    exact = absorbed_ragged_attention(*args, jnp.asarray(pool), jnp.int32(1), *weights, kv_lora_rank=C, scale=0.25)
+    assert np.abs(np.asarray(got) - np.asarray(exact)).max() > 1e-4  # the pages really were quantized
 
 
 # ------------------------------------------------------------ the latent pool

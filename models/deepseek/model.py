@@ -131,7 +131,8 @@ def init_params(config: DeepseekConfig, key: jax.Array, dtype=jnp.float32, std: 
 def check_latent_pool(config: DeepseekConfig, kv: KVPool) -> None:
     """Raises ValueError unless ``kv`` is a latent pool
     (:func:`paged_jax.paging.kv_cache.init_latent_pool`) of ``config``'s
-    layers and ``latent_dim``, unquantized."""
+    layers and ``latent_dim`` (float pages, or int8 / fp8 with a scale a
+    token)."""
     if not isinstance(kv, KVPool) or not kv.latent:
         raise ValueError("kv must be a latent pool (paged_jax.paging.kv_cache.init_latent_pool: one head of "
                          f"kv_lora_rank + qk_rope_head_dim = {config.latent_dim}, no V) for an MLA model")
@@ -139,9 +140,6 @@ def check_latent_pool(config: DeepseekConfig, kv: KVPool) -> None:
         raise ValueError(f"kv is a latent pool of {kv.num_layers} layers, {kv.k.shape[1]} heads of "
                          f"{kv.head_dim}; this model needs {config.num_layers} layers, 1 head of "
                          f"{config.latent_dim}")
-    if kv.quantized:
-        raise ValueError(f"kv_dtype={kv.k.dtype.name}: the MLA decoder reads float pages only for now (float32, "
-                         "bfloat16, float16)")
 
 
 def forward_ragged(config: DeepseekConfig, params: dict, batch: RaggedBatch, kv: KVPool, *,
@@ -186,7 +184,7 @@ def forward_ragged(config: DeepseekConfig, params: dict, batch: RaggedBatch, kv:
         latent = jnp.concatenate([_rms(latent[:, :C], p["kv_a_norm"], eps), k_pe], axis=-1)
         kv = write_layer_latent(kv, layer, latent.astype(jnp.float32), batch.slots)
         out = absorbed_ragged_attention(q_nope, q_pe, kv.k, layer, batch, p["w_uk"], p["w_uv"], kv_lora_rank=C,
-                                        scale=c.query_scale, impl=impl)  # f32[T, N, O]
+                                        scale=c.query_scale, impl=impl, latent_scales=kv.k_scale)  # f32[T, N, O]
         return jnp.einsum("TNO,NOD->TD", out.astype(h.dtype), p["o"]), kv
 
     def dense_mlp(p, h):
@@ -262,8 +260,10 @@ class DeepseekModel:
         config.latent_dim`` values a token.
 
         Raises:
-          ValueError: ``num_pages`` < 2, ``page_size`` < 1, or a quantized
-            ``dtype`` (float pages only for now).
+          ValueError: ``num_pages`` < 2, ``page_size`` < 1, or a ``dtype``
+            the pool does not take (float32, bfloat16, float16, int8,
+            float8_e4m3fn; a quantized pool adds 4 bytes of scale a token
+            and layer).
         """
         check_int("num_pages", num_pages, 2)
         pool = init_latent_pool(num_layers=self.config.num_layers, num_pages=num_pages, page_size=page_size,

@@ -199,7 +199,8 @@ def expanded_paged_attention(q_nope: jax.Array, q_pe: jax.Array, latent_pages: j
 
 def absorbed_ragged_attention(q_nope: jax.Array, q_pe: jax.Array, latent_pool: jax.Array, layer: jax.Array,
                               batch: RaggedBatch, w_uk: jax.Array, w_uv: jax.Array, *, kv_lora_rank: int,
-                              scale: float, impl: str = "auto") -> jax.Array:
+                              scale: float, impl: str = "auto",
+                              latent_scales: jax.Array | None = None) -> jax.Array:
     """MLA in the absorbed form on the engine's flat batch
     (:class:`paged_jax.attention.batch.RaggedBatch`: prefill chunks and
     decode tokens packed): the absorbed query through
@@ -214,6 +215,9 @@ def absorbed_ragged_attention(q_nope: jax.Array, q_pe: jax.Array, latent_pool: j
       batch: the flat batch.
       w_uk: [N, H, C]; w_uv: [N, C, O].
       kv_lora_rank: C; scale: the logit scale; impl: as ``attend``.
+      latent_scales: f32[layers, 1, P, L] the per-token scales of an int8 /
+        fp8 latent pool (``KVPool.k_scale``: one a token, keys and values
+        alike, since they are the same vector), None for float pages.
 
     Returns:
       f32[T, N, O]; zeros in padding rows.
@@ -224,6 +228,7 @@ def absorbed_ragged_attention(q_nope: jax.Array, q_pe: jax.Array, latent_pool: j
     C, _ = _check_shapes(q_nope, q_pe, latent_pool, w_uk, w_uv, kv_lora_rank, flat=True)
     q_lat = per_head_matmul(q_nope, w_uk)
     q = jnp.concatenate([q_lat, q_pe.astype(jnp.float32)], axis=-1)  # [T, N, C + R]
-    out = ragged.attend(q, latent_pool, latent_pool, layer, batch, impl=impl, scale=scale)
+    out = ragged.attend(q, latent_pool, latent_pool, layer, batch, impl=impl, scale=scale, k_scales=latent_scales,
+                        v_scales=latent_scales)
     return per_head_matmul(out[..., :C], w_uv)
 
