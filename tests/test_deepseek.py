@@ -284,7 +284,7 @@ def test_a_latent_pool_holds_the_mla_bytes_per_token():
 
 
 @pytest.mark.parametrize("base, field, value, words", [
-    ("moe", "model_type", "deepseek_v4", "expected one of deepseek_v3, deepseek_v2"),
+    ("moe", "model_type", "deepseek_v4", "expected one of deepseek_v3, kimi_k2, deepseek_v2"),
     ("moe", "topk_method", "greedy", "noaux_tc"),
     ("moe", "scoring_func", "softmax", "sigmoid"),
     ("moe", "hidden_act", "gelu", "silu"),
@@ -301,6 +301,14 @@ def test_bad_configs_are_refused_by_name(base, field, value, words):
     cfg = {**DIMS, **CHECKPOINTS[base], "model_type": model_type, "moe_intermediate_size": 32, field: value}
     with pytest.raises(ValueError, match=words):
         config_from_hf(cfg, "x/config.json")
+
+
+def test_a_kimi_k2_config_reads_as_deepseek_v3():
+    """Kimi K2 ships ``model_type: kimi_k2`` with ``DeepseekV3ForCausalLM``'s
+    architecture: the same decoder, field for field."""
+    cfg = {**DIMS, **CHECKPOINTS["moe"], "moe_intermediate_size": 32}
+    v3 = config_from_hf({**cfg, "model_type": "deepseek_v3"}, "x/config.json")
+    assert config_from_hf({**cfg, "model_type": "kimi_k2"}, "x/config.json") == v3
 
 
 def test_greedy_v2_routing_ignores_the_groups():

@@ -7,7 +7,8 @@ Technical Report", 2024, sections 2.1.1-2.1.2; the attention is
 DeepSeek-V2's, 2024, section 2.1).
 
 :func:`config_from_hf` reads a Hugging Face ``config.json`` of
-``model_type`` ``"deepseek_v3"`` (``kimi_k2`` checkpoints ship that type) or
+``model_type`` ``"deepseek_v3"``, ``"kimi_k2"`` (Kimi K2's, whose
+``architectures`` is ``DeepseekV3ForCausalLM``: read as DeepSeek-V3) or
 ``"deepseek_v2"``
 with :mod:`models.loading.hf_config`'s typed fields and RoPE reader, so a
 field that is missing, mistyped or asks for what the decoder cannot
@@ -25,7 +26,7 @@ from models.layers.rope import RopeScaling
 from models.loading.hf_config import CONFIG, Fields, read_rope
 from paged_jax.checks import check_bool, check_float, check_instance, check_int
 
-MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
+MODEL_TYPES = ("deepseek_v3", "kimi_k2", "deepseek_v2")
 """The ``config.json`` model types :func:`config_from_hf` reads."""
 
 
@@ -140,7 +141,8 @@ class DeepseekConfig:
 
 def config_from_hf(cfg: dict[str, Any], path: str = CONFIG) -> DeepseekConfig:
     """The :class:`DeepseekConfig` of a Hugging Face ``config.json`` (parsed)
-    of ``model_type`` ``"deepseek_v3"`` or ``"deepseek_v2"``, with
+    of ``model_type`` ``"deepseek_v3"`` (or ``"kimi_k2"``, the same
+    architecture) or ``"deepseek_v2"``, with
     transformers' defaults. DeepSeek-V2 routes with softmax scores,
     ``topk_method`` ``"greedy"`` (no groups) or ``"group_limited_greedy"``,
     weights not normalized (transformers' ``DeepseekV2TopkRouter``).
