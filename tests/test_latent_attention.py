@@ -211,3 +211,13 @@ def test_mla_decode_bench_compares_equal_bytes(tmp_path):
     assert [(r["batch"], r["context"], r["mla_heads"], r["kv_mb"]) for r in rows] == [(2, 32, 4, 0.1)]
     assert rows[0]["x_gqa"] > 0 and rows[0]["core_x_gqa"] > 0
     assert "Target (issue 36): the MLA step at 4 heads within 1.5x" in (tmp_path / "mla_decode_bench.md").read_text()
+
+
+def test_mla_prefill_bench_times_both_forms(tmp_path):
+    """experiments.kernels.mla_prefill_bench at toy size: a row per chunk length, both forms timed."""
+    from experiments.kernels import mla_prefill_bench
+
+    rows = mla_prefill_bench.main(["--context", "32", "--tokens", "4", "32", "--heads", "2", "--page-size", "8",
+                                   "--min-seconds", "0.01", "--out", str(tmp_path)])
+    assert [r["tokens"] for r in rows] == [4, 32] and all(r["absorbed_ms"] > 0 < r["expanded_ms"] for r in rows)
+    assert "expanded / absorbed" in (tmp_path / "mla_prefill_bench.md").read_text()

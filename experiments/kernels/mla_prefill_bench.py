@@ -1,0 +1,107 @@
+"""MLA prefill: the absorbed form against the expanded form, time per call.
+
+    python -m experiments.kernels.mla_prefill_bench
+
+The absorbed form (:func:`paged_jax.attention.latent.absorbed_paged_attention`)
+attends the cached latents directly, ``2 (C + R) + 2 C`` flops per (query,
+key, head); the expanded form
+(:func:`paged_jax.attention.latent.expanded_paged_attention`) first projects
+every attended latent up to per-head keys and values (``2 S N (H + O) C``
+flops for S keys, whatever the queries), then pays ``2 (H + R) + 2 O`` per
+(query, key, head). By flops the expanded form wins once a sequence brings
+more than about 170 query tokens to the call at DeepSeek-V3's sizes
+(C 512, R 64, H = O = 128; :mod:`paged_jax.attention.latent`). This times
+both on one sequence whose chunk of ``T`` query tokens ends a context of
+``--context`` tokens (``T`` = the context: a whole prompt; less: a chunk
+after cached pages), with ``--heads`` query heads, and reports
+``expanded / absorbed`` (below 1: expanded wins). Writes
+``results/mla_prefill_bench.{md,csv}`` (with provenance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.lib import provenance
+from experiments.lib.cli import machine
+from experiments.lib.timing import time_call
+from paged_jax.attention.latent import absorbed_paged_attention, expanded_paged_attention
+
+C, R, H, V = 512, 64, 128, 128  # DeepSeek-V3: kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim
+SEEDS = {"data": 0}
+
+
+def case(context: int, tokens: int, heads: int, page_size: int) -> tuple:
+    """One sequence: its latent pages (shuffled), a chunk of ``tokens`` queries ending at ``context``."""
+    per_seq = -(-context // page_size)
+    table = np.random.default_rng(SEEDS["data"]).permutation(per_seq).astype(np.int32)[None]
+    k = jax.random.split(jax.random.key(SEEDS["data"]), 5)
+    latent = jax.random.normal(k[0], (1, per_seq, page_size, C + R))
+    q_nope = jax.random.normal(k[1], (1, tokens, heads, H))
+    q_pe = jax.random.normal(k[2], (1, tokens, heads, R))
+    w_uk = 0.05 * jax.random.normal(k[3], (heads, H, C))
+    w_uv = 0.05 * jax.random.normal(k[4], (heads, C, V))
+    return (q_nope, q_pe, latent, jnp.asarray(table), jnp.asarray([context], jnp.int32),
+            jnp.asarray([tokens], jnp.int32), w_uk, w_uv)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m experiments.kernels.mla_prefill_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--context", type=int, default=1024, help="tokens in the sequence after the chunk")
+    p.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 128, 256, 512, 1024],
+                   help="query tokens in the chunk (each at most --context)")
+    p.add_argument("--heads", type=int, default=16, help="query heads, N")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--min-seconds", type=float, default=0.2, help="each timed loop, seconds")
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
+    args = p.parse_args(argv)
+    for name in ("context", "heads", "page_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if min(args.tokens) < 1 or max(args.tokens) > args.context:
+        p.error(f"--tokens must all be in [1, --context={args.context}], got {args.tokens}")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    opts = dict(kv_lora_rank=C, scale=(H + R) ** -0.5)
+    absorbed = jax.jit(lambda *a: absorbed_paged_attention(*a, **opts))
+    expanded = jax.jit(lambda *a: expanded_paged_attention(*a, **opts))
+    rows = []
+    for tokens in args.tokens:
+        a = case(args.context, tokens, args.heads, args.page_size)
+        ab = time_call(absorbed, *a, min_seconds=args.min_seconds)
+        ex = time_call(expanded, *a, min_seconds=args.min_seconds)
+        rows.append({"context": args.context, "tokens": tokens, "absorbed_ms": round(ab * 1e3, 3),
+                     "expanded_ms": round(ex * 1e3, 3), "expanded_over_absorbed": round(ex / ab, 2)})
+        print(rows[-1], flush=True)
+    wins = [r["tokens"] for r in rows if r["expanded_over_absorbed"] < 1]
+    text = "\n".join([
+        "# MLA prefill: absorbed against expanded",
+        "",
+        f"One sequence of {args.context:,} tokens, a chunk of T query tokens ending it; DeepSeek-V3's per-head "
+        f"sizes (C {C}, R {R}, H {H}, O {V}), {args.heads} query heads, pages of {args.page_size}, f32, the XLA "
+        f"paged path. Machine: {machine()}.",
+        "",
+        "| context | T | absorbed ms | expanded ms | expanded / absorbed |",
+        "|---|---|---|---|---|",
+        *[f"| {r['context']:,} | {r['tokens']:,} | {r['absorbed_ms']} | {r['expanded_ms']} | "
+          f"{r['expanded_over_absorbed']} |" for r in rows],
+        "",
+        f"The expanded form was faster at T = {', '.join(map(str, wins))}." if wins else
+        "The absorbed form was faster at every T measured.",
+    ])
+    provenance.publish(args.out, "mla_prefill_bench", "experiments.kernels.mla_prefill_bench", argv, SEEDS, text,
+                       rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
