@@ -36,21 +36,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-
-from tests.family_helpers import FAMILIES, VOCAB, WINDOW, hf_config, load_transformers, write_checkpoint
-
 import torch  # noqa: I001  (family_helpers first: it sets HF_HUB_OFFLINE before transformers loads)
 import transformers
+from flax import nnx
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from models.config import LlamaConfig
-from models.loading.hf_config import config_from_hf
-from models.loading.hf_loader import load_hf_model
+from models.layers.rope import inv_freq
 from models.llama import Llama, forward_dense, make_step_fn
 from models.llm import LLM
-from models.layers.rope import inv_freq
+from models.loading.hf_config import config_from_hf
+from models.loading.hf_loader import load_hf_model
 from tests.decoder_helpers import mixed_calls
+from tests.family_helpers import FAMILIES, VOCAB, WINDOW, hf_config, load_transformers, write_checkpoint
 
 LOGIT_ATOL = 1e-4
 PAGE_SIZE = 4
@@ -190,7 +188,7 @@ def test_window_and_soft_caps_change_the_answer(family):
     changes = {"llama3": dict(rope_scaling=None), "qwen3": dict(layer_types=None, sliding_window=None),
                "gemma2": dict(attn_soft_cap=None), "gemma3": dict(local_rope_theta=None),
                "olmo2": dict(qk_norm=None),
-               "qwen3moe": dict(router=dataclasses.replace(c.router, norm_topk_prob=False))}[name]
+               "qwen3moe": dict(router=c.router and dataclasses.replace(c.router, norm_topk_prob=False))}[name]
     other = dataclasses.replace(c, **changes)
     twin = nnx.eval_shape(lambda: Llama(other, rngs=nnx.Rngs(0)))
     state = nnx.state(model)

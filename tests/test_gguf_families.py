@@ -51,17 +51,19 @@ from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURE
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from models.config import LlamaConfig
+from models.layers.rope import inv_freq
+from models.llama import forward_dense
+from models.llm import LLM, load_model
 from models.loading.gguf_families import hf_config_fields, llama3_from_factors
 from models.loading.gguf_loader import load_gguf
 from models.loading.hf_config import config_from_hf
 from models.loading.hf_loader import read_hf_config
-from models.llama import forward_dense
-from models.llm import LLM, load_model
-from models.layers.rope import inv_freq
 from models.smollm2 import load_llama_gguf
 from models.tokenizer import load_tokenizer
 from tests.decoder_helpers import mixed_calls
 from tests.family_helpers import FAMILIES, VOCAB, load_transformers, write_checkpoint
+
+GGUF_FAMILIES = tuple(n for n in FAMILIES if n != "qwen3moe")  # no qwen3moe GGUF reader yet (issue 36)
 
 LOGIT_ATOL = 1e-4
 Q8_ATOL = 0.3  # Q8_0 against the f32 folder: 8-bit weights moved Gemma 2's logits (std about 1.5) by 0.13
@@ -214,10 +216,10 @@ def family(request, tmp_path_factory):
 
 
 def families(*default: str) -> list:
-    return [pytest.param(n, marks=() if n in default else pytest.mark.slow) for n in FAMILIES]
+    return [pytest.param(n, marks=() if n in default else pytest.mark.slow) for n in GGUF_FAMILIES]
 
 
-ALL = tuple(FAMILIES)
+ALL = GGUF_FAMILIES
 
 
 # ----------------------------------------------------------------------------- against transformers

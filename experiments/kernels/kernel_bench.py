@@ -67,9 +67,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.lib import provenance
-from experiments.lib.cli import RESULTS, add_flag, check_out_dir, cpu_model, resolve_dtype
+from experiments.lib.cli import RESULTS, add_flag, check_out_dir, cpu_model, resolve_dtype, time_call
 from experiments.lib.tables import markdown_table, write_table
-from experiments.lib.timing import time_call
 from models.presets import PRESETS as MODEL_PRESETS
 from paged_jax.attention import paged as attention
 from paged_jax.checks import check_int
@@ -170,7 +169,7 @@ def copy_read_gbs(num_bytes: int, min_seconds: float = 0.2) -> float:
     GB/s (1e9 bytes read per second). The copy is one elementwise pass
     (bitwise not over u32, so no dtype conversion costs anything) from one
     buffer into another that reads every byte once and writes it once: it
-    moves twice the bytes counted. ``min_seconds``: see :func:`experiments.lib.timing.time_call`."""
+    moves twice the bytes counted. ``min_seconds``: see :func:`experiments.lib.cli.time_call`."""
     num_words = max(1, num_bytes // 4)
     src = jnp.zeros((num_words,), jnp.uint32)
     dst = [jnp.ones((num_words,), jnp.uint32)]
@@ -358,7 +357,7 @@ def run_case(cfg: BenchConfig, lengths: np.ndarray, dtype, impls: list[str], rng
       rng: source of the page order and the K/V and query values.
       label: the workload's name, written in every row.
       peak_read_gbs: the run's large-copy read bandwidth, GB/s (``pct_peak``).
-      min_seconds: length of each timed loop (:func:`experiments.lib.timing.time_call`).
+      min_seconds: length of each timed loop (:func:`experiments.lib.cli.time_call`).
 
     Raises:
       AssertionError: a paged implementation's output differs from dense

@@ -14,7 +14,7 @@ V together are C + R = 576 values a token (2 heads of 144), and 16 query
 heads. Both read the same pages a token, the same tokens, in the same
 dtype; the MLA step also pays the two absorption einsums, which belong to
 its decode step. Each row times one call per layer (best of 5 loops,
-:func:`experiments.lib.timing.time_call`) on uniform batches, and
+:func:`experiments.lib.cli.time_call`) on uniform batches, and
 gives ``x GQA`` = MLA time / GQA time.
 
 Per key token MLA does ``N (2 (C + R) + 2 C)`` flops on one 576-value read;
@@ -35,8 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.lib import provenance
-from experiments.lib.cli import machine
-from experiments.lib.timing import time_call
+from experiments.lib.cli import machine, time_call
 from paged_jax.attention.latent import absorbed_paged_attention
 from paged_jax.attention.paged import paged_attention, unchecked_xla_paged_attention
 

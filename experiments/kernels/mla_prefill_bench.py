@@ -28,8 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.lib import provenance
-from experiments.lib.cli import machine
-from experiments.lib.timing import time_call
+from experiments.lib.cli import machine, time_call
 from paged_jax.attention.latent import absorbed_paged_attention, expanded_paged_attention
 
 C, R, H, V = 512, 64, 128, 128  # DeepSeek-V3: kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim

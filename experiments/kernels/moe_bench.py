@@ -10,7 +10,7 @@ token and combines with a one-hot ``[T, E]`` weight matrix (``E / top_k``
 times the work, in plain dense matmuls). Which is faster depends on the
 tokens in the call (decode steps are a few; prefill chunks thousands), the
 experts and the backend: this times both (best of 5 loops,
-:func:`experiments.lib.timing.time_call`) on random routing over
+:func:`experiments.lib.cli.time_call`) on random routing over
 ``--experts`` experts, top ``--top-k``, at ``--model-dim`` and
 ``--expert-dim``, for each token count, and reports ``dense / ragged``
 (above 1: the grouped matmuls win). Writes ``results/moe_bench.{md,csv}``
@@ -26,8 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments.lib import provenance
-from experiments.lib.cli import machine
-from experiments.lib.timing import time_call
+from experiments.lib.cli import machine, time_call
 from models.layers.moe import RouterConfig, route, routed_experts_dense, routed_experts_ragged
 
 SEEDS = {"data": 0}

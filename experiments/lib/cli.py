@@ -7,14 +7,20 @@ and compile-cache folders, the machine line of every table.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import pathlib
 import platform
+import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from experiments.lib.provenance import REPO
+from paged_jax.engine.core import Engine
+from paged_jax.engine.requests import Request
+from paged_jax.engine.sampling import SamplingParams
 from paged_jax.jit_stats import enable_persistent_cache
 from paged_jax.paging.kv_cache import default_kv_dtype
 from pallas_kernels.common import KV_DTYPE_ALIASES
@@ -197,3 +203,38 @@ def check_compile_cache(p: argparse.ArgumentParser, args) -> None:
     cannot be written."""
     if not args.no_compile_cache:
         check_out_dir(p, args.compile_cache.expanduser(), "--compile-cache")
+
+
+def time_call(fn, *args, min_seconds: float = 0.2, repeats: int = 5) -> float:
+    """Seconds per call: best over ``repeats`` of a loop lasting about
+    ``min_seconds`` (after one warm-up call that compiles)."""
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    once = max(time.perf_counter() - start, 1e-6)
+    n = max(1, int(min_seconds / once))
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(n):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - start) / n)
+    return best
+
+
+def serve_for_peak(engine: Engine, *, num_requests: int, prompt_len: int, new_tokens: int, vocab_size: int,
+                   seed: int) -> tuple[int, float]:
+    """Adds ``num_requests`` requests of ``prompt_len`` random tokens (drawn
+    from ``seed``) that each generate exactly ``new_tokens`` (greedy,
+    ``ignore_eos``), steps ``engine`` until all finish, and returns ``(most
+    sequences running after a step, seconds)``."""
+    rng = np.random.default_rng(seed)
+    for i in range(num_requests):
+        engine.add_request(Request(request_id=i, prompt_ids=rng.integers(0, vocab_size, prompt_len).tolist(),
+                                   max_new_tokens=new_tokens, ignore_eos=True, sampling=SamplingParams()))
+    peak, t0 = 0, time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+        peak = max(peak, len(engine.running))
+    return peak, time.perf_counter() - t0

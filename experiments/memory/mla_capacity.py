@@ -35,8 +35,7 @@ import pathlib
 from flax import nnx
 
 from experiments.lib import provenance
-from experiments.lib.cli import machine
-from experiments.lib.engine_peak import serve_for_peak
+from experiments.lib.cli import machine, serve_for_peak
 from models.config import LlamaConfig
 from models.deepseek.presets import get_preset, narrow, random_deepseek
 from models.llama import Llama
