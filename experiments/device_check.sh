@@ -60,8 +60,9 @@ if [ "$smoke" = 1 ]; then
 else
   # 1. The default parameter product of the native kernels and the flat ragged kernel (add -m '' for the full
   #    ones), then the engine (on a GPU or TPU it runs the flat kernel).
-  step timeout 110 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_flat_kernel.py -k "$select" \
-    --durations=5
+  #    tests/test_latent_attention.py: the flat kernel's latent mode (MLA's absorbed form) against dense attention.
+  step timeout 130 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_flat_kernel.py \
+    tests/test_latent_attention.py -k "$select" --durations=5
   step timeout 80 "$PY" -m pytest -q -p no:cacheprovider -m '' tests/test_kernels_smollm2.py tests/test_llama.py \
     -k "($native) and (engine_at_smollm2 or pallas_kernels_equals_xla)"
   # 2. The benchmark at the presets' heads, large sizes included (the flat kernel's rows: flat_gpu / flat_tpu).

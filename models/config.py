@@ -22,6 +22,21 @@ from paged_jax.checks import check_bool, check_choice, check_float, check_instan
 from paged_jax.paging.kv_cache import KVPool, default_kv_dtype, init_kv_pool
 from pallas_kernels import common
 
+PARAM_DTYPES = ("float32", "bfloat16", "float16")
+"""The weight dtypes the decoders take (``param_dtype`` of the loaders,
+``dtype`` of the random presets)."""
+
+
+def check_param_dtype(value, name: str = "param_dtype") -> None:
+    """Raises ValueError, naming the argument ``name``, ``value`` and the
+    choices, unless ``value`` is one of :data:`PARAM_DTYPES` (a dtype or its
+    name)."""
+    try:
+        dtype_name = repr(value) if value is None else jnp.dtype(value).name
+    except TypeError:
+        dtype_name = repr(value)
+    check_choice(name, dtype_name, PARAM_DTYPES)
+
 LAYER_TYPES = ("full_attention", "sliding_attention")
 """The kinds of attention layer (Hugging Face's ``layer_types`` names)."""
 QK_NORMS = (None, "head", "full")

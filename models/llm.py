@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.config import check_param_dtype
 from models.deepseek.config import MODEL_TYPES as DEEPSEEK_MODEL_TYPES
 from models.deepseek.loader import load_hf_deepseek
 from models.deepseek.model import DeepseekModel
@@ -84,14 +85,11 @@ def default_dtype() -> jnp.dtype:
     return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
 
 
-def _float_dtype(name: str, dtype) -> jnp.dtype:
-    try:
-        dt = jnp.dtype(dtype)
-    except TypeError:
-        raise ValueError(f"{name} must be a float dtype, got {name}={dtype!r}") from None
-    if not jnp.issubdtype(dt, jnp.floating):
-        raise ValueError(f"{name} must be a float dtype, got {name}={dt}")
-    return dt
+def _weight_dtype(name: str, dtype) -> jnp.dtype:
+    """``dtype`` as a jnp dtype, if it is one the decoders take
+    (:data:`models.config.PARAM_DTYPES`); else ValueError naming ``name``."""
+    check_param_dtype(dtype, name)
+    return jnp.dtype(dtype)
 
 
 def load_model(spec: str | os.PathLike, *, dtype=jnp.float32) -> tuple[Llama | DeepseekModel, Tokenizer | None, str]:
@@ -111,7 +109,8 @@ def load_model(spec: str | os.PathLike, *, dtype=jnp.float32) -> tuple[Llama | D
           ``tokenizer.json`` when there is one, else None with a warning);
           a DeepSeek-V3 folder (``model_type`` ``deepseek_v3``) gives a
           :class:`models.deepseek.model.DeepseekModel` (MLA over latent pages).
-      dtype: the weights' dtype (a float dtype; checkpoints are cast).
+      dtype: the weights' dtype (float32, bfloat16 or float16; checkpoints
+        are cast).
 
     Returns:
       ``(model, tokenizer or None, name)``; ``name`` is for display
@@ -123,10 +122,10 @@ def load_model(spec: str | os.PathLike, *, dtype=jnp.float32) -> tuple[Llama | D
         or ends in ``.gguf``) and nothing is there; names it.
       ValueError: ``spec`` is neither a known name nor a path (the message
         lists what is accepted), an existing file that is not a ``.gguf``,
-        a non-float ``dtype``; from the loaders (an unsupported checkpoint,
-        naming the file).
+        a ``dtype`` other than float32, bfloat16 or float16; from the
+        loaders (an unsupported checkpoint, naming the file).
     """
-    dtype = _float_dtype("dtype", dtype)
+    dtype = _weight_dtype("dtype", dtype)
     accepted = (f"expected {SMOLLM2!r} (the packaged SmolLM2 GGUF), a random-weight preset {sorted(PRESETS)}, "
                 "a path to a .gguf file or a Hugging Face checkpoint folder")
     if not isinstance(spec, (str, os.PathLike)):
@@ -251,7 +250,7 @@ class LLM:
         if max_seq_len is not None:
             check_pool(max_seq_len)
         kv_dtype = check_kv_dtype("kv_dtype", default_kv_dtype() if kv_dtype is None else kv_dtype)
-        dtype = _float_dtype("dtype", default_dtype() if dtype is None else dtype)
+        dtype = _weight_dtype("dtype", default_dtype() if dtype is None else dtype)
         batched = DEFAULT_MAX_BATCHED_TOKENS if max_num_batched_tokens is None else max_num_batched_tokens
         if max_num_batched_tokens is None:
             batched = max(batched, max_seqs)  # the default follows max_seqs; a value given is checked as given

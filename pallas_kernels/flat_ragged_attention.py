@@ -171,6 +171,7 @@ def flat_ragged_paged_attention(
     block_sizes: FlatBlockSizes = FlatBlockSizes(),
     impl: str = "gpu",
     interpret: bool | None = None,
+    latent_dim: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
     """Causal GQA attention of a flat token batch over its sequences' pages,
     the new tokens' K/V written first.
@@ -207,16 +208,26 @@ def flat_ragged_paged_attention(
       impl: one of :data:`IMPLS`.
       interpret: Pallas interpret mode; default: unless on the kernel's
         backend.
+      latent_dim: MLA's absorbed form (``paged_jax.attention.latent``): C,
+        the pool holds latents ``[c, k_pe]`` (H = C + R, one KV head),
+        ``v_pool`` is ``k_pool`` and a value is a key's first C columns; the
+        output is [T, N, C] and nothing is written (``k_new`` None). The
+        GPU kernel reads each latent once, as two power-of-two tiles (C and
+        R each a power of two >= 16); the TPU kernel reads the pool as keys
+        and as values and drops the R columns of its output.
 
     Returns:
-      ``(out, k_pool, v_pool, k_scales, v_scales)``: out [T, N, H] in
+      ``(out, k_pool, v_pool, k_scales, v_scales)``: out [T, N, H] (latent:
+      [T, N, C]) in
       ``q.dtype`` (computed in f32; zeros in padding rows, non-finite where a
       logit or value a row sees is), the pool with the new K/V written (scales
       None for a float pool).
 
     Raises:
       ValueError: an unknown ``impl``; shapes or dtypes that do not fit each
-        other; options that are not positive; static sizes below 0 (or
+        other; a ``latent_dim`` outside (0, H), with new K/V, with
+        ``v_pool`` not ``k_pool``, or (gpu) whose parts are not powers of
+        two >= 16; options that are not positive; static sizes below 0 (or
         both 0); a page
         size the kernel cannot tile; (eager) a layer outside the pool,
         lengths outside their ranges, rows that overlap or pass ``T``, more
@@ -234,6 +245,7 @@ def flat_ragged_paged_attention(
     if not isinstance(block_sizes, FlatBlockSizes):
         raise ValueError(f"block_sizes must be a FlatBlockSizes, got {type(block_sizes).__name__}")
     common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    check_latent_dim(latent_dim, k_pool, v_pool, k_new, impl)  # before the pools are converted: v_pool is k_pool
     traced = isinstance(q_starts, jax.core.Tracer) or isinstance(q_lens, jax.core.Tracer)
     claimed = (q_starts, q_lens)  # as given: the clamped starts below could hide a start past T
     layer, (q_starts, q_lens, kv_lens) = check_flat_batch(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens,
@@ -254,11 +266,33 @@ def flat_ragged_paged_attention(
     out, *pool = unchecked_flat_ragged_paged_attention(
         q, k_new, v_new, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, slots, k_scales=k_scales,
         v_scales=v_scales, scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, decode_tiles=decode_tiles,
-        prefill_chunks=prefill_chunks, block_sizes=block_sizes, impl=impl, interpret=interpret)
+        prefill_chunks=prefill_chunks, block_sizes=block_sizes, impl=impl, interpret=interpret, latent_dim=latent_dim)
     if traced:
         # Checked eagerly; under jit a sequence's output could land in another's rows, silently: all NaN.
         out = jnp.where(rows_conflict(*claimed, q.shape[0]), jnp.nan, out)
     return (out, *pool)
+
+
+def check_latent_dim(latent_dim, k_pool, v_pool, k_new, impl: str) -> None:
+    """Raises ValueError unless ``latent_dim`` is None or an MLA latent
+    split the ``impl`` can run: an int in (0, H), the same pool as keys and
+    values, nothing to write, and on ``"gpu"`` both parts (C and H - C)
+    powers of two >= 16."""
+    if latent_dim is None:
+        return
+    head_dim = k_pool.shape[-1]
+    if not isinstance(latent_dim, int) or isinstance(latent_dim, bool) or not 0 < latent_dim < head_dim:
+        raise ValueError(f"latent_dim must be an int in (0, {head_dim}) (C of the pool's C + R), got "
+                         f"latent_dim={latent_dim!r}")
+    if v_pool is not k_pool:
+        raise ValueError("latent_dim: the values are the latents, so v_pool must be k_pool (the same array)")
+    if k_new is not None:
+        raise ValueError("latent_dim: the latent attention writes nothing; write the latents first and pass "
+                         "k_new=v_new=slots=None")
+    parts = (latent_dim, head_dim - latent_dim)
+    if impl == "gpu" and any(n < 16 or n & (n - 1) for n in parts):
+        raise ValueError(f"the gpu kernel reads a latent as two Triton tiles, each a power of two >= 16: latent_dim="
+                         f"{latent_dim} and the rest {head_dim - latent_dim} (of head dim {head_dim})")
 
 
 def _check_new_kv(q, k_new, v_new, k_pool, slots) -> None:
@@ -309,40 +343,48 @@ def unchecked_flat_ragged_paged_attention(q, k_new, v_new, k_pool, v_pool, layer
                                           kv_lens, slots, *, k_scales=None, v_scales=None, scale=None, soft_cap=None,
                                           sliding_window=None, decode_tiles: int, prefill_chunks: int,
                                           block_sizes: FlatBlockSizes = FlatBlockSizes(), impl: str = "gpu",
-                                          interpret: bool | None = None):
+                                          interpret: bool | None = None, latent_dim: int | None = None):
     """:func:`flat_ragged_paged_attention` trusting its inputs: the same
     arguments and result, with i32 lengths in their ranges, rows that do not
-    overlap, tile counts that hold the batch, valid slots and ``layer`` an
-    i32[] in the pool. No check here nor under it."""
+    overlap, tile counts that hold the batch, valid slots, ``layer`` an
+    i32[] in the pool and ``latent_dim`` as its door checks. No check here
+    nor under it."""
     options = dict(scale=common.resolve_scale(scale, q.shape[-1]), soft_cap=soft_cap, sliding_window=sliding_window)
     sizes = dict(decode_tiles=decode_tiles, prefill_chunks=prefill_chunks, block_sizes=block_sizes)
     layer = jnp.asarray(layer, jnp.int32).reshape(())
     if impl == "tpu":
-        return flat_ragged_tpu.flat_ragged_tpu(
+        out, *pool = flat_ragged_tpu.flat_ragged_tpu(
             q, k_new, v_new, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, slots, k_scales,
             v_scales, block_q=block_sizes.block_q(q.shape[1] // k_pool.shape[1]),
             pages_per_compute_block=block_sizes.pages_per_compute_block(k_pool.shape[3]),
             decode_tiles=decode_tiles, prefill_chunks=prefill_chunks,
             interpret=common.interpret_default(interpret, "tpu"), **options)
+        return (out if latent_dim is None else out[..., :latent_dim], *pool)
     if k_new is not None:
         k_pool, v_pool, k_scales, v_scales = write_new_kv(k_pool, v_pool, k_scales, v_scales, layer, k_new, v_new,
                                                           slots)
-    attend = _gpu if impl == "gpu" else _reference
-    out = attend(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, k_scales, v_scales,
-                 interpret=common.interpret_default(interpret, "gpu"), **sizes, **options)
+    if impl == "gpu":
+        out = _gpu(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, k_scales, v_scales,
+                   interpret=common.interpret_default(interpret, "gpu"), latent_dim=latent_dim, **sizes, **options)
+    else:
+        out = _reference(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, k_scales, v_scales,
+                         **options)
+        out = out if latent_dim is None else out[..., :latent_dim]
     return out, k_pool, v_pool, k_scales, v_scales
 
 
 @functools.partial(jax.jit, static_argnames=("decode_tiles", "prefill_chunks", "block_sizes", "scale", "soft_cap",
-                                             "sliding_window", "interpret"))
+                                             "sliding_window", "interpret", "latent_dim"))
 def _gpu(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, k_scales, v_scales, *, decode_tiles,
-         prefill_chunks, block_sizes, scale, soft_cap, sliding_window, interpret):
-    """The Triton kernel over each class's tiles: [T, N, H] in ``q.dtype``."""
+         prefill_chunks, block_sizes, scale, soft_cap, sliding_window, interpret, latent_dim):
+    """The Triton kernel over each class's tiles: [T, N, H] (latent: [T, N,
+    C]) in ``q.dtype``."""
     t_total, num_q_heads, head_dim = q.shape
+    out_dim = head_dim if latent_dim is None else latent_dim
     group = num_q_heads // k_pool.shape[1]
     ppcb = block_sizes.pages_per_compute_block(k_pool.shape[3])
     block_q = block_sizes.block_q(group)
-    out = jnp.zeros(q.shape, q.dtype)
+    out = jnp.zeros((t_total, num_q_heads, out_dim), q.dtype)
     for rows, num_tiles, tile_q, k_splits in (
         (q_lens == 1, decode_tiles, 1, block_sizes.decode_k_splits),
         (q_lens > 1, prefill_tiles(t_total, prefill_chunks, block_q), block_q, 1),
@@ -360,20 +402,18 @@ def _gpu(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, k_sc
             q[jnp.where(real, src, 0)], k_pool, v_pool, layer.reshape(1), block_tables[t.seq],
             t.first_pos + t.rows, t.rows, k_scales, v_scales, block_q=tile_q, pages_per_compute_block=ppcb,
             k_splits=k_splits, num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages, scale=scale,
-            soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret)  # [U, Q, N, H]
+            soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret, latent=latent_dim)  # [U, Q, N, O]
         dest = jnp.where(real, src, t_total).reshape(-1)
-        out = out.at[dest].set(o.reshape(-1, num_q_heads, head_dim), mode="drop")
+        out = out.at[dest].set(o.reshape(-1, num_q_heads, out_dim), mode="drop")
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("decode_tiles", "prefill_chunks", "block_sizes", "scale", "soft_cap",
-                                             "sliding_window", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window"))
 def _reference(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, k_scales, v_scales, *,
-               decode_tiles, prefill_chunks, block_sizes, scale, soft_cap, sliding_window, interpret):
+               scale, soft_cap, sliding_window):
     """Plain jnp: each sequence's queries (a window of ``T`` rows from its
     start) against its whole block table, one sequence at a time
-    (``lax.map``). [T, N, H] in ``q.dtype``. Tiling arguments unused."""
-    del decode_tiles, prefill_chunks, block_sizes, interpret
+    (``lax.map``). [T, N, H] in ``q.dtype``."""
     t_total, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_pool.shape[1], k_pool.shape[3]
     group = num_q_heads // num_kv_heads

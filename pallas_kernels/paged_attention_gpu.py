@@ -94,13 +94,14 @@ def _kernel(
     kv_len_ref,  # i32[1] this sequence's kv_len
     q_len_ref,  # i32[1] this sequence's q_len
     block_table_ref,  # i32[pages_per_seq_padded]
-    q_ref,  # [M, H] query rows of one KV head, M = block_q * G_pad
+    q_ref,  # [M, H] query rows of one KV head, M = block_q * (G_pad / group_splits)
     k_pages_ref,  # [layers, P, L, H] one KV head's pages, every layer
-    v_pages_ref,  # [layers, P, L, H]
-    *rest,  # (k_scales_ref, v_scales_ref f32[layers, P, L])?, o_ref f32[M, H], l_ref f32[M], m_ref f32[M]
+    v_pages_ref,  # [layers, P, L, H] (latent: the same pages)
+    *rest,  # (k_scales_ref, v_scales_ref f32[layers, P, L])?, o_ref f32[M, H or C], l_ref f32[M], m_ref f32[M]
     block_q: int,
     group: int,
     group_pad: int,
+    group_splits: int,
     blocks_per_split: int,
     pages_per_compute_block: int,
     page_splits: int,
@@ -108,6 +109,7 @@ def _kernel(
     soft_cap: float | None,
     sliding_window: int | None,
     quantized: bool,
+    latent: int | None,
 ):
     if quantized:
         k_scales_ref, v_scales_ref, o_ref, l_ref, m_ref = rest
@@ -119,10 +121,12 @@ def _kernel(
     keys = pages_per_compute_block * page_size // page_splits  # a block is pages, or 1 / page_splits of one
     kv_len, q_len, layer = kv_len_ref[0], q_len_ref[0], layer_ref[0]
 
-    # Row r is query token q_block * block_q + r // G_pad, head r % G_pad of the group.
+    # Row r is query token q_block * block_q + r // heads, head (program_id(1) % group_splits) * heads + r % heads
+    # of the group: a program holds ``heads`` of the padded group's heads.
+    heads = group_pad // group_splits
     row = lax.broadcasted_iota(jnp.int32, (rows,), 0)
-    token = q_block * block_q + row // group_pad
-    real = (token < q_len) & (row % group_pad < group)
+    token = q_block * block_q + row // heads
+    real = (token < q_len) & ((pl.program_id(1) % group_splits) * heads + row % heads < group)
     q_pos = jnp.where(real, kv_len - q_len + token, -1)  # i32[M]; -1 sees nothing
 
     # Keys the block's real rows can see: [key_lo, key_hi).
@@ -134,23 +138,29 @@ def _kernel(
     block_hi = jnp.minimum(pl.cdiv(key_hi, keys), (split + 1) * blocks_per_split)
     block_hi = jnp.where(first_token < q_len, block_hi, block_lo)  # a padding block does nothing
 
-    q = q_ref[...].astype(jnp.float32) * scale  # the one place q is scaled
     compute_dtype = k_pages_ref.dtype if not quantized else q_ref.dtype
-    q = q.astype(compute_dtype)
+    # A latent row is two power-of-two parts (Triton tiles): the latent c (C columns, also the value) and the
+    # RoPE key (R): [c, k_pe] of MLA's absorbed form, read once as keys and values both.
+    parts = ((0, head_dim),) if latent is None else ((0, latent), (latent, head_dim - latent))
+    # The one place q is scaled.
+    qs = [(q_ref[:, pl.ds(lo, n)].astype(jnp.float32) * scale).astype(compute_dtype) for lo, n in parts]
 
     def body(j, carry):
         o_prev, l_prev, m_prev = carry
         # Pages are read where they sit in the stacked pool: no layer is copied out.
         if page_splits == 1:
             page_ids = block_table_ref[pl.ds(j * pages_per_compute_block, pages_per_compute_block)]
-            at = (layer, page_ids)
+            at = (layer, page_ids, slice(None))
         else:  # keys [offset, offset + keys) of one page: a large page at a large head dim
             at = (layer, block_table_ref[j // page_splits], pl.ds((j % page_splits) * keys, keys))
-        k = k_pages_ref[at].reshape(keys, head_dim).astype(compute_dtype)
-        v = v_pages_ref[at].reshape(keys, head_dim).astype(compute_dtype)
+        ks = [k_pages_ref[(*at, pl.ds(lo, n))].reshape(keys, n).astype(compute_dtype) for lo, n in parts]
+        v = ks[0] if latent is not None else v_pages_ref[at].reshape(keys, head_dim).astype(compute_dtype)
+        at = at[:-1] if page_splits == 1 else at  # the scales' index: no head dim
         k_pos = j * keys + lax.broadcasted_iota(jnp.int32, (keys,), 0)  # i32[keys]
         key_real = k_pos < kv_len
-        logits = plgpu.dot(q, k, trans_b=True)  # f32[M, keys]
+        logits = plgpu.dot(qs[0], ks[0], trans_b=True)  # f32[M, keys]
+        if latent is not None:
+            logits += plgpu.dot(qs[1], ks[1], trans_b=True)
         if quantized:
             k_scale = k_scales_ref[at].reshape(1, keys)
             logits = logits * k_scale
@@ -174,7 +184,7 @@ def _kernel(
         return o_next, l_next, m_next
 
     init = (
-        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.zeros((rows, o_ref.shape[-1]), jnp.float32),
         jnp.zeros((rows,), jnp.float32),
         jnp.full((rows,), MASK_VALUE, jnp.float32),
     )
@@ -204,25 +214,37 @@ def flash_paged_call(
     soft_cap: float | None,
     sliding_window: int | None,
     interpret: bool,
+    latent: int | None = None,
 ) -> jax.Array:
     """The shared kernel launch (inputs already validated, ``layer`` checked
     by ``common.checked_layer``; traceable). Pages are the stacked pool; a
     program reads layer ``layer`` of it in place (a one-layer call passes
     ``x[None]``, ``common.stack_layer``). ``block_q``,
     ``pages_per_compute_block`` and ``num_stages`` are upper bounds, fitted
-    to the target chip's shared memory (``pallas_kernels.tuning``).
+    to the target chip's shared memory (``pallas_kernels.tuning``; a query
+    group too large for one program is split over several,
+    ``group_splits``).
+
+    ``latent``: MLA's absorbed form (``paged_jax.attention.latent``): the
+    pages are latents ``[c, k_pe]`` (H = C + R, ``latent`` = C), keys and
+    values both (``v_pages`` is ``k_pages``, read once), a value the first C
+    columns; q is ``[q_lat, q_pe]``; the output is [B, T, N, C]. C and R
+    are each a power of two >= 16 (Triton tiles; 512 and 64 in DeepSeek-V3),
+    so a row of 576 is read as two tiles.
 
     Raises:
       ValueError: (at trace time) float8 pages on a GPU below sm89, or no
         tiling that fits the chip (``tuning``).
 
     Returns:
-      [B, T, N, H] in ``q.dtype``; zeros for padding rows and empty
-      sequences, non-finite where a logit or value a row sees is.
+      [B, T, N, H] (latent: [B, T, N, C]) in ``q.dtype``; zeros for padding
+      rows and empty sequences, non-finite where a logit or value a row
+      sees is.
     """
     batch, num_q_tokens, num_q_heads, head_dim = q.shape
     num_layers, num_kv_heads, num_pages, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
+    out_dim = head_dim if latent is None else latent
     tuning.check_gpu_dtype(k_pages.dtype)
     # The tiling asked for is an upper bound: stepped down to fit the chip's shared memory.
     fitted = tuning.fit_gpu_tiling(
@@ -230,9 +252,10 @@ def flash_paged_call(
         group_pad_for=lambda bq: max(pl.next_power_of_2(group), pl.cdiv(16, bq)), page_size=page_size,
         head_dim=head_dim, itemsize=k_pages.dtype.itemsize)
     block_q, pages_per_compute_block, num_stages = fitted.block_q, fitted.pages_per_compute_block, fitted.num_stages
-    page_splits = fitted.page_splits
+    page_splits, group_splits = fitted.page_splits, fitted.group_splits
     group_pad = max(pl.next_power_of_2(group), pl.cdiv(16, block_q))
-    rows = block_q * group_pad
+    heads = group_pad // group_splits  # query heads a program holds
+    rows = block_q * heads
     num_q_blocks = pl.cdiv(num_q_tokens, block_q)
 
     # Pad the block table to a power of two (a Triton tile) of at least one
@@ -241,10 +264,12 @@ def flash_paged_call(
     block_tables = common.pad_block_tables(block_tables, pages_per_seq)
     blocks_per_split = pages_per_seq * page_splits // pages_per_compute_block // k_splits
 
-    # q: [B, T, N, H] -> [B, K, T_pad * G_pad, H], rows ordered (token, head).
+    # q: [B, T, N, H] -> [B, K * group_splits, T_pad * heads, H], rows ordered (token, head): program h holds
+    # heads [(h % group_splits) * heads, ...) of KV head h // group_splits's padded group.
     qr = q.reshape(batch, num_q_tokens, num_kv_heads, group, head_dim)
     qr = jnp.pad(qr, ((0, 0), (0, num_q_blocks * block_q - num_q_tokens), (0, 0), (0, group_pad - group), (0, 0)))
-    qr = qr.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, num_q_blocks * rows, head_dim)
+    qr = qr.reshape(batch, num_q_blocks * block_q, num_kv_heads, group_splits, heads, head_dim)
+    qr = qr.transpose(0, 2, 3, 1, 4, 5).reshape(batch, num_kv_heads * group_splits, num_q_blocks * rows, head_dim)
 
     quantized = k_scales is not None
     kernel = functools.partial(
@@ -252,6 +277,7 @@ def flash_paged_call(
         block_q=block_q,
         group=group,
         group_pad=group_pad,
+        group_splits=group_splits,
         blocks_per_split=blocks_per_split,
         pages_per_compute_block=pages_per_compute_block,
         page_splits=page_splits,
@@ -259,12 +285,15 @@ def flash_paged_call(
         soft_cap=soft_cap,
         sliding_window=sliding_window,
         quantized=quantized,
+        latent=latent,
     )
     # A program's pages block is its KV head's pages in every layer; the
     # layer is an index into it (Triton has no scalar prefetch to move a
     # block's origin by a runtime value), so no layer slice is ever copied.
-    pages_spec = pl.BlockSpec((num_layers, None, num_pages, page_size, head_dim), lambda b, h, i, s: (0, h, 0, 0, 0))
-    scales_spec = pl.BlockSpec((num_layers, None, num_pages, page_size), lambda b, h, i, s: (0, h, 0, 0))
+    pages_spec = pl.BlockSpec((num_layers, None, num_pages, page_size, head_dim),
+                              lambda b, h, i, s: (0, h // group_splits, 0, 0, 0))
+    scales_spec = pl.BlockSpec((num_layers, None, num_pages, page_size),
+                               lambda b, h, i, s: (0, h // group_splits, 0, 0))
     in_specs = [
         pl.BlockSpec((1,), lambda b, h, i, s: (0,)),  # layer
         pl.BlockSpec((1,), lambda b, h, i, s: (b,)),  # kv_lens
@@ -274,39 +303,41 @@ def flash_paged_call(
         pages_spec,  # k_pages
         pages_spec,  # v_pages
     ] + ([scales_spec, scales_spec] if quantized else [])
-    stats_shape = (batch, num_kv_heads, k_splits, num_q_blocks * rows)
+    stats_shape = (batch, num_kv_heads * group_splits, k_splits, num_q_blocks * rows)
     o, l, m = pl.pallas_call(
         kernel,
-        grid=(batch, num_kv_heads, num_q_blocks, k_splits),
+        grid=(batch, num_kv_heads * group_splits, num_q_blocks, k_splits),
         in_specs=in_specs,
         out_specs=[
-            pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, i, s: (b, h, s, i, 0)),
+            pl.BlockSpec((None, None, None, rows, out_dim), lambda b, h, i, s: (b, h, s, i, 0)),
             pl.BlockSpec((None, None, None, rows), lambda b, h, i, s: (b, h, s, i)),
             pl.BlockSpec((None, None, None, rows), lambda b, h, i, s: (b, h, s, i)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((*stats_shape, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((*stats_shape, out_dim), jnp.float32),
             jax.ShapeDtypeStruct(stats_shape, jnp.float32),
             jax.ShapeDtypeStruct(stats_shape, jnp.float32),
         ],
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"paged_attention_gpu_{block_q=}_{pages_per_compute_block=}_{page_splits=}_{k_splits=}",
+        name=f"paged_attention_gpu_{block_q=}_{pages_per_compute_block=}_{page_splits=}_{group_splits=}_{k_splits=}"
+             f"{'' if latent is None else f'_{latent=}'}",
     )(layer, kv_lens, q_lens, block_tables, qr, k_pages, v_pages, *((k_scales, v_scales) if quantized else ()))
 
     # Combine the splits: o = sum_s o_s e^{m_s - m} / sum_s l_s e^{m_s - m}.
     m_all = m.max(axis=2, keepdims=True)
-    weight = jnp.exp(m - m_all)  # [B, K, k_splits, M_all]
-    denom = (l * weight).sum(axis=2)  # [B, K, M_all]
-    out = (o * weight[..., None]).sum(axis=2) / denom[..., None]  # [B, K, M_all, H]; 0 / 0 where no key is seen
-    out = out.reshape(batch, num_kv_heads, num_q_blocks * block_q, group_pad, head_dim)
-    out = out[:, :, :num_q_tokens, :group].transpose(0, 2, 1, 3, 4)  # [B, T, K, G, H]
+    weight = jnp.exp(m - m_all)  # [B, K * group_splits, k_splits, M_all]
+    denom = (l * weight).sum(axis=2)  # [B, K * group_splits, M_all]
+    out = (o * weight[..., None]).sum(axis=2) / denom[..., None]  # [B, K * gs, M_all, O]; 0 / 0 where no key is seen
+    out = out.reshape(batch, num_kv_heads, group_splits, num_q_blocks * block_q, heads, out_dim)
+    out = out.transpose(0, 3, 1, 2, 4, 5).reshape(batch, num_q_blocks * block_q, num_kv_heads, group_pad, out_dim)
+    out = out[:, :num_q_tokens, :, :group]  # [B, T, K, G, O]
     # Only padding rows see no key (every other row sees its own): zeros by
     # row, not by ``denom > 0``, which would also zero a NaN ``denom`` (a NaN
     # logit or value the row sees) and serve it as a finite output.
     seen = jnp.arange(num_q_tokens)[None, :] < q_lens[:, None]  # [B, T]
     out = jnp.where(seen[:, :, None, None, None], out, 0.0)
-    return out.reshape(batch, num_q_tokens, num_q_heads, head_dim).astype(q.dtype)
+    return out.reshape(batch, num_q_tokens, num_q_heads, out_dim).astype(q.dtype)
 
 
 @functools.partial(

@@ -9,7 +9,10 @@ takes the tiling a caller asks for as an upper bound and steps it down until
 the model below fits the chip (:mod:`pallas_kernels.chips`): first the
 pipeline stages (2 to 1), then the keys per block (halved, never below one
 page nor 16), then the query tokens per program (halved, never below 16
-rows). ``pallas_kernels.paged_attention_gpu.flash_paged_call``, the launch of
+rows), and last the query group itself (``group_splits``: programs that
+each hold a part of one KV head's query heads, reading the same pages: 128
+MLA heads on one latent head are 128 rows a token, over both chips at head
+dim 576 whatever the keys). ``pallas_kernels.paged_attention_gpu.flash_paged_call``, the launch of
 every GPU kernel, calls it, so every configuration the engine can build
 fits: ``experiments.lib.aot`` compiles them all with Triton for sm80 and sm90
 and checks the shared memory Triton reports against the limit
@@ -40,15 +43,17 @@ class GPUTiling:
     group_pad``), ``pages_per_compute_block`` pages of keys per loop step
     (or, with ``page_splits`` > 1 and one page a step, ``1 / page_splits``
     of a page: a page of 256 tokens at head dim 256 is over sm90's shared
-    memory whole), Triton's ``num_stages``."""
+    memory whole), Triton's ``num_stages``; ``group_splits`` programs share
+    one KV head's padded query group (``G_pad / group_splits`` heads each)."""
 
     block_q: int
     pages_per_compute_block: int
     num_stages: int
     page_splits: int = 1
+    group_splits: int = 1
 
     def __post_init__(self):
-        for name in ("block_q", "pages_per_compute_block", "num_stages", "page_splits"):
+        for name in ("block_q", "pages_per_compute_block", "num_stages", "page_splits", "group_splits"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {name}={value!r}")
@@ -66,7 +71,8 @@ def fit_gpu_tiling(want: GPUTiling, *, group_pad_for, page_size: int, head_dim: 
     Args:
       want: the tiling asked for (an upper bound).
       group_pad_for: ``block_q -> G_pad``, the padded query group at that
-        block (Triton wants ``block_q * G_pad >= 16``).
+        block (Triton wants ``block_q * G_pad >= 16``); a program holds
+        ``G_pad / group_splits`` of its heads.
       page_size: L, tokens per page (keys per block are a multiple).
       head_dim: H.
       itemsize: bytes of a pool element.
@@ -76,7 +82,8 @@ def fit_gpu_tiling(want: GPUTiling, *, group_pad_for, page_size: int, head_dim: 
     Returns:
       ``want`` itself when it fits, else the first fitting step down
       (stages, then keys: fewer pages a step, then a half, a quarter...
-      of one page (``page_splits``), down to 16 keys; then query tokens).
+      of one page (``page_splits``), down to 16 keys; then query tokens;
+      then the query group, halved while a program keeps 16 rows).
 
     Raises:
       ValueError: nothing fits (16 keys and 16 rows are already over the
@@ -90,10 +97,11 @@ def fit_gpu_tiling(want: GPUTiling, *, group_pad_for, page_size: int, head_dim: 
             raise ValueError(f"{name} must be an int >= 1, got {name}={value!r}")
     limit = chip.smem_per_block
     block_q, ppcb, stages, splits = want.block_q, want.pages_per_compute_block, want.num_stages, want.page_splits
+    groups = want.group_splits
 
     def smem(bq, pp, st, sp):
-        return gpu_smem_bytes(rows=bq * group_pad_for(bq), keys=pp * page_size // sp, head_dim=head_dim,
-                              itemsize=itemsize, num_stages=st)
+        return gpu_smem_bytes(rows=bq * group_pad_for(bq) // groups, keys=pp * page_size // sp,
+                              head_dim=head_dim, itemsize=itemsize, num_stages=st)
 
     while smem(block_q, ppcb, stages, splits) > limit:
         if stages > 1:
@@ -102,15 +110,18 @@ def fit_gpu_tiling(want: GPUTiling, *, group_pad_for, page_size: int, head_dim: 
             ppcb //= 2
         elif ppcb == 1 and page_size % (2 * splits) == 0 and page_size // (2 * splits) >= 16:
             splits *= 2
-        elif block_q > 1 and (block_q // 2) * group_pad_for(block_q // 2) >= 16:
+        elif block_q > 1 and (block_q // 2) * group_pad_for(block_q // 2) // groups >= 16:
             block_q //= 2
+        elif group_pad_for(block_q) % (2 * groups) == 0 and block_q * group_pad_for(block_q) // (2 * groups) >= 16:
+            groups *= 2
         else:
             raise ValueError(
                 f"no GPU tiling fits {chip.description}'s {limit:,} bytes of shared memory per block at "
                 f"page_size={page_size}, head_dim={head_dim}, {itemsize}-byte pages: the smallest "
-                f"({block_q} query tokens, {ppcb * page_size // splits} keys, 1 stage) needs "
-                f"{smem(block_q, ppcb, 1, splits):,}")
-    got = GPUTiling(block_q=block_q, pages_per_compute_block=ppcb, num_stages=stages, page_splits=splits)
+                f"({block_q} query tokens of {group_pad_for(block_q) // groups} heads, "
+                f"{ppcb * page_size // splits} keys, 1 stage) needs {smem(block_q, ppcb, 1, splits):,}")
+    got = GPUTiling(block_q=block_q, pages_per_compute_block=ppcb, num_stages=stages, page_splits=splits,
+                    group_splits=groups)
     return want if got == want else got
 
 

@@ -16,14 +16,20 @@ from pallas_kernels import chips, paged_attention_tpu, tuning
 
 
 def test_the_compiled_heads_are_the_presets():
+    from models.deepseek.presets import PRESETS as MLA_PRESETS
+
     for name, (n, k, h) in aot.HEADS.items():
         c = PRESETS[name]
         assert (c.num_q_heads, c.num_kv_heads, c.head_dim) == (n, k, h), name
+    for name, (n, c_dim, r) in aot.LATENT.items():
+        c = MLA_PRESETS[name]
+        assert (c.num_heads, c.kv_lora_rank, c.qk_rope_head_dim) == (n, c_dim, r), name
 
 
 def test_every_kernel_compiles_for_every_chip_within_its_memory():
-    """The default matrix (116 cases: every kernel on v5e, v6e, sm80, sm90;
-    every preset's heads, both page sizes, every pool dtype). Before this
+    """The default matrix (124 cases: every kernel on v5e, v6e, sm80, sm90;
+    every preset's heads, both page sizes, every pool dtype; the flat
+    kernels' latent mode at DeepSeek-V3's MLA). Before this
     round's fixes none of the TPU cases compiled (a (1, keys) -> (keys, 1)
     mask reshape; the flat kernel's one-token DMA into a tiled page) and 15
     GPU cases were over their shared memory; fp8 on sm80 aborted Triton. The
@@ -135,6 +141,13 @@ def test_fit_gpu_tiling_steps_down_stages_then_keys_then_rows():
     rows = tuning.fit_gpu_tiling(want, group_pad_for=g, page_size=16, head_dim=1024, itemsize=4,
                                  chip=chips.CHIPS["sm80"])
     assert rows == tuning.GPUTiling(block_q=8, pages_per_compute_block=1, num_stages=1)  # 4*1024*32 + 4*16*16
+    # DeepSeek-V3's absorbed MLA: 128 heads on one latent of 576 are over sm90 at one token and 16 keys
+    # (4*576*144 + 4*128*16 = 339,968); the query group is split last, the fewest times (each split reads the
+    # pages again): 64 heads a program, 16 keys (a quarter page), 1 stage: 4*576*80 + 4*64*16 = 188,416.
+    mla = tuning.fit_gpu_tiling(tuning.GPUTiling(block_q=1, pages_per_compute_block=1, num_stages=2),
+                                group_pad_for=lambda bq: 128, page_size=64, head_dim=576, itemsize=2,
+                                chip=chips.CHIPS["sm90"])
+    assert mla == tuning.GPUTiling(block_q=1, pages_per_compute_block=1, num_stages=1, page_splits=4, group_splits=2)
     with pytest.raises(ValueError, match="no GPU tiling fits .* page_size=512, head_dim=2048"):
         tuning.fit_gpu_tiling(want, group_pad_for=g, page_size=512, head_dim=2048, itemsize=4,
                               chip=chips.CHIPS["sm80"])

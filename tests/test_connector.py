@@ -27,7 +27,7 @@ from paged_jax.engine.core import Engine, EngineConfig, Request
 from paged_jax.engine.sampling import SamplingParams
 from paged_jax.paging.kv_cache import KVPool
 from paged_jax.simulator.engine import SimulatedEngine
-from paged_jax.tiers.connector import PROTOCOL, KVConsumer, KVTransferConfig
+from paged_jax.tiers.connector import PROTOCOL, KVConsumer, KVProducer, KVTransferConfig
 from paged_jax.tiers.disk import pack_frame, unpack_frame
 from paged_jax.tiers.offload import add_tier_flags, tier_options_from_args
 from tests.engine_helpers import PAGE, VOCAB, check_accounting, make_engine, make_toy_step, toy_params, toy_pool
@@ -528,6 +528,17 @@ def test_a_consumer_without_a_producer_or_with_the_wrong_key_is_refused_by_name(
 def test_bad_transfer_configs_are_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):
         KVTransferConfig(**kwargs)
+
+
+def test_a_connector_takes_only_a_config_of_its_role_and_a_producer_room_for_a_page():
+    assert KVTransferConfig("consumer", address="127.0.0.1:1", timeout_s=np.float32(2.0)).timeout_s == 2.0  # any real number
+    layout = {"k": ("float32", (1, 1, 1, 16, 8)), "v": ("float32", (1, 1, 1, 16, 8))}  # 1,024 bytes a page
+    with pytest.raises(ValueError, match="config must be a KVTransferConfig of role 'producer', got 'consumer'"):
+        KVProducer(KVTransferConfig("consumer", address="127.0.0.1:1"), "fp", layout, 16)
+    with pytest.raises(ValueError, match="config must be a KVTransferConfig of role 'consumer', got 'dict'"):
+        KVConsumer({"role": "consumer"}, "fp", layout, 16)
+    with pytest.raises(ValueError, match="buffer_bytes=1 is below one page's 1024 bytes"):
+        KVProducer(KVTransferConfig("producer", buffer_bytes=1), "fp", layout, 16)
 
 
 def test_engine_settings_that_cannot_transfer_are_refused_by_name():

@@ -109,27 +109,42 @@ def test_the_config_reads_what_transformers_computes(checkpoint):
         assert (config.router.scoring, config.router.n_group, config.router.norm_topk_prob) == ("softmax", 4, False)
 
 
-def test_ragged_batches_match_transformers(checkpoint):
-    """Three sequences through flat mixed batches on a latent pool full of
-    NaN: each chunk's last logits equal transformers' at that position."""
-    name, folder, _, want = checkpoint
-    model = load_hf_deepseek(folder)
-    p = PROMPTS
-    schedule = [
-        [(0, p[0][:13]), (1, p[1][:6])],
-        [(0, p[0][13:20]), (1, p[1][6:7]), (2, p[2][:22])],
-        [(0, p[0][20:21]), (1, p[1][7:17]), (2, p[2][22:23])],
-    ]
-    got = mixed_calls(model, schedule)
+SCHEDULE = [
+    [(0, PROMPTS[0][:13]), (1, PROMPTS[1][:6])],
+    [(0, PROMPTS[0][13:20]), (1, PROMPTS[1][6:7]), (2, PROMPTS[2][:22])],
+    [(0, PROMPTS[0][20:21]), (1, PROMPTS[1][7:17]), (2, PROMPTS[2][22:23])],
+]
+
+
+def _check_schedule(name, got, want):
     seen = [0, 0, 0]
     worst = 0.0
-    for call, logits in zip(schedule, got):
+    for call, logits in zip(SCHEDULE, got):
         for row, chunk in call:
             seen[row] += len(chunk)
             w = want[row][seen[row] - 1]
             worst = max(worst, float(np.abs(logits[row] - w).max()))
             np.testing.assert_allclose(logits[row], w, atol=LOGIT_ATOL, err_msg=f"{name} row {row} at {seen[row]}")
     print(f"{name}: largest logit difference {worst:.2e}")
+
+
+def test_ragged_batches_match_transformers(checkpoint):
+    """Three sequences through flat mixed batches on a latent pool full of
+    NaN: each chunk's last logits equal transformers' at that position."""
+    name, folder, _, want = checkpoint
+    _check_schedule(name, mixed_calls(load_hf_deepseek(folder), SCHEDULE), want)
+
+
+@pytest.mark.slow  # 2 min on 2 loaded cores; the kernel's latent mode by default: tests/test_latent_attention.py
+@pytest.mark.parametrize("checkpoint", ["moe"], indirect=True)
+def test_the_tpu_kernels_latent_mode_serves_the_model(checkpoint):
+    """The same batches with the attention on the flat TPU kernel (Pallas
+    interpret mode; its latent mode: keys and values the latent pages):
+    transformers' logits. (The GPU kernel's latent mode wants C and R
+    powers of two >= 16, this checkpoint's R is 8: tests/test_latent_attention.py
+    runs it at such sizes.)"""
+    name, folder, _, want = checkpoint
+    _check_schedule(name, mixed_calls(load_hf_deepseek(folder, impl="pallas_tpu"), SCHEDULE), want)
 
 
 @pytest.mark.parametrize("pages", [pytest.param(256, id="roomy"),
@@ -295,6 +310,11 @@ def test_a_latent_pool_holds_the_mla_bytes_per_token():
     ("v2", "scoring_func", "sigmoid", "softmax"),
     ("v2", "norm_topk_prob", True, "never normalizes"),
     ("v2", "n_group", 3, "divisible"),
+    # YaRN's numbers named as given, not as the attention factor derived from them.
+    ("moe", "rope_parameters", {**CHECKPOINTS["moe"]["rope_parameters"], "mscale": "x"}, "'mscale' must be a finite"),
+    ("moe", "rope_parameters", {**CHECKPOINTS["moe"]["rope_parameters"], "mscale_all_dim": float("nan")},
+     "'mscale_all_dim' must be a finite"),
+    ("moe", "rope_parameters", {**CHECKPOINTS["moe"]["rope_parameters"], "mscale": -1}, "'mscale' must be a finite"),
 ])
 def test_bad_configs_are_refused_by_name(base, field, value, words):
     model_type = "deepseek_v2" if base == "v2" else "deepseek_v3"
@@ -319,6 +339,48 @@ def test_greedy_v2_routing_ignores_the_groups():
     assert (router.n_group, router.topk_group, router.scoring) == (1, 1, "softmax")
 
 
+@pytest.mark.parametrize("checkpoint", ["moe"], indirect=True)
+def test_tensors_the_decoder_has_no_place_for_are_refused_by_name(checkpoint, tmp_path):
+    """A tensor the config does not count would change what the checkpoint
+    computes: refused by name (an undercounted layer, an extra expert, a
+    bias). A multi-token-prediction layer past the decoder's (it holds
+    ``eh_proj``, as DeepSeek-V3's layer 61 does) is not read."""
+    import shutil
+
+    import safetensors.numpy
+
+    _, folder, _, _ = checkpoint
+    tensors = safetensors.numpy.load_file(folder / "model.safetensors")
+
+    def variant(name, change_tensors=None, change_config=None):
+        d = tmp_path / name
+        shutil.copytree(folder, d)
+        if change_tensors:
+            t = dict(tensors)
+            change_tensors(t)
+            safetensors.numpy.save_file(t, d / "model.safetensors", metadata={"format": "pt"})
+        if change_config:
+            cfg = json.loads((d / "config.json").read_text())
+            cfg.update(change_config)
+            (d / "config.json").write_text(json.dumps(cfg))
+        return d
+
+    expert = {k.replace("experts.0.", "experts.8."): v for k, v in tensors.items() if "experts.0." in k}
+    layer = {k.replace("layers.2.", "layers.3."): v for k, v in tensors.items() if "layers.2." in k}
+    for d, needle in ((variant("bias", lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": np.ones(64)})),
+                       r"no place for: \['model.layers.0.self_attn.o_proj.bias'\]"),
+                      (variant("expert", lambda t: t.update(expert)), "model.layers.1.mlp.experts.8.down_proj"),
+                      (variant("fewer", change_config={"num_hidden_layers": 2, "num_nextn_predict_layers": 1}),
+                       "model.layers.2.input_layernorm"),
+                      (variant("layer", lambda t: t.update(layer), {"num_nextn_predict_layers": 0}),
+                       "model.layers.3.")):
+        with pytest.raises(ValueError, match=needle):
+            load_hf_deepseek(d)
+    mtp = {**layer, "model.layers.3.eh_proj.weight": np.ones((64, 128), np.float32)}
+    model = load_hf_deepseek(variant("mtp", lambda t: t.update(mtp), {"num_nextn_predict_layers": 1}))
+    assert model.config.num_layers == 3
+
+
 def test_weights_of_other_shapes_are_refused_by_name():
     config = config_from_hf({**DIMS, **CHECKPOINTS["moe"], "model_type": "deepseek_v3",
                              "moe_intermediate_size": 32})
@@ -326,6 +388,16 @@ def test_weights_of_other_shapes_are_refused_by_name():
     params["moe"]["w_uk"] = params["moe"]["w_uk"][:, :, :3]
     with pytest.raises(ValueError, match=r"params\['moe'\]\['w_uk'\]: shape \(2, 4, 3, 32\)"):
         DeepseekModel(config, params)
+    params = init_params(config, jax.random.key(0))
+    params["final_norm"] = params["final_norm"].astype(bool)
+    with pytest.raises(ValueError, match=r"params\['final_norm'\] has dtype bool; expected one of"):
+        DeepseekModel(config, params)
+    params = init_params(config, jax.random.key(0))
+    params["moe"]["router"] = params["moe"]["router"].astype(jnp.bfloat16)
+    with pytest.raises(ValueError, match="router's weights are float32"):
+        DeepseekModel(config, params)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        init_params(config, jax.random.key(0), jnp.int8)
     with pytest.raises(ValueError, match="latent pool"):  # a GQA pool for an MLA model
         Engine(DeepseekModel(config, init_params(config, jax.random.key(0))),
                init_kv_pool(num_layers=3, num_kv_heads=1, num_pages=9, page_size=4, head_dim=40),

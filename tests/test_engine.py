@@ -283,6 +283,11 @@ def test_engine_refuses_a_pool_or_vocabulary_that_does_not_fit_the_model():
     with pytest.raises(ValueError, match="floating dtype"):
         cfg.make_kv_pool(40, 4, dtype=jnp.int32)
     assert Engine(model, cfg.make_kv_pool(40, 4), config, vocab_size=np.int64(50)).vocab_size == 50
+    pool = cfg.make_kv_pool(40, 4)
+    engine = Engine(model, pool, config)
+    engine.run([Request(request_id=0, prompt_ids=[1, 2, 3], max_new_tokens=2)])  # donates the pool's buffers
+    with pytest.raises(ValueError, match="kv_pool's buffers were donated"):  # not XLA's error at the first step
+        Engine(model, pool, config)
 
 
 def test_cli_refuses_an_unusable_compile_cache(tmp_path):

@@ -63,14 +63,17 @@ from models.tokenizer import load_tokenizer
 from tests.decoder_helpers import mixed_calls
 from tests.family_helpers import FAMILIES, VOCAB, load_transformers, write_checkpoint
 
-GGUF_FAMILIES = tuple(n for n in FAMILIES if n != "qwen3moe")  # no qwen3moe GGUF reader yet (issue 36)
+GGUF_FAMILIES = tuple(FAMILIES)
 
 LOGIT_ATOL = 1e-4
 Q8_ATOL = 0.3  # Q8_0 against the f32 folder: 8-bit weights moved Gemma 2's logits (std about 1.5) by 0.13
 PROMPT_LENS = (21, 27, 30)  # longer than three Gemma windows
 NEW_TOKENS = 6
-ARCHS = {"llama3": "llama", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "olmo2": "olmo2"}
+ARCHS = {"llama3": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3moe", "gemma2": "gemma2", "gemma3": "gemma3",
+         "olmo2": "olmo2"}
 """family -> GGUF ``general.architecture``."""
+TRANSFORMERS_ARCHS = {"qwen3moe": "qwen3_moe"}
+"""GGUF architectures transformers' reader renames (``load_gguf_checkpoint``)."""
 F32, Q8_0 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
 
 
@@ -158,6 +161,10 @@ def write_gguf(folder: pathlib.Path, name: str, path: pathlib.Path, qtype=F32, t
     if arch == "llama":
         w.add_vocab_size(cfg["vocab_size"])
         w.add_rope_dimension_count(head_dim)
+    if arch == "qwen3moe":  # Qwen2MoeModel.set_gguf_parameters (conversion/qwen.py)
+        w.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
     if arch in ("gemma2", "gemma3"):
@@ -168,14 +175,21 @@ def write_gguf(folder: pathlib.Path, name: str, path: pathlib.Path, qtype=F32, t
         tokenizer(w)
     model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(model_arch, layers)
-    for hf_name, data in safetensors.numpy.load_file(folder / "model.safetensors").items():
+    tensors = safetensors.numpy.load_file(folder / "model.safetensors")
+    if arch == "qwen3moe":  # Qwen2MoeModel.modify_tensors: each layer's experts stacked, one tensor a projection
+        experts = sorted({int(n.split(".")[5]) for n in tensors if ".mlp.experts." in n})
+        for i in range(layers):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                tensors[f"model.layers.{i}.mlp.experts.{proj}.weight"] = np.stack(
+                    [tensors.pop(f"model.layers.{i}.mlp.experts.{e}.{proj}.weight") for e in experts])
+    for hf_name, data in tensors.items():
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             data = permute(data, heads, heads if "q_proj" in hf_name else kv)
         if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             data = data + 1
         new = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert new is not None, hf_name
-        if qtype != F32 and data.ndim == 2:
+        if qtype != F32 and data.ndim >= 2:
             w.add_tensor(new, gguf.quants.quantize(data.astype(np.float32), qtype), raw_dtype=qtype)
         else:
             w.add_tensor(new, data.astype(np.float32))
@@ -243,7 +257,7 @@ def test_logits_match_transformers_reading_the_same_gguf(family):
     """transformers' own GGUF reader (``gguf_file=``; the folder's config,
     since transformers maps few of these architectures' keys) on our file."""
     name, folder, path, hf, model, _ = family
-    if ARCHS[name] not in GGUF_SUPPORTED_ARCHITECTURES:
+    if TRANSFORMERS_ARCHS.get(ARCHS[name], ARCHS[name]) not in GGUF_SUPPORTED_ARCHITECTURES:
         assert name == "olmo2", f"transformers reads {ARCHS[name]} GGUFs now: compare them"
         pytest.skip("transformers 5.24 does not read olmo2 GGUFs")
     other = transformers.AutoModelForCausalLM.from_pretrained(

@@ -10,6 +10,7 @@ The store alone (keys, LRU by bytes, page copies): tests/test_host_tier.py.
 
 import os
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -337,6 +338,9 @@ def test_disk_settings_are_refused_by_name(tmp_path):
                           (dict(disk_cache_dir="a\0b", disk_cache_bytes=5), "is not a folder path")]:
         with pytest.raises(ValueError, match=words):
             EngineConfig(**kwargs)
+    # "~" is the home folder, as on a command line, not a folder named "~" under the working directory.
+    home = EngineConfig(disk_cache_dir="~/paged-jax-kv-test", disk_cache_bytes=5).disk_cache_dir
+    assert home == str(Path.home() / "paged-jax-kv-test")
 
 
 def test_what_a_breaker_found_is_refused_and_the_engine_goes_on(tmp_path):

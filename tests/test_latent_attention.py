@@ -5,6 +5,8 @@ K/V projected up) equals dense attention in float64 over the same latents,
 for page sizes and lengths 0, 1, L - 1, L, L + 1, decode and prefill rows,
 with NaN in every slot no sequence owns."""
 
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,10 +18,13 @@ from paged_jax.paging.kv_cache import copy_pages, init_latent_pool, write_layer_
 from paged_jax.paging.swap import gather_pages, scatter_pages
 
 N, H, R, C, O = 4, 8, 4, 16, 6  # noqa: E741 (heads, nope dim, rope dim, latent rank, value dim)
+DIMS = (N, H, R, C, O)
+KERNEL_DIMS = (16, 8, 16, 32, 6)  # the GPU kernel reads a latent as two power-of-two tiles >= 16 (C and R)
 
 
 def _dense(q_nope, q_pe, latents, w_uk, w_uv, kv_len, q_len, scale):
     """One sequence in float64: q [T, N, *], latents [kv_len, C + R] -> [q_len, N, O]."""
+    N, C, O = q_nope.shape[1], w_uk.shape[-1], w_uv.shape[-1]  # noqa: N806, E741
     c, k_pe = latents[:, :C], latents[:, C:]
     k = np.einsum("SC,NHC->SNH", c, w_uk)
     v = np.einsum("SC,NCO->SNO", c, w_uv)
@@ -34,7 +39,8 @@ def _dense(q_nope, q_pe, latents, w_uk, w_uv, kv_len, q_len, scale):
     return out
 
 
-def _case(page_size, kv_lens, q_lens, layers=None, seed=0):
+def _case(page_size, kv_lens, q_lens, layers=None, seed=0, dims=DIMS):
+    N, H, R, C, O = dims  # noqa: E741, N806
     rng = np.random.default_rng(seed)
     B, T = len(kv_lens), max(max(q_lens), 1)
     pages_per_seq = max(-(-max(kv_lens) // page_size), 1)
@@ -112,6 +118,7 @@ def test_bad_shapes_are_named():
 def _flat(tables, kv_lens, q_lens, q_nope, q_pe):
     """The padded case as the engine's flat batch: ``(batch, flat q_nope
     [T, N, H], flat q_pe [T, N, R], each row's first flat token)``."""
+    N, H, R = q_nope.shape[2], q_nope.shape[3], q_pe.shape[3]  # noqa: N806
     ql = np.asarray(q_lens, np.int32)
     shape = batch_shape(ql, num_seq_rows=len(ql), tiling=Tiling(prefill_tile_q=4, min_tokens=8))
     starts = np.concatenate([[0], np.cumsum(ql)[:-1]]).astype(np.int32)
@@ -140,6 +147,77 @@ def test_the_flat_batch_through_the_one_door_equals_the_padded_form():
         np.testing.assert_allclose(got[s0:s0 + q], want, atol=2e-5, rtol=1e-4)
     np.testing.assert_array_equal(got[int(ql.sum()):], 0)
 
+
+def _check_flat_against_dense(impl, page_size, seed=4, dims=KERNEL_DIMS):
+    """``absorbed_ragged_attention`` through ``impl`` on the flat batch of
+    lengths 0, 1, L - 1, L, L + 1 and longer (decode rows and chunks), NaN in
+    every unowned slot, equals float64 dense attention."""
+    L = page_size
+    kv_lens, q_lens = [0, 1, L - 1, L, L + 1, 3 * L + 2], [0, 1, 1, 1, L + 1, 3]
+    pool, tables, latents, q_nope, q_pe, w_uk, w_uv = _case(L, kv_lens, q_lens, layers=2, seed=seed, dims=dims)
+    batch, flat_nope, flat_pe, starts = _flat(tables, kv_lens, q_lens, q_nope, q_pe)
+    got = np.asarray(absorbed_ragged_attention(jnp.asarray(flat_nope), jnp.asarray(flat_pe), jnp.asarray(pool),
+                                               jnp.int32(1), batch, jnp.asarray(w_uk), jnp.asarray(w_uv),
+                                               kv_lora_rank=dims[3], scale=0.25, impl=impl))
+    for b, (s0, n, q) in enumerate(zip(starts, kv_lens, q_lens)):
+        want = _dense(q_nope[b].astype(np.float64), q_pe[b].astype(np.float64), latents[b][1].astype(np.float64),
+                      w_uk.astype(np.float64), w_uv.astype(np.float64), n, q, 0.25)
+        np.testing.assert_allclose(got[s0:s0 + q], want, atol=2e-5, rtol=1e-4)
+    np.testing.assert_array_equal(got[sum(q_lens):], 0)
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_the_flat_kernels_latent_mode_equals_dense(impl, page_size):
+    """The Pallas kernels (interpret mode) in their latent mode: the GPU
+    kernel reads each latent once as two tiles (c and k_pe), the TPU kernel
+    the pool as keys and values; both equal dense attention."""
+    _check_flat_against_dense(impl, page_size)
+
+
+def test_the_gpu_kernel_splits_a_query_group_too_large_for_one_program():
+    """64 heads on one latent of 256 + 64 are over an A10's 99 KiB at 64
+    rows (4*320*(16+64) + 4*64*16 = 106,496 bytes): tuned for that chip,
+    the kernel gives each program half the heads (``group_splits`` 2),
+    reading the same pages, and the result is the reference's."""
+    from pallas_kernels import chips, tuning
+    from pallas_kernels.flat_ragged_attention import flat_ragged_paged_attention
+
+    chip = chips.generic_gpu("8.6")
+    fitted = tuning.fit_gpu_tiling(tuning.GPUTiling(block_q=1, pages_per_compute_block=4, num_stages=2),
+                                   group_pad_for=lambda bq: max(64, -(-16 // bq)), page_size=16, head_dim=320,
+                                   itemsize=4, chip=chip)
+    assert fitted.group_splits == 2 and fitted.block_q == 1
+    kv_lens, q_lens = [0, 1, 15, 16, 17, 50], [0, 1, 1, 1, 17, 3]
+    pool, tables, *_ = _case(16, kv_lens, q_lens, layers=2, seed=6, dims=(64, 8, 64, 256, 6))
+    rng = np.random.default_rng(6)
+    starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
+    q = jnp.asarray(rng.normal(size=(32, 64, 320)), jnp.float32)  # the absorbed queries [q_lat, q_pe]
+    pool = jnp.asarray(pool)
+    args = (q, None, None, pool, pool, 1, jnp.asarray(tables), jnp.asarray(starts),
+            jnp.asarray(q_lens, jnp.int32), jnp.asarray(kv_lens, jnp.int32), None)
+    sizes = dict(decode_tiles=6, prefill_chunks=2, latent_dim=256, interpret=True)
+    with chips.target(chip):
+        got = np.asarray(flat_ragged_paged_attention(*args, impl="gpu", **sizes)[0])
+    want = np.asarray(flat_ragged_paged_attention(*args, impl="reference", **sizes)[0])
+    assert got.shape == (32, 64, 256)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+    assert np.isfinite(got).all()
+
+
+def test_the_latent_mode_is_refused_where_it_cannot_run():
+    from pallas_kernels.flat_ragged_attention import check_latent_dim
+
+    pool = jnp.zeros((1, 1, 4, 16, C + R))
+    for latent_dim, other, k_new, impl, needle in ((0, pool, None, "xla", "latent_dim must be an int in"),
+                                                   (C + R, pool, None, "xla", "latent_dim must be an int in"),
+                                                   (1.5, pool, None, "xla", "latent_dim must be an int in"),
+                                                   (C, pool + 0, None, "xla", "v_pool must be k_pool"),
+                                                   (C, pool, pool, "xla", "writes nothing"),
+                                                   (C, pool, None, "gpu", "power of two >= 16")):  # R = 4
+        with pytest.raises(ValueError, match=needle):
+            check_latent_dim(latent_dim, pool, other, k_new, impl)
+    check_latent_dim(C, pool, pool, None, "tpu")  # any split on the TPU kernel and in XLA
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
@@ -211,6 +289,24 @@ def test_mla_decode_bench_compares_equal_bytes(tmp_path):
     assert [(r["batch"], r["context"], r["mla_heads"], r["kv_mb"]) for r in rows] == [(2, 32, 4, 0.1)]
     assert rows[0]["x_gqa"] > 0 and rows[0]["core_x_gqa"] > 0
     assert "Target (issue 36): the MLA step at 4 heads within 1.5x" in (tmp_path / "mla_decode_bench.md").read_text()
+
+
+@pytest.mark.parametrize("argv, words", [(["--min-seconds", "nan"], "--min-seconds: must be a finite number > 0"),
+                                         (["--min-seconds", "0"], "--min-seconds: must be a finite number > 0"),
+                                         (["--out", __file__], "--out .* is not a writable folder")])
+def test_the_mla_benchmarks_refuse_bad_flags_before_any_work(argv, words, capsys):
+    from experiments.kernels import mla_decode_bench, mla_prefill_bench, moe_bench
+    from experiments.memory import mla_capacity
+
+    for script in (mla_decode_bench, mla_prefill_bench, moe_bench, mla_capacity):
+        if "--min-seconds" in argv and script is mla_capacity:
+            continue  # it times nothing
+        with pytest.raises(SystemExit):
+            script.parse_args(argv)
+        assert re.search(words, capsys.readouterr().err), script.__name__
+    with pytest.raises(SystemExit):
+        mla_capacity.parse_args(["--budget-tokens", "1", "--max-seqs", "4"])
+    assert "--budget-tokens must be >= --max-seqs" in capsys.readouterr().err
 
 
 def test_mla_prefill_bench_times_both_forms(tmp_path):

@@ -181,8 +181,11 @@ def test_bad_specs_are_named(tmp_path):
         load_model(str(text))
     with pytest.raises(ValueError, match="model must be a str"):
         load_model(3)
-    with pytest.raises(ValueError, match="dtype must be a float dtype"):
+    with pytest.raises(ValueError, match="dtype must be one of .*got dtype='int32'"):
         load_model("smollm2-135m", dtype=jnp.int32)
+    # Named as the caller named it (dtype), not as the loader calls it (param_dtype).
+    with pytest.raises(ValueError, match="dtype must be one of .*got dtype='float64'"):
+        LLM("no-such-model", dtype="float64")
     # Checked before any checkpoint is read (the spec here would fail later).
     with pytest.raises(ValueError, match="kv_tokens"):
         LLM("no-such-model", kv_tokens=0)

@@ -67,7 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.lib import provenance
-from experiments.lib.cli import RESULTS, add_flag, check_out_dir, cpu_model, resolve_dtype, time_call
+from experiments.lib.cli import RESULTS, add_flag, check_out_dir, cpu_model, positive_number, resolve_dtype, time_call
 from experiments.lib.tables import markdown_table, write_table
 from models.presets import PRESETS as MODEL_PRESETS
 from paged_jax.attention import paged as attention
@@ -527,16 +527,6 @@ def _int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
-def _positive_number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value}")
-    return value
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line; a bad value is an argparse error naming its flag (exit status 2)."""
     parser = argparse.ArgumentParser(prog="python -m experiments.kernels.kernel_bench", description=__doc__.splitlines()[0])
@@ -556,10 +546,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", type=at_least_1, default=1,
                         help="layers of the stacked pool [N, K, P, L, H]; calls read layer N // 2 in place "
                              "(default 1: one layer's pages, no layer argument)")
-    parser.add_argument("--peak-copy-gb", type=_positive_number, default=None,
+    parser.add_argument("--peak-copy-gb", type=positive_number, default=None,
                         help="size of the one large copy that measures peak read bandwidth, GB "
                              "(default 1.0 on accelerators, 0.25 on CPU)")
-    parser.add_argument("--min-seconds", type=_positive_number, default=0.2,
+    parser.add_argument("--min-seconds", type=positive_number, default=0.2,
                         help="length of each timed loop, s; each figure is the best of 5 loops (default 0.2; "
                              "smaller is quicker and noisier)")
     add_flag(parser, "dtype", choices=("float32", "bfloat16", "float16"),

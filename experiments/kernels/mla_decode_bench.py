@@ -28,14 +28,13 @@ ratio shows how much the extra work costs. Writes
 from __future__ import annotations
 
 import argparse
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from experiments.lib import provenance
-from experiments.lib.cli import machine, time_call
+from experiments.lib.cli import add_flag, check_out_dir, machine, time_call
 from paged_jax.attention.latent import absorbed_paged_attention
 from paged_jax.attention.paged import paged_attention, unchecked_xla_paged_attention
 
@@ -108,8 +107,8 @@ def parse_args(argv=None):
                    help="GQA KV heads; the head dim is 576 / (2 x this)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the pages' dtype")
-    p.add_argument("--min-seconds", type=float, default=0.2, help="each timed loop, seconds")
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
+    add_flag(p, "min_seconds")
+    add_flag(p, "out")
     args = p.parse_args(argv)
     for name in ("batches", "contexts", "mla_heads"):
         if min(getattr(args, name)) < 1:
@@ -119,6 +118,7 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.gqa_heads % args.gqa_kv_heads:
         p.error(f"--gqa-heads must be a multiple of --gqa-kv-heads, got {args.gqa_heads} and {args.gqa_kv_heads}")
+    check_out_dir(p, args.out)  # now, not after the benchmark
     return args
 
 

@@ -21,14 +21,13 @@ after cached pages), with ``--heads`` query heads, and reports
 from __future__ import annotations
 
 import argparse
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from experiments.lib import provenance
-from experiments.lib.cli import machine, time_call
+from experiments.lib.cli import add_flag, check_out_dir, machine, time_call
 from paged_jax.attention.latent import absorbed_paged_attention, expanded_paged_attention
 
 C, R, H, V = 512, 64, 128, 128  # DeepSeek-V3: kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim
@@ -57,14 +56,15 @@ def parse_args(argv=None):
                    help="query tokens in the chunk (each at most --context)")
     p.add_argument("--heads", type=int, default=16, help="query heads, N")
     p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--min-seconds", type=float, default=0.2, help="each timed loop, seconds")
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
+    add_flag(p, "min_seconds")
+    add_flag(p, "out")
     args = p.parse_args(argv)
     for name in ("context", "heads", "page_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if min(args.tokens) < 1 or max(args.tokens) > args.context:
         p.error(f"--tokens must all be in [1, --context={args.context}], got {args.tokens}")
+    check_out_dir(p, args.out)  # now, not after the benchmark
     return args
 
 

@@ -20,13 +20,12 @@ experts and the backend: this times both (best of 5 loops,
 from __future__ import annotations
 
 import argparse
-import pathlib
 
 import jax
 import jax.numpy as jnp
 
 from experiments.lib import provenance
-from experiments.lib.cli import machine, time_call
+from experiments.lib.cli import add_flag, check_out_dir, machine, time_call
 from models.layers.moe import RouterConfig, route, routed_experts_dense, routed_experts_ragged
 
 SEEDS = {"data": 0}
@@ -53,8 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--model-dim", type=int, default=512)
     p.add_argument("--expert-dim", type=int, default=256, help="each expert's SwiGLU width")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--min-seconds", type=float, default=0.2, help="each timed loop, seconds")
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
+    add_flag(p, "min_seconds")
+    add_flag(p, "out")
     args = p.parse_args(argv)
     for name in ("tokens", "experts"):
         if min(getattr(args, name)) < 1:
@@ -64,6 +63,7 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.top_k > min(args.experts):
         p.error(f"--top-k must be at most every --experts, got {args.top_k} > {min(args.experts)}")
+    check_out_dir(p, args.out)  # now, not after the benchmark
     return args
 
 

@@ -63,6 +63,15 @@ HEADS = {"llama-3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64), "qwen2.5-7b": (
 """(query heads, KV heads, head dim) of the presets the kernels are compiled
 at (``models.presets.PRESETS``; ``tests/test_aot.py`` checks they agree)."""
 
+LATENT = {"deepseek-v3": (128, 512, 64)}
+"""(query heads, latent rank C, RoPE key dim R) of the MLA presets the flat
+kernels are compiled at in their latent mode (absorbed MLA: one latent
+"head" of C + R = 576, keys and values the same pages;
+``models.deepseek.presets.PRESETS``, checked in ``tests/test_aot.py``).
+Only the flat kernels serve MLA (``paged_jax.attention.latent``)."""
+
+LATENT_KERNELS = ("flat_ragged_tpu", "flat_ragged_gpu")
+
 KV_DTYPES = ("bfloat16", "float32", "int8", "float8_e4m3fn")
 """Pool dtypes compiled: the float ones as stored, the quantized ones with
 per-token scales."""
@@ -92,8 +101,11 @@ class Case:
 
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got kernel={self.kernel!r}")
-        if self.model not in HEADS:
-            raise ValueError(f"model must be one of {sorted(HEADS)}, got model={self.model!r}")
+        if self.model not in HEADS and self.model not in LATENT:
+            raise ValueError(f"model must be one of {sorted(HEADS) + sorted(LATENT)}, got model={self.model!r}")
+        if self.model in LATENT and self.kernel not in LATENT_KERNELS:
+            raise ValueError(f"{self.model} (MLA) runs on the flat kernels only, {LATENT_KERNELS}; got "
+                             f"kernel={self.kernel!r}")
         if chips.get(self.chip).platform != PLATFORM[self.kernel]:
             raise ValueError(f"{self.kernel} runs on {PLATFORM[self.kernel]}, got chip={self.chip!r}")
         if not isinstance(self.page_size, int) or self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -146,7 +158,10 @@ def matrix(*, full: bool = False, chips: tuple[str, ...] = ("v5e", "v6e", "sm80"
     the GPU kernels split such a page, ``pallas_kernels.tuning``); every pool dtype at both
     page sizes (16, 64) at Llama-3-8B's heads on one chip per limit that
     can differ: v5e (v6e has more VMEM, same rules), sm80 (fp8 refused,
-    the smaller shared memory) and sm90.
+    the smaller shared memory) and sm90. The flat kernels' latent mode at
+    DeepSeek-V3's MLA (:data:`LATENT`): bf16 pages of 64 (FlashMLA's page)
+    on every chip, int8 and fp8 on v5e and sm90; the full matrix: every
+    page size and dtype.
     """
     from pallas_kernels import chips as chip_table
 
@@ -168,6 +183,14 @@ def matrix(*, full: bool = False, chips: tuple[str, ...] = ("v5e", "v6e", "sm80"
             if chip in ("v5e", "sm80", "sm90"):
                 cases.update(Case(kernel=kernel, model="llama-3-8b", page_size=p, kv_dtype=d, chip=chip)
                              for p in page_sizes for d in KV_DTYPES)
+    for kernel in LATENT_KERNELS:
+        for chip in chips:
+            if chip_table.get(chip).platform != PLATFORM[kernel]:
+                continue
+            dtypes = KV_DTYPES if full else ("bfloat16",) + (("int8", "float8_e4m3fn") if chip in ("v5e", "sm90")
+                                                             else ())
+            cases.update(Case(kernel=kernel, model=m, page_size=p, kv_dtype=d, chip=chip)
+                         for m in LATENT for p in (page_sizes if full else (64,)) for d in dtypes)
     return sorted(cases, key=lambda c: c.name)
 
 
@@ -183,7 +206,11 @@ def _structs(case: Case, sharding):
     from pallas_kernels import common, paged_attention_gpu, paged_attention_tpu, ragged_paged_attention
     from pallas_kernels import flat_ragged_attention as flat
 
-    num_q_heads, num_kv_heads, head_dim = HEADS[case.model]
+    if case.model in LATENT:
+        num_q_heads, latent_dim, rope_dim = LATENT[case.model]
+        num_kv_heads, head_dim = 1, latent_dim + rope_dim
+    else:
+        (num_q_heads, num_kv_heads, head_dim), latent_dim = HEADS[case.model], None
     kv_dtype = jnp.dtype(case.kv_dtype)
     quantized = common.is_quantized(kv_dtype)
     q_dtype = jnp.float32 if kv_dtype == jnp.float32 else jnp.bfloat16
@@ -218,16 +245,24 @@ def _structs(case: Case, sharding):
     else:
         impl = "tpu" if case.kernel == "flat_ragged_tpu" else "gpu"
         seqs = FLAT_TOKENS
+        sizes = dict(decode_tiles=seqs, prefill_chunks=FLAT_CHUNKS, impl=impl, interpret=False)
+        tables = [s((seqs, pages_per_seq), i32), s((seqs,), i32), s((seqs,), i32), s((seqs,), i32)]
+        q = s((FLAT_TOKENS, num_q_heads, head_dim), q_dtype)
+        if latent_dim is None:
+            def f(q, k_new, v_new, k, v, layer, tables, q_starts, q_lens, kv_lens, slots, ks=None, vs=None):
+                return flat.flat_ragged_paged_attention(
+                    q, k_new, v_new, k, v, layer, tables, q_starts, q_lens, kv_lens, slots, k_scales=ks, v_scales=vs,
+                    **sizes)
 
-        def f(q, k_new, v_new, k, v, layer, tables, q_starts, q_lens, kv_lens, slots, ks=None, vs=None):
-            return flat.flat_ragged_paged_attention(
-                q, k_new, v_new, k, v, layer, tables, q_starts, q_lens, kv_lens, slots, k_scales=ks, v_scales=vs,
-                decode_tiles=seqs, prefill_chunks=FLAT_CHUNKS, impl=impl, interpret=False)
+            new = s((FLAT_TOKENS, num_kv_heads, head_dim), q_dtype)
+            args = [q, new, new, pool, pool, s((), i32), *tables, s((FLAT_TOKENS,), i32)]
+        else:  # MLA's absorbed form: the latents already written, one pool as keys and values
+            def f(q, latents, layer, tables, q_starts, q_lens, kv_lens, ks=None, vs=None):
+                return flat.flat_ragged_paged_attention(
+                    q, None, None, latents, latents, layer, tables, q_starts, q_lens, kv_lens, None, k_scales=ks,
+                    v_scales=ks, latent_dim=latent_dim, **sizes)
 
-        new = s((FLAT_TOKENS, num_kv_heads, head_dim), q_dtype)
-        args = [s((FLAT_TOKENS, num_q_heads, head_dim), q_dtype), new, new, pool, pool, s((), i32),
-                s((seqs, pages_per_seq), i32), s((seqs,), i32), s((seqs,), i32), s((seqs,), i32),
-                s((FLAT_TOKENS,), i32)]
+            args = [q, pool, s((), i32), *tables]
     if quantized:
         args += [scales, scales]
     return f, args

@@ -39,6 +39,18 @@ def kv_dtype_name(value: str) -> str:
     return value if alias is None else alias.name
 
 
+def positive_number(text: str) -> float:
+    """An argparse ``type``: a finite float > 0 (``--min-seconds``), else an
+    error naming the flag."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value}")
+    return value
+
+
 FLAGS: dict[str, dict] = {
     "model": dict(default="smollm2",
                   help="'smollm2' (the packaged GGUF, default), a Hugging Face checkpoint folder, a random-weight "
@@ -62,6 +74,8 @@ FLAGS: dict[str, dict] = {
                                                           "--max-seq-len (default %(default)s)"),
     "max_seq_len": dict(type=int, default=2048,
                         help="most tokens per sequence, prompt plus output (default %(default)s)"),
+    "min_seconds": dict(type=positive_number, default=0.2,
+                        help="each timed loop lasts about this long, seconds (default %(default)s)"),
 }
 """The flags several scripts take, by ``args`` attribute: the keyword
 arguments of ``ArgumentParser.add_argument``. A script that needs another

@@ -30,12 +30,11 @@ Writes ``mla_capacity.md`` and ``.csv`` to ``--out`` (with provenance).
 from __future__ import annotations
 
 import argparse
-import pathlib
 
 from flax import nnx
 
 from experiments.lib import provenance
-from experiments.lib.cli import machine, serve_for_peak
+from experiments.lib.cli import add_flag, check_out_dir, machine, serve_for_peak
 from models.config import LlamaConfig
 from models.deepseek.presets import get_preset, narrow, random_deepseek
 from models.llama import Llama
@@ -111,7 +110,7 @@ def parse_args(argv=None):
     p.add_argument("--mla-requests", type=int, default=36, help="requests served on the latent pool")
     p.add_argument("--budget-tokens", type=int, default=2048, help="max_num_batched_tokens")
     p.add_argument("--max-seqs", type=int, default=64)
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
+    add_flag(p, "out")
     args = p.parse_args(argv)
     for name in ("context", "new_tokens", "page_size", "gqa_sequences", "gqa_requests", "mla_requests",
                  "budget_tokens", "max_seqs"):
@@ -119,6 +118,10 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.new_tokens >= min(args.context, args.page_size):
         p.error(f"--new-tokens must be below --context and --page-size, got {args.new_tokens}")
+    if args.budget_tokens < args.max_seqs:
+        p.error(f"--budget-tokens must be >= --max-seqs (a call holds a token of each running sequence), "
+                f"got {args.budget_tokens} and {args.max_seqs}")
+    check_out_dir(p, args.out)  # now, not after the benchmark
     return args
 
 

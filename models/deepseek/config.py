@@ -191,7 +191,8 @@ def config_from_hf(cfg: dict[str, Any], path: str = CONFIG) -> DeepseekConfig:
     theta, scaling, _ = read_rope(f, model_type, max_pos)
     rope = f.get("rope_scaling", None) or f.get("rope_parameters", None) or {}
     mscale_all = rope.get("mscale_all_dim", 0) or 0
-    if not isinstance(mscale_all, (int, float)) or isinstance(mscale_all, bool) or mscale_all < 0:
+    if not isinstance(mscale_all, (int, float)) or isinstance(mscale_all, bool) or not math.isfinite(mscale_all) \
+            or mscale_all < 0:
         raise f.bad("rope_parameters", rope, f"'mscale_all_dim' must be a number >= 0, got {mscale_all!r}")
     experts = f.integer("n_routed_experts", 0, low=0)
     first_dense = f.integer("first_k_dense_replace", 0, low=0)

@@ -8,9 +8,12 @@ What changes on the way: every ``[out, in]`` matrix is transposed to
 ``rope_interleave`` (the default) the RoPE dims of ``q_b_proj`` /
 ``q_proj`` and ``kv_a_proj_with_mqa`` are reordered from interleaved pairs
 to halves, so the decoder rotates halves as every model here does and the
-latent it caches equals transformers' ``k_rot`` value for value. Tensors of
-layers past ``num_hidden_layers`` (DeepSeek-V3's multi-token-prediction
-layer 61) are not read.
+latent it caches equals transformers' ``k_rot`` value for value. The
+``num_nextn_predict_layers`` layers past ``num_hidden_layers`` that hold an
+``eh_proj`` (DeepSeek-V3's multi-token-prediction layer 61, which
+transformers does not run either) are not read; any other tensor the decoder has no place for is refused by
+name (an expert, a layer or a shared expert the config does not count, a
+bias), as the Llama loader refuses it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import numpy as np
 from models.deepseek.config import DeepseekConfig, config_from_hf, rope_interleaved
 from models.deepseek.model import FLOAT32_PARAMS, DeepseekModel, param_shapes
 from models.loading.hf_config import CONFIG
-from models.loading.hf_loader import Tensors, check_param_dtype, checkpoint_folder, read_json
+from models.loading.hf_loader import Tensors, check_param_dtype, checkpoint_folder, read_json, refuse_unexpected
 
 
 def read_deepseek_config(folder: str | os.PathLike) -> DeepseekConfig:
@@ -36,6 +39,15 @@ def read_deepseek_config(folder: str | os.PathLike) -> DeepseekConfig:
     """
     path = checkpoint_folder(folder) / CONFIG
     return config_from_hf(read_json(path), str(path))
+
+
+def _nextn_layers(cfg: dict, path: str) -> int:
+    """``num_nextn_predict_layers`` (0 when absent): the multi-token-prediction
+    layers stored after the decoder's."""
+    n = cfg.get("num_nextn_predict_layers") or 0
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"{path}: num_nextn_predict_layers must be an int >= 0, got {n!r}")
+    return n
 
 
 def _halves(rope_dims: int) -> np.ndarray:
@@ -58,7 +70,8 @@ def load_hf_deepseek(folder: str | os.PathLike, *, param_dtype=jnp.float32, impl
       FileNotFoundError: the folder, ``config.json`` or the weights are
         missing.
       ValueError: an unsupported config; a tensor missing, misshapen or of
-        an unsupported dtype (each named with its file); a bad
+        an unsupported dtype (each named with its file); a tensor the
+        decoder has no place for (module docstring); a bad
         ``param_dtype``.
     """
     check_param_dtype(param_dtype)
@@ -134,7 +147,15 @@ def load_hf_deepseek(folder: str | os.PathLike, *, param_dtype=jnp.float32, impl
             else:
                 params[stack][k][layer] = v
 
-    Tensors(folder).read({name: spec[0] for name, spec in layout.items()}, use)
+    tensors = Tensors(folder)
+    # A multi-token-prediction layer holds eh_proj (its projection of [embedding, hidden]): a decoder layer past
+    # num_hidden_layers does not, and is refused (a config that undercounts the layers would truncate the model).
+    mtp = {k for k in range(c.num_layers, c.num_layers + _nextn_layers(cfg, str(folder / CONFIG)))
+           if f"model.layers.{k}.eh_proj.weight" in tensors.where}
+    refuse_unexpected(tensors, layout, tied=c.tie_embeddings,
+                      ignore=lambda name: name.startswith("model.layers.")
+                      and name.split(".")[2].isdigit() and int(name.split(".")[2]) in mtp)
+    tensors.read({name: spec[0] for name, spec in layout.items()}, use)
 
     def cast(name, a):
         return jnp.asarray(a, jnp.float32 if name in FLOAT32_PARAMS else param_dtype)

@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.config import PARAM_DTYPES, check_param_dtype
 from models.deepseek.config import DeepseekConfig
 from models.layers.moe import route, routed_experts
 from models.layers.rope import apply_rope, rope_angles
@@ -111,7 +112,12 @@ transformers' ``_keep_in_fp32_modules_strict``)."""
 def init_params(config: DeepseekConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> dict:
     """Random weights at ``config``'s shapes (:func:`param_shapes`): normal
     with ``std``, norms 1, the correction bias 0; for accelerator runs and
-    tests where no checkpoint fits."""
+    tests where no checkpoint fits.
+
+    Raises:
+      ValueError: a ``dtype`` other than float32, bfloat16 or float16.
+    """
+    check_param_dtype(dtype, "dtype")
     shapes = param_shapes(config)
     is_shape = lambda s: isinstance(s, tuple)  # noqa: E731
     keys = iter(jax.random.split(key, len(jax.tree.leaves(shapes, is_leaf=is_shape))))
@@ -233,7 +239,8 @@ class DeepseekModel:
     Raises:
       ValueError: a ``config`` that is not a :class:`DeepseekConfig`,
         weights of other shapes than ``config`` gives (the first named),
-        an unknown ``impl``.
+        or of a dtype other than float32, bfloat16 or float16 (the router
+        and its bias: float32), an unknown ``impl``.
     """
 
     kv_window = None
@@ -246,6 +253,12 @@ class DeepseekModel:
             if want.get(name) != got.get(name):
                 raise ValueError(f"params{name}: shape {got.get(name, 'missing')}, the config gives "
                                  f"{want.get(name, 'no such weight')}")
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+            dtype, name = jnp.dtype(getattr(leaf, "dtype", np.asarray(leaf).dtype)), jax.tree_util.keystr(path)
+            if path[-1].key in FLOAT32_PARAMS and dtype != jnp.float32:
+                raise ValueError(f"params{name} has dtype {dtype}; the router's weights are float32")
+            if dtype.name not in PARAM_DTYPES:
+                raise ValueError(f"params{name} has dtype {dtype}; expected one of {PARAM_DTYPES}")
         self.config, self.params, self.impl = config, params, impl
         self.vocab_size = config.vocab_size
 
@@ -262,7 +275,7 @@ class DeepseekModel:
         Raises:
           ValueError: ``num_pages`` < 2, ``page_size`` < 1, or a ``dtype``
             the pool does not take (float32, bfloat16, float16, int8,
-            float8_e4m3fn; a quantized pool adds 4 bytes of scale a token
+            float8_e4m3fn, float8_e5m2; a quantized pool adds 4 bytes of scale a token
             and layer).
         """
         check_int("num_pages", num_pages, 2)

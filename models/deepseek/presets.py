@@ -26,10 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.config import check_param_dtype
 from models.deepseek.config import DeepseekConfig, config_from_hf
 from models.deepseek.model import DeepseekModel, init_params, param_shapes
 from models.layers.moe import RouterConfig
-from paged_jax.checks import check_int
+from paged_jax.checks import check_instance, check_int
 
 PUBLISHED_CONFIGS: dict[str, dict] = {
     # deepseek-ai/DeepSeek-V3 config.json, architecture fields.
@@ -65,8 +66,22 @@ def get_preset(name: str) -> DeepseekConfig:
     return PRESETS[name]
 
 
+def _config(config) -> DeepseekConfig:
+    """``config`` itself, or the preset it names.
+
+    Raises:
+      ValueError: an unknown preset name, or neither a name nor a
+        :class:`DeepseekConfig`.
+    """
+    if isinstance(config, str):
+        return get_preset(config)
+    return check_instance("config", config, DeepseekConfig,
+                          what="models.deepseek.config.DeepseekConfig or a preset name")
+
+
 def num_params(config: DeepseekConfig) -> int:
     """Weights the decoder holds at ``config``'s shapes (:func:`param_shapes`)."""
+    config = _config(config)
     return sum(int(np.prod(s)) for s in jax.tree.leaves(param_shapes(config), is_leaf=lambda s: isinstance(s, tuple)))
 
 
@@ -75,8 +90,10 @@ def with_layers(config: DeepseekConfig, num_layers: int) -> DeepseekConfig:
     first, as many as it has up to ``num_layers``).
 
     Raises:
-      ValueError: ``num_layers`` not an int in [1, config.num_layers].
+      ValueError: ``config`` neither a :class:`DeepseekConfig` nor a preset
+        name; ``num_layers`` not an int in [1, config.num_layers].
     """
+    config = _config(config)
     check_int("num_layers", num_layers, 1, config.num_layers + 1)
     return dataclasses.replace(config, num_layers=num_layers)
 
@@ -91,8 +108,10 @@ def narrow(config: DeepseekConfig, *, model_dim: int = 64, num_heads: int = 2, h
     vocabulary (256) shrink. Bytes a token's KV takes are ``config``'s.
 
     Raises:
-      ValueError: a width that is not an int >= 1 (``num_experts`` >= 2).
+      ValueError: ``config`` neither a :class:`DeepseekConfig` nor a preset
+        name; a width that is not an int >= 1 (``num_experts`` >= 2).
     """
+    config = _config(config)
     for name, value in (("model_dim", model_dim), ("num_heads", num_heads), ("head_dim", head_dim),
                         ("mlp_dim", mlp_dim)):
         check_int(name, value, 1)
@@ -113,13 +132,13 @@ def random_deepseek(config: DeepseekConfig | str, *, num_layers: int | None = No
     itemsize (DeepSeek-V3 in bf16: 1.34 TB; about 23 GB a MoE layer).
 
     Raises:
-      ValueError: an unknown preset, a bad ``num_layers`` or ``seed``, a
-        non-float ``dtype``, an unknown ``impl``.
+      ValueError: an unknown preset or a ``config`` that is not one, a bad
+        ``num_layers`` or ``seed``, a ``dtype`` other than float32,
+        bfloat16 or float16, an unknown ``impl``.
     """
-    config = get_preset(config) if isinstance(config, str) else config
+    config = _config(config)
     if num_layers is not None:
         config = with_layers(config, num_layers)
     check_int("seed", seed, 0)
-    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
-        raise ValueError(f"dtype must be a float dtype, got {jnp.dtype(dtype)}")
+    check_param_dtype(dtype, "dtype")
     return DeepseekModel(config, init_params(config, jax.random.key(seed), dtype), impl=impl)

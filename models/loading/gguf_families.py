@@ -13,6 +13,7 @@ changes to the weights are undone by :func:`models.loading.gguf_loader.load_gguf
   architecture   model_type     RoPE pairs (llama.cpp)        weights changed by the converter
   llama,mistral  llama          adjacent (LLAMA_ROPE_TYPE_NORM) attn_q / attn_k rows permuted
   qwen3          qwen3          halves (LLAMA_ROPE_TYPE_NEOX)   none
+  qwen3moe       qwen3_moe      halves (NEOX)                   experts stacked: ``ffn_{gate,up,down}_exps``
   gemma2         gemma2         halves (NEOX)                   every ``*norm.weight`` + 1
   gemma3         gemma3_text    halves (NEOX)                   every ``*norm.weight`` + 1 (q/k norms too)
   olmo2          olmo2          halves (NEOX)                   none
@@ -54,8 +55,18 @@ formula) equal ``base / factor`` for every pair, trying Meta's thresholds
 first, then the thresholds the factors themselves imply; factors that no
 llama3 scaling reproduces are refused by name.
 
+Qwen3-MoE (``qwen3moe``): the converter (``Qwen3MoeModel``, via
+``Qwen2MoeModel``) writes ``expert_count``, ``expert_used_count`` and
+``expert_feed_forward_length`` and stacks each layer's experts into one
+tensor per projection (``ffn_gate_exps`` / ``ffn_up_exps`` ``[E, I, D]``,
+``ffn_down_exps`` ``[E, D, I]``, NumPy order), the router as
+``ffn_gate_inp``. It writes no ``norm_topk_prob``: llama.cpp's
+``llm_build_qwen3moe`` always renormalizes the top-k weights (``norm_w``
+true, softmax gating), so the config says ``norm_topk_prob: true``, as every
+Qwen3-MoE release does.
+
 Refused by name: other architectures (mixture-of-experts ones named), an
-``expert_count``, a RoPE over part of the head (``rope.dimension_count``
+``expert_count`` outside ``qwen3moe``, a RoPE over part of the head (``rope.dimension_count``
 below the key length), value and key lengths that differ, rope scaling
 types other than ``none``, ``linear`` and ``yarn`` (and YaRN keys
 transformers has no field for), a sliding window on Qwen3 or OLMo 2 (OLMo
@@ -72,15 +83,15 @@ import numpy as np
 from models.config import LlamaConfig
 from models.layers.rope import RopeScaling, inv_freq
 
-ARCH_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3", "gemma2": "gemma2",
-                    "gemma3": "gemma3_text", "olmo2": "olmo2"}
+ARCH_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+                    "gemma2": "gemma2", "gemma3": "gemma3_text", "olmo2": "olmo2"}
 """GGUF ``general.architecture`` -> the Hugging Face ``model_type`` it was converted from."""
 PERMUTED_ARCHS = ("llama", "mistral")
 """Architectures whose ``attn_q`` / ``attn_k`` rows the converter permuted (adjacent-pair RoPE)."""
 PLUS_ONE_ARCHS = ("gemma2", "gemma3")
 """Architectures whose ``*norm.weight`` tensors the converter stored as ``1 + w``."""
 REFUSED_ARCHS = {
-    "qwen2moe": "a mixture of experts", "qwen3moe": "a mixture of experts", "llama4": "a mixture of experts",
+    "qwen2moe": "a mixture of experts", "llama4": "a mixture of experts",
     "olmoe": "a mixture of experts", "gemma3n": "Gemma 3n (per-layer embeddings, AltUp), not Gemma 3",
     "gemma": "Gemma 1, not a supported family (Gemma 2 and 3 are)",
 }
@@ -139,8 +150,8 @@ def hf_config_fields(meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[
     def bad(suffix: str, why: str) -> ValueError:
         return ValueError(f"GGUF {path!r}: {arch}.{suffix}={meta[f'{arch}.{suffix}']!r}; {why}")
 
-    if get("expert_count", 0):
-        raise bad("expert_count", "mixture-of-experts models are not supported (dense MLPs only)")
+    if get("expert_count", 0) and arch != "qwen3moe":
+        raise bad("expert_count", f"mixture-of-experts {arch} models are not supported (qwen3moe is)")
     heads, layers, model_dim = int(get("attention.head_count")), int(get("block_count")), int(get("embedding_length"))
     kv_heads = get("attention.head_count_kv", heads)
     if not isinstance(kv_heads, int):  # llama.cpp allows a per-layer list
@@ -162,6 +173,10 @@ def hf_config_fields(meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[
         vocab_size=int(get("vocab_size", tensor_shapes["token_embd.weight"][0])),
         tie_word_embeddings="output.weight" not in tensor_shapes,
     )
+    if arch == "qwen3moe":
+        fields.update(num_experts=int(get("expert_count")), num_experts_per_tok=int(get("expert_used_count")),
+                      moe_intermediate_size=int(get("expert_feed_forward_length")), norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[])
     rope = _rope_parameters(arch, meta, get, bad, rope_factors, head_dim, path)
     window = get("attention.sliding_window", None) or None
     if arch in ("gemma2", "gemma3"):
@@ -328,8 +343,13 @@ def layer_tensors(config: LlamaConfig) -> dict[str, tuple[str, ...]]:
     }[config.norm_placement]
     out = {f"{gguf}.weight": (ours, "scale") for gguf, ours in norms.items()}
     out.update({"attn_q.weight": ("attn", "wq"), "attn_k.weight": ("attn", "wk"), "attn_v.weight": ("attn", "wv"),
-                "attn_output.weight": ("attn", "wo"), "ffn_gate.weight": ("mlp", "w_gate"),
-                "ffn_up.weight": ("mlp", "w_up"), "ffn_down.weight": ("mlp", "w_down")})
+                "attn_output.weight": ("attn", "wo")})
+    if config.router is None:
+        out.update({"ffn_gate.weight": ("mlp", "w_gate"), "ffn_up.weight": ("mlp", "w_up"),
+                    "ffn_down.weight": ("mlp", "w_down")})
+    else:  # every layer's experts stacked, one tensor a projection (Qwen3-MoE)
+        out.update({"ffn_gate_inp.weight": ("mlp", "router"), "ffn_gate_exps.weight": ("mlp", "w_gate"),
+                    "ffn_up_exps.weight": ("mlp", "w_up"), "ffn_down_exps.weight": ("mlp", "w_down")})
     if config.qk_norm is not None:
         out.update({"attn_q_norm.weight": ("attn", "q_norm", "scale"),
                     "attn_k_norm.weight": ("attn", "k_norm", "scale")})

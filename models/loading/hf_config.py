@@ -353,6 +353,9 @@ def rope_kind(f: Fields, name: str, rope: dict, theta_default, max_pos: int) -> 
         if "factor" not in rope:  # transformers refuses it too (a KeyError); factor None is its ratio below
             raise f.bad(name, rope, f"rope type {kind!r} needs 'factor'")
         factor = num("factor") if rope["factor"] is not None else max_pos / original
+        for key in ("mscale", "mscale_all_dim", "beta_fast", "beta_slow"):  # numbers where given (0: off)
+            if rope.get(key) is not None and not is_float(rope[key], 0):
+                raise f.bad(name, rope, f"{key!r} must be a finite number >= 0, got {rope[key]!r}")
         attention = rope.get("attention_factor")
         if attention is None:
             attention = yarn_attention_factor(factor, rope.get("mscale"), rope.get("mscale_all_dim"))

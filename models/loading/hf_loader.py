@@ -61,16 +61,15 @@ import safetensors
 import tokenizers
 from flax import nnx
 
+from models.config import PARAM_DTYPES, check_param_dtype  # noqa: F401 (re-exported)
 from models.llama import Llama, LlamaConfig
 from models.loading.checkpoint import assign_params
 from models.loading.hf_config import CONFIG, config_from_hf
 from models.tokenizer import Tokenizer
-from paged_jax.checks import check_choice, is_int
+from paged_jax.checks import is_int
 
 WEIGHT_DTYPES = ("BF16", "F16", "F32")
 """safetensors dtypes the loader reads (anything else is refused)."""
-PARAM_DTYPES = ("float32", "bfloat16", "float16")
-"""The ``param_dtype`` values :func:`load_hf_model` takes."""
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -80,6 +79,22 @@ GENERATION_CONFIG = "generation_config.json"
 CHAT_TEMPLATE = "chat_template.jinja"
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers older exports saved; recomputed from the config
+
+
+def refuse_unexpected(tensors: "Tensors", expected, *, tied: bool, ignore=lambda name: False) -> None:
+    """Raises ValueError when the checkpoint holds a tensor outside
+    ``expected`` (names): a tensor the decoder has no place for would change
+    what the checkpoint computes (a bias the config does not announce, an
+    expert or a layer the config does not count). Not counted: buffers
+    older exports saved (``rotary_emb.inv_freq``), ``lm_head.weight`` when
+    ``tied`` (transformers ignores it too), and names ``ignore`` takes."""
+    unexpected = sorted(name for name in set(tensors.where) - set(expected)
+                        if not (name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight")
+                                or ignore(name)))
+    if unexpected:
+        raise ValueError(f"{str(tensors.listing)!r} holds tensors the decoder has no place for: "
+                         f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)} in all); "
+                         f"does {CONFIG} describe this checkpoint?")
 
 
 def read_json(path: pathlib.Path) -> dict:
@@ -98,16 +113,6 @@ def read_json(path: pathlib.Path) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{str(path)!r} must hold a JSON object, got a {type(data).__name__}")
     return data
-
-
-def check_param_dtype(param_dtype) -> None:
-    """Raises ValueError, naming ``param_dtype`` and the choices, unless it
-    is one of :data:`PARAM_DTYPES` (as a dtype or its name)."""
-    try:
-        dtype_name = jnp.dtype(param_dtype).name
-    except TypeError:
-        dtype_name = repr(param_dtype)
-    check_choice("param_dtype", dtype_name, PARAM_DTYPES)
 
 
 def checkpoint_folder(path: str | os.PathLike) -> pathlib.Path:
@@ -299,13 +304,7 @@ def load_hf_model(folder: str | os.PathLike, *, param_dtype=jnp.float32) -> Llam
     config = read_hf_config(folder)
     tensors = Tensors(folder)
     layout = _layout(config)
-    ignored = [name for name in tensors.where if name.endswith(_IGNORED_SUFFIXES)
-               or (config.tie_embeddings and name == "lm_head.weight")]  # tied: transformers ignores it too
-    unexpected = sorted(set(tensors.where) - set(layout) - set(ignored))
-    if unexpected:
-        raise ValueError(f"{str(tensors.listing)!r} holds tensors the decoder has no place for: "
-                         f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)} in all); "
-                         f"does {CONFIG} describe this checkpoint?")
+    refuse_unexpected(tensors, layout, tied=config.tie_embeddings)
 
     # Build the module abstractly (no random init), allocate its weights on
     # the host, fill them tensor by tensor, then hand them to the module.

@@ -229,6 +229,6 @@ def absorbed_ragged_attention(q_nope: jax.Array, q_pe: jax.Array, latent_pool: j
     q_lat = per_head_matmul(q_nope, w_uk)
     q = jnp.concatenate([q_lat, q_pe.astype(jnp.float32)], axis=-1)  # [T, N, C + R]
     out = ragged.attend(q, latent_pool, latent_pool, layer, batch, impl=impl, scale=scale, k_scales=latent_scales,
-                        v_scales=latent_scales)
-    return per_head_matmul(out[..., :C], w_uv)
+                        v_scales=latent_scales, latent_dim=C)  # [T, N, C]
+    return per_head_matmul(out, w_uv)
 

@@ -302,6 +302,7 @@ def check_attend(
     impl: str = "auto",
     k_scales: jax.Array | None = None,  # f32[layers, K, P, L] with quantized pools
     v_scales: jax.Array | None = None,
+    latent_dim: int | None = None,
     **options,
 ) -> tuple[str, jax.Array, RaggedBatch]:
     """The checks of :func:`attend`'s door, for a caller that validates once
@@ -334,6 +335,7 @@ def check_attend(
     shape, tiling = batch.shape, batch.shape.tiling
     if impl in FLAT_KERNELS:
         FLAT_BLOCK_SIZES.check(FLAT_KERNELS[impl], k_pool.shape[3])
+    flat.check_latent_dim(latent_dim, k_pool, v_pool, None, FLAT_KERNELS.get(impl, "xla"))
     if not isinstance(q_lens, jax.core.Tracer):
         ql, kl = np.asarray(q_lens), np.asarray(kv_lens)
         chunks = int(np.sum(ql > 1))
@@ -364,6 +366,7 @@ def attend(
     impl: str = "auto",
     k_scales: jax.Array | None = None,  # f32[layers, K, P, L] with quantized pools
     v_scales: jax.Array | None = None,
+    latent_dim: int | None = None,
     **options,
 ) -> jax.Array:
     """Attention for a :class:`paged_jax.attention.batch.RaggedBatch`: its one-token
@@ -386,19 +389,24 @@ def attend(
         ``batch.shape.tiling.max_prefill_chunks`` sizing them). ``"auto"``:
         ``"xla"`` on CPU, the backend's kernel elsewhere.
       k_scales, v_scales: the per-token scales of a quantized pool, else None.
+      latent_dim: MLA's absorbed form (:mod:`paged_jax.attention.latent`):
+        C of a latent pool's ``[c, k_pe]`` rows, ``v_pool`` is ``k_pool``
+        and a value is a key's first C columns (the flat kernels' latent
+        mode, ``pallas_kernels.flat_ragged_attention``: the GPU kernel reads
+        each latent once); None for K/V pools.
       options: ``scale``, ``soft_cap``, ``sliding_window``.
 
     Returns:
-      [T, N, H] in ``q.dtype``; zeros in padding rows, non-finite where a
-      logit or value a row sees is.
+      [T, N, H] (latent: [T, N, C]) in ``q.dtype``; zeros in padding rows,
+      non-finite where a logit or value a row sees is.
 
     Raises:
       ValueError: as :func:`check_attend`.
     """
     impl, layer, batch = check_attend(q, k_pool, v_pool, layer, batch, impl=impl, k_scales=k_scales,
-                                      v_scales=v_scales, **options)
+                                      v_scales=v_scales, latent_dim=latent_dim, **options)
     return unchecked_attend(q, k_pool, v_pool, layer, batch, impl=impl, k_scales=k_scales, v_scales=v_scales,
-                            **options)
+                            latent_dim=latent_dim, **options)
 
 
 def unchecked_attend(
@@ -411,12 +419,14 @@ def unchecked_attend(
     impl: str,
     k_scales: jax.Array | None = None,  # f32[layers, K, P, L] with quantized pools
     v_scales: jax.Array | None = None,
+    latent_dim: int | None = None,
     **options,
 ) -> jax.Array:
     """:func:`attend` trusting its inputs: ``impl``, ``layer`` and ``batch``
     as :func:`check_attend` returns them. Same result."""
     if impl in FLAT_KERNELS:
-        return _flat(q, None, None, k_pool, v_pool, layer, batch, None, k_scales, v_scales, impl, options)[0]
+        return _flat(q, None, None, k_pool, v_pool, layer, batch, None, k_scales, v_scales, impl, options,
+                     latent_dim=latent_dim)[0]
     shape, tiling = batch.shape, batch.shape.tiling
     out = jnp.zeros(q.shape, q.dtype)
     decode, chunk = batch.q_lens == 1, batch.q_lens > 1
@@ -434,7 +444,7 @@ def unchecked_attend(
             num_tiles=tiles_, tile_q=tile_q, pages_per_block=ppb, work_chunk=work_chunk,
             k_scales=k_scales, v_scales=v_scales, **options,
         )
-    return out
+    return out if latent_dim is None else out[..., :latent_dim]
 
 
 def unchecked_write_attend(
@@ -467,7 +477,7 @@ def unchecked_write_attend(
     return out, KVPool(*pool)
 
 
-def _flat(q, k_new, v_new, k_pool, v_pool, layer, batch, slots, k_scales, v_scales, impl, options):
+def _flat(q, k_new, v_new, k_pool, v_pool, layer, batch, slots, k_scales, v_scales, impl, options, latent_dim=None):
     """The flat kernel over the whole batch: ``(out, k_pool, v_pool,
     k_scales, v_scales)``."""
     shape = batch.shape
@@ -475,4 +485,4 @@ def _flat(q, k_new, v_new, k_pool, v_pool, layer, batch, slots, k_scales, v_scal
         q, k_new, v_new, k_pool, v_pool, layer, batch.block_tables, batch.q_starts, batch.q_lens, batch.kv_lens,
         slots, k_scales=k_scales, v_scales=v_scales, decode_tiles=shape.decode_tiles,
         prefill_chunks=shape.tiling.max_prefill_chunks if shape.prefill_tiles else 0,
-        block_sizes=FLAT_BLOCK_SIZES, impl=FLAT_KERNELS[impl], **options)
+        block_sizes=FLAT_BLOCK_SIZES, impl=FLAT_KERNELS[impl], latent_dim=latent_dim, **options)

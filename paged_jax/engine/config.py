@@ -150,7 +150,7 @@ class EngineConfig:
         there, and a prefix hit that runs on into it loads it back before
         the request's first call; 0 (the default): no host tier. Needs
         prefix caching and a model whose layers all attend every token.
-      disk_cache_dir: a folder for the prefix cache's disk tier
+      disk_cache_dir: a folder (``~`` expanded) for the prefix cache's disk tier
         (:mod:`paged_jax.tiers.disk`): every cached page is stored there
         once computed, under the model's fingerprint, and a hit that runs
         on past the device and host tiers loads it back, in this process
@@ -230,7 +230,8 @@ class EngineConfig:
         if self.disk_cache_dir is not None:
             if not isinstance(self.disk_cache_dir, (str, os.PathLike)) or not str(self.disk_cache_dir):
                 raise ValueError(f"disk_cache_dir must be a folder path (str), got {self.disk_cache_dir!r}")
-            object.__setattr__(self, "disk_cache_dir", os.fspath(self.disk_cache_dir))
+            # "~/kv" names the home folder's kv, as on a command line, not a folder called "~" here.
+            object.__setattr__(self, "disk_cache_dir", os.path.expanduser(os.fspath(self.disk_cache_dir)))
             _check_folder("disk_cache_dir", self.disk_cache_dir)
             if not self.disk_cache_bytes:
                 raise ValueError(f"disk_cache_dir={self.disk_cache_dir!r} needs disk_cache_bytes > 0 (the files it "

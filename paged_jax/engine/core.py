@@ -127,7 +127,8 @@ class Engine:
     Raises:
       ValueError: the pool cannot hold one sequence of ``config.max_seq_len``
         tokens in each layer group (then no schedule could finish a long
-        request), or does not fit the model (:func:`engine_kv_groups`); a bad
+        request), or does not fit the model (:func:`engine_kv_groups`), or
+        was donated already (an earlier engine's pool); a bad
         ``vocab_size`` (or one above the model's) or ``stop_ids``; a model
         without ``params`` and ``apply``.
       RuntimeError: (from :meth:`step`) the engine failed in an earlier step.
@@ -153,6 +154,9 @@ class Engine:
 
     def _build(self, model, kv_pool, config, *, stop_ids, vocab_size, check_page_state, tokenizer) -> None:
         check_instance("kv_pool", kv_pool, KVPool, what="paged_jax.paging.kv_cache.KVPool")
+        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(kv_pool)):
+            raise ValueError("kv_pool's buffers were donated to an earlier engine or jitted call (deleted): pass a "
+                             "fresh pool (model.make_kv_pool) to each engine")
         check_instance("config", config, EngineConfig)
         vocab_size = check_model(model, kv_pool, vocab_size)
         groups = engine_kv_groups(model, kv_pool, config.drop_out_of_window_pages)

@@ -60,6 +60,7 @@ import collections
 import dataclasses
 import datetime
 import itertools
+import numbers
 import secrets
 import socket
 import threading
@@ -84,7 +85,7 @@ TRANSPORTS = ("auto", "jax_transfer", "host")
 """How the K/V travel (module docstring)."""
 DEFAULT_AUTHKEY = b"paged-jax-kv"
 """The key both ends use unless told (public: loopback addresses only)."""
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+LOOPBACK = ("127.0.0.1", "localhost")
 """Hosts the default key may be used on."""
 PROTOCOL = 2
 """The message format's version; a peer of another version is refused.
@@ -187,10 +188,11 @@ class KVTransferConfig:
         object.__setattr__(self, "buffer_bytes", check_int("kv_transfer.buffer_bytes", self.buffer_bytes, 0))
         if self.role == "producer" and not self.buffer_bytes:
             raise ValueError("kv_transfer.buffer_bytes=0: a producer needs room for the pages it serves")
-        if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
+        if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, numbers.Real)
                 or not MIN_TIMEOUT_S <= self.timeout_s <= MAX_TIMEOUT_S):
             raise ValueError(f"kv_transfer.timeout_s={self.timeout_s!r}: expected seconds in [{MIN_TIMEOUT_S}, "
                              f"{MAX_TIMEOUT_S}]")
+        object.__setattr__(self, "timeout_s", float(self.timeout_s))
         if not isinstance(self.authkey, bytes) or not self.authkey:
             raise ValueError(f"kv_transfer.authkey={self.authkey!r}: expected non-empty bytes")
         host, _ = parse_address("kv_transfer.address", self.address)
@@ -292,6 +294,13 @@ class KVConnector(abc.ABC):
         """Stops serving or drops the connection."""
 
 
+def _check_role(config, role: str) -> None:
+    """Raises ValueError unless ``config`` is a :class:`KVTransferConfig` of ``role``."""
+    if not isinstance(config, KVTransferConfig) or config.role != role:
+        raise ValueError(f"config must be a KVTransferConfig of role {role!r}, got "
+                         f"{getattr(config, 'role', type(config).__name__)!r}")
+
+
 class KVProducer(KVConnector):
     """Saves pages into a bounded host store and serves them to consumers
     (module docstring).
@@ -303,7 +312,8 @@ class KVProducer(KVConnector):
       page_size: tokens per page.
 
     Raises:
-      ValueError: the address cannot be listened on (named, with the OS's
+      ValueError: a ``config`` not of role ``"producer"``, a buffer below
+        one page, the address cannot be listened on (named, with the OS's
         reason), or ``transport="jax_transfer"`` where no transfer server
         starts.
     """
@@ -312,6 +322,11 @@ class KVProducer(KVConnector):
 
     def __init__(self, config: KVTransferConfig, fingerprint: str, layout: dict, page_size: int):
         super().__init__()
+        _check_role(config, "producer")
+        page_bytes = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for dtype, shape in layout.values())
+        if config.buffer_bytes < page_bytes:
+            raise ValueError(f"kv_transfer.buffer_bytes={config.buffer_bytes} is below one page's "
+                             f"{page_bytes} bytes of K/V: the producer could serve nothing")
         self.config, self.fingerprint, self.layout = config, fingerprint, layout
         self._store = HostTier(config.buffer_bytes, page_size)
         self._lock = threading.Lock()  # the store, shared by the engine thread and the socket threads
@@ -516,6 +531,7 @@ class KVConsumer(KVConnector):
 
     def __init__(self, config: KVTransferConfig, fingerprint: str, layout: dict, page_size: int):
         super().__init__()
+        _check_role(config, "consumer")
         self.lookups = 0  # lookups sent
         self.lookup_s = 0.0  # seconds spent in them, round trips and pulls included
         self.config, self.fingerprint, self.layout, self.page_size = config, fingerprint, layout, page_size
