@@ -109,6 +109,12 @@ class LlamaConfig:
         expert a SwiGLU of ``moe_mlp_dim`` (``mlp_dim`` then unused).
       moe_mlp_dim: I, each routed expert's hidden width (>= 1 with a
         router, 0 without).
+      expert_shards: the experts split over this many devices of the
+        mesh's ``model`` axis (expert parallelism, :mod:`models.sharded`):
+        the module holds ``num_experts / expert_shards`` consecutive
+        experts, shard ``jax.lax.axis_index("model")``'s, and its output is
+        their share (summed over the axis by the caller). 1 (the default):
+        every expert here.
 
     Raises:
       ValueError: a size that is not a positive int, an odd ``head_dim``
@@ -149,6 +155,7 @@ class LlamaConfig:
     query_scale: float | None = None
     router: RouterConfig | None = None
     moe_mlp_dim: int = 0
+    expert_shards: int = 1
 
     def __post_init__(self):
         for name in ("vocab_size", "model_dim", "mlp_dim", "num_layers", "num_q_heads",
@@ -197,6 +204,10 @@ class LlamaConfig:
             if self.mlp_activation != "silu":
                 raise ValueError(f"the experts are SwiGLU: mlp_activation must be 'silu' with a router, got "
                                  f"mlp_activation={self.mlp_activation!r}")
+        check_int("expert_shards", self.expert_shards)
+        if self.expert_shards > 1 and (self.router is None or self.router.num_experts % self.expert_shards):
+            raise ValueError(f"expert_shards={self.expert_shards} must divide the experts "
+                             f"({self.router.num_experts if self.router else 'none: a dense MLP'})")
 
     def _check_layer_types(self) -> None:
         types = self.layer_types

@@ -50,6 +50,7 @@ from models.layers.moe import route, routed_experts
 from models.layers.rope import apply_rope, rope_angles
 from paged_jax.attention import paged as paged_attn
 from paged_jax.checks import check_choice
+from paged_jax.distributed.sharding import MODEL as EXPERT_AXIS  # the mesh axis experts split over
 from paged_jax.paging.kv_cache import KVPool, check_pool, unchecked_write_layer_kv
 from paged_jax.paging.slots import slot_mapping
 
@@ -154,21 +155,31 @@ class MoE(nnx.Module):
     top-k experts of ``config.router`` per token
     (:func:`models.layers.moe.route`), each a SwiGLU of ``moe_mlp_dim``, run
     by :func:`models.layers.moe.routed_experts` (one-hot on CPU, grouped matmuls elsewhere) and
-    summed with the router's weights. The router weight stays float32."""
+    summed with the router's weights. The router weight stays float32.
+
+    With ``config.expert_shards`` = S > 1 (expert parallelism,
+    :class:`models.sharded.ShardedLlama`, under ``shard_map``) the module
+    holds ``E / S`` experts, those of shard ``axis_index("model")``; the
+    router (replicated) chooses among all ``E`` and the output is this
+    shard's experts' share, which the caller's ``reduce`` sums over the
+    axis."""
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, stack: tuple[int, ...] = (),
                  param_dtype=jnp.float32):
         d, i, e = config.model_dim, config.moe_mlp_dim, config.router.num_experts
+        local = e // config.expert_shards
         self.router = nnx.Param(_normal(rngs, stack + (e, d), d**-0.5, jnp.float32))  # [*, E, D]
-        self.w_gate = nnx.Param(_normal(rngs, stack + (e, d, i), d**-0.5, param_dtype))  # [*, E, D, I]
-        self.w_up = nnx.Param(_normal(rngs, stack + (e, d, i), d**-0.5, param_dtype))  # [*, E, D, I]
-        self.w_down = nnx.Param(_normal(rngs, stack + (e, i, d), i**-0.5, param_dtype))  # [*, E, I, D]
-        self.routing = config.router
+        self.w_gate = nnx.Param(_normal(rngs, stack + (local, d, i), d**-0.5, param_dtype))  # [*, E / S, D, I]
+        self.w_up = nnx.Param(_normal(rngs, stack + (local, d, i), d**-0.5, param_dtype))  # [*, E / S, D, I]
+        self.w_down = nnx.Param(_normal(rngs, stack + (local, i, d), i**-0.5, param_dtype))  # [*, E / S, I, D]
+        self.routing, self.shards = config.router, config.expert_shards
 
     def __call__(self, x: jax.Array) -> jax.Array:
         flat = x.reshape(-1, x.shape[-1])  # [B * T, D]
         weights, experts = route(flat.astype(jnp.float32) @ self.router[...].T, self.routing)
-        y = routed_experts(flat, experts, weights, self.w_gate[...], self.w_up[...], self.w_down[...])
+        first = 0 if self.shards == 1 else jax.lax.axis_index(EXPERT_AXIS) * self.w_gate.shape[-3]
+        y = routed_experts(flat, experts, weights, self.w_gate[...], self.w_up[...], self.w_down[...],
+                           first_expert=first)
         return y.reshape(x.shape).astype(x.dtype)
 
 

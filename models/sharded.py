@@ -5,7 +5,13 @@ Weights (:class:`ShardedLlama`). Attention heads and MLP columns are split
 over the ``model`` axis (Megatron-style): each device holds its query heads'
 ``wq`` and ``wo`` rows, its KV heads' ``wk`` / ``wv``, its columns of
 ``w_gate`` / ``w_up`` and the matching rows of ``w_down``; norms and the
-(tied) embedding are replicated. Each device computes its heads' attention
+(tied) embedding are replicated. A mixture-of-experts MLP (Qwen3-MoE) is
+split by expert instead (expert parallelism): each device holds ``E / M``
+whole experts, the router is replicated, every device routes every token
+among all experts and runs its own experts' share, and the same sum over
+the model axis adds the shares (tokens are not exchanged: they are
+replicated over the model axis already; an all-to-all dispatch pays off
+only when tokens are sharded too). Each device computes its heads' attention
 and its share of the MLP, and the two partial outputs of every layer are
 summed over the model axis (``psum``, two all-reduces per layer). Heads that
 do not split evenly are replicated and padded with zero heads
@@ -77,6 +83,9 @@ _SPLIT_AXIS = {
     ("attn", "bq"): 1, ("attn", "bk"): 1, ("attn", "bv"): 1,  # [L, N, H]
     ("mlp", "w_gate"): 2, ("mlp", "w_up"): 2, ("mlp", "w_down"): 1,  # [L, D, F], [L, F, D]
 }
+# A mixture of experts splits its experts instead (expert parallelism): [L, E, D, I], [L, E, I, D]; the router
+# [L, E, D] is replicated (every device chooses among all experts).
+_EXPERT_SPLIT_AXIS = {**_SPLIT_AXIS, ("mlp", "w_gate"): 1, ("mlp", "w_up"): 1, ("mlp", "w_down"): 1}
 
 
 def _gather_heads(w: np.ndarray, slots, axis: int) -> np.ndarray:
@@ -102,8 +111,8 @@ def pad_params(params: dict, layout: HeadLayout) -> dict:
     return {**params, "blocks": {**params["blocks"], "attn": attn}}
 
 
-def _spec(path: tuple[str, ...], ndim: int) -> P:
-    axis = _SPLIT_AXIS.get(path[-2:]) if path[0] == "blocks" else None
+def _spec(path: tuple[str, ...], ndim: int, experts: bool = False) -> P:
+    axis = (_EXPERT_SPLIT_AXIS if experts else _SPLIT_AXIS).get(path[-2:]) if path[0] == "blocks" else None
     if axis is None:
         return P()
     return P(*[MODEL if i == axis else None for i in range(ndim)])
@@ -131,8 +140,9 @@ class ShardedLlama:
 
     Raises (constructor):
       ValueError: ``model`` is not a :class:`Llama`, the mesh lacks the
-        ``data`` / ``model`` axes, or the MLP width does not split evenly
-        over the model axis (names both numbers).
+        ``data`` / ``model`` axes, or the MLP width (a mixture of experts:
+        the number of experts) does not split evenly over the model axis
+        (names both numbers).
     """
 
     def __init__(self, model: Llama, mesh: Mesh, *, impl: str = "auto"):
@@ -142,26 +152,26 @@ class ShardedLlama:
                              f"(paged_jax.distributed.sharding.make_mesh), got {mesh!r}")
         check_choice("impl", impl, paged_attn.IMPLS)
         base = model.config
-        if base.router is not None:
-            raise ValueError(f"model has a mixture-of-experts MLP ({base.router.num_experts} experts); tensor "
-                             "parallelism here splits dense MLPs only (experts split by "
-                             "models.layers.moe.routed_experts_sharded are not wired into this model yet)")
         m = mesh.shape[MODEL]
         self.mesh, self.impl = mesh, impl
         self.layout = head_layout(base.num_q_heads, base.num_kv_heads, m)
-        mlp_local = split_evenly("mlp_dim", base.mlp_dim, m)
+        experts = base.router is not None
+        if experts:  # expert parallelism: each device holds E / M whole experts (models.llama.MoE)
+            split_evenly("num_experts", base.router.num_experts, m)
+            mlp = dict(expert_shards=m)
+        else:
+            mlp = dict(mlp_dim=split_evenly("mlp_dim", base.mlp_dim, m))
         self.config: LlamaConfig = dataclasses.replace(
             base, num_q_heads=len(self.layout.q_slots), num_kv_heads=len(self.layout.kv_slots))
         self.local_config: LlamaConfig = dataclasses.replace(
-            base, num_q_heads=self.layout.q_heads_per_device, num_kv_heads=self.layout.kv_heads_per_device,
-            mlp_dim=mlp_local)
+            base, num_q_heads=self.layout.q_heads_per_device, num_kv_heads=self.layout.kv_heads_per_device, **mlp)
         self.vocab_size = base.vocab_size
 
         host = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
         padded = pad_params(host, self.layout)
-        specs = _map_with_names(lambda path, w: _spec(path, w.ndim), padded)
+        specs = _map_with_names(lambda path, w: _spec(path, w.ndim, experts), padded)
         placed = _map_with_names(
-            lambda path, w: jax.device_put(w, NamedSharding(mesh, _spec(path, w.ndim))), padded)
+            lambda path, w: jax.device_put(w, NamedSharding(mesh, _spec(path, w.ndim, experts))), padded)
         # The padded model's module structure carries the arrays; a device's
         # shard of each has the local config's shapes.
         abstract = nnx.eval_shape(lambda: Llama(self.config, rngs=nnx.Rngs(0), param_dtype=model.embed[...].dtype))

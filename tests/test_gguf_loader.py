@@ -92,10 +92,10 @@ def test_wrong_architecture_and_missing_key_are_named(ckpt, monkeypatch):
 
     monkeypatch.setattr(reader, "fields", {**real, "general.architecture": Field("phi3")})
     with pytest.raises(ValueError, match=r"architecture must be one of \['gemma2', 'gemma3', 'llama', 'mistral', "
-                                         r"'olmo2', 'qwen3'\], got 'phi3'"):
+                                         r"'olmo2', 'qwen3', 'qwen3moe'\], got 'phi3'"):
         gguf_loader.read_config(reader)
-    monkeypatch.setattr(reader, "fields", {**real, "general.architecture": Field("qwen3moe")})
-    with pytest.raises(ValueError, match="architecture 'qwen3moe' is a mixture of experts"):
+    monkeypatch.setattr(reader, "fields", {**real, "general.architecture": Field("qwen2moe")})
+    with pytest.raises(ValueError, match="architecture 'qwen2moe' is a mixture of experts"):
         gguf_loader.read_config(reader)
     fields = {k: v for k, v in real.items() if k != "llama.block_count"}
     monkeypatch.setattr(reader, "fields", fields)

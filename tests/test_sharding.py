@@ -114,15 +114,58 @@ def test_an_uneven_mlp_split_names_both_numbers():
         ShardedLlama(Llama(TINY_GQA, rngs=nnx.Rngs(0)), mesh)
 
 
-def test_a_mixture_of_experts_model_is_refused_not_split_wrong():
-    """The dense MLP's column split would cut an expert's D axis: refused by name."""
+def _tiny_moe():
     import dataclasses
 
     from models.layers.moe import RouterConfig
 
-    moe = dataclasses.replace(TINY_GQA, router=RouterConfig(num_experts=4, top_k=2), moe_mlp_dim=16)
-    with pytest.raises(ValueError, match="mixture-of-experts MLP \\(4 experts\\)"):
-        ShardedLlama(Llama(moe, rngs=nnx.Rngs(0)), make_mesh(1, 2, devices=jax.devices()[:2]))
+    return dataclasses.replace(TINY_GQA, router=RouterConfig(num_experts=8, top_k=2, norm_topk_prob=True),
+                               moe_mlp_dim=16)
+
+
+def test_experts_split_whole_over_the_model_axis_and_an_uneven_split_is_named():
+    """A mixture of experts splits by expert (expert parallelism), not by the
+    dense MLP's columns, which would cut each expert's width: each device
+    holds E / M whole experts and the whole router."""
+    model = Llama(_tiny_moe(), rngs=nnx.Rngs(0))
+    sharded = ShardedLlama(model, make_mesh(1, 4, devices=jax.devices()[:4]))
+    w_gate = sharded.params["blocks"]["mlp"]["w_gate"][...]  # [L, E, D, I]
+    assert w_gate.shape == (2, 8, 32, 16) and w_gate.addressable_shards[0].data.shape == (2, 2, 32, 16)
+    assert sharded.params["blocks"]["mlp"]["router"][...].addressable_shards[0].data.shape == (2, 8, 32)
+    assert sharded.local_config.expert_shards == 4
+    with pytest.raises(ValueError, match="num_experts=8 does not split evenly over model=3 devices"):
+        ShardedLlama(model, make_mesh(1, 3, devices=jax.devices()[:3]))
+
+
+@pytest.fixture(scope="module")
+def tiny_moe():
+    model = Llama(_tiny_moe(), rngs=nnx.Rngs(3))
+    prompts = make_prompts(8, TINY_GQA.vocab_size, seed=1)
+    return model, prompts, decode_unsharded(model, prompts, steps=4)
+
+
+@pytest.mark.parametrize("data, model_size", MESHES)
+def test_experts_split_over_the_mesh_decode_as_unsharded(tiny_moe, data, model_size):
+    """Qwen3-MoE's block with 8 experts over 1, 2, 4 or 8 devices of the
+    model axis (and the data axis beside it): the unsharded tokens and
+    logits."""
+    model, prompts, (want_tokens, want_logits) = tiny_moe
+    tokens, logits = decode_sharded(model, make_mesh(data, model_size), prompts, steps=4)
+    np.testing.assert_array_equal(tokens, want_tokens)
+    np.testing.assert_allclose(logits, want_logits, atol=TINY_ATOL, rtol=0)
+
+
+def test_an_engine_serves_a_mixture_of_experts_over_the_mesh(tiny_moe):
+    """The engine's model for one data shard (ShardedRaggedModel) with the
+    experts split over 4 devices gives one device's greedy outputs."""
+    model, prompts, _ = tiny_moe
+    config = EngineConfig(max_seqs=4, max_seq_len=32, max_num_batched_tokens=16)
+    requests = [Request(request_id=i, prompt_ids=p, max_new_tokens=5) for i, p in enumerate(prompts)]
+    one = Engine(RaggedModel(model), model.config.make_kv_pool(40, 4), config)
+    want = {o.request_id: o.output_ids for o in one.run(requests)}
+    sharded = ShardedRaggedModel(model, make_mesh(1, 4, devices=jax.devices()[:4]))
+    got = {o.request_id: o.output_ids for o in Engine(sharded, sharded.make_kv_pool(40, 4), config).run(requests)}
+    assert got == want
 
 
 def test_weights_and_pool_are_split_over_the_mesh():

@@ -272,15 +272,18 @@ def routed_experts_sharded(mesh: jax.sharding.Mesh, axis: str = "model"):
 
 
 def routed_experts_dense(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array,
-                         w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+                         w_up: jax.Array, w_down: jax.Array, *, first_expert=0) -> jax.Array:
     """The routed experts' output by one-hot dispatch: every expert on every
     token, combined by a ``[T, E]`` matrix of the chosen weights (zero
     elsewhere). Same arguments, result and errors as
     :func:`routed_experts_ragged`; ``E / top_k`` times its work."""
     x, experts, weights = jnp.asarray(x), jnp.asarray(experts), jnp.asarray(weights)
-    _check_experts(x, experts, weights, w_gate, w_up, w_down)
-    # [T, E]: each token's weight on each expert (an id out of range, under jit, adds nothing, as in the ragged form)
-    combine = jnp.einsum("tk,tke->te", weights.astype(jnp.float32), jax.nn.one_hot(experts, w_gate.shape[0]))
+    _check_experts(x, experts, weights, w_gate, w_up, w_down, ids_checked=isinstance(first_expert, int)
+                   and first_expert == 0)
+    # [T, E]: each token's weight on each of these experts (another shard's id, or one out of range under jit,
+    # is no row of the one-hot: it adds nothing, as in the ragged form)
+    combine = jnp.einsum("tk,tke->te", weights.astype(jnp.float32),
+                         jax.nn.one_hot(experts - first_expert, w_gate.shape[0]))
     h = jax.nn.silu(jnp.einsum("td,edi->tei", x, w_gate)) * jnp.einsum("td,edi->tei", x, w_up)
     y = jnp.einsum("tei,eid->ted", h, w_down).astype(jnp.float32)
     return jnp.einsum("te,ted->td", combine, y).astype(x.dtype)
@@ -291,7 +294,7 @@ EXPERT_IMPLS = ("auto", "ragged", "dense")
 
 
 def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                   w_down: jax.Array, *, impl: str = "auto") -> jax.Array:
+                   w_down: jax.Array, *, impl: str = "auto", first_expert=0) -> jax.Array:
     """The routed experts' output, by :func:`routed_experts_ragged`
     (``impl="ragged"``) or :func:`routed_experts_dense` (``"dense"``); the
     same arguments, result and errors. ``"auto"``: the one-hot dispatch on
@@ -301,6 +304,8 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate:
     tokens and 8 experts: XLA's CPU ``ragged_dot`` costs more than running
     every expert), and grouped matmuls elsewhere (GPU, TPU: the work the
     assignments need, not ``E / top_k`` times it; unmeasured here).
+    ``first_expert``: as :func:`routed_experts_ragged` (an expert-parallel
+    shard's first expert).
 
     Raises:
       ValueError: an unknown ``impl``, or what the chosen form raises.
@@ -309,4 +314,4 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate:
     if impl == "auto":
         impl = "dense" if jax.default_backend() == "cpu" else "ragged"
     fn = routed_experts_dense if impl == "dense" else routed_experts_ragged
-    return fn(x, experts, weights, w_gate, w_up, w_down)
+    return fn(x, experts, weights, w_gate, w_up, w_down, first_expert=first_expert)
