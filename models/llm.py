@@ -92,6 +92,20 @@ def _weight_dtype(name: str, dtype) -> jnp.dtype:
     return jnp.dtype(dtype)
 
 
+def as_paged_model(model: Llama | DeepseekModel) -> RaggedModel | DeepseekModel:
+    """The engine's model (``paged_jax.engine.step.PagedModel``) of a loaded
+    model: a :class:`models.ragged.RaggedModel` around a ``Llama``; a
+    ``DeepseekModel`` is one already (its latent pool from
+    ``make_budget_kv_pool`` as the Llama's).
+
+    Raises:
+      ValueError: neither.
+    """
+    if isinstance(model, DeepseekModel):
+        return model
+    return RaggedModel(model)
+
+
 def load_model(spec: str | os.PathLike, *, dtype=jnp.float32) -> tuple[Llama | DeepseekModel, Tokenizer | None, str]:
     """A decoder, its tokenizer and a display name from a model spec.
 
@@ -278,11 +292,8 @@ class LLM:
         stop_ids = tokenizer.stop_ids if tokenizer is not None else ()
         if tokenizer is None and not isinstance(model, tuple) and pathlib.Path(model).expanduser().is_dir():
             stop_ids = folder_stop_ids(pathlib.Path(model).expanduser())  # no tokenizer.json: config's EOS
-        if isinstance(llama, DeepseekModel):  # MLA: a latent pool, one vector a token and layer
-            paged, pool = llama, llama.make_kv_pool(num_pages, page_size, kv_dtype)
-        else:
-            paged = RaggedModel(llama)
-            pool = paged.make_budget_kv_pool(num_pages, page_size, kv_dtype, grouped=config.pages_by_layer_group)
+        paged = as_paged_model(llama)
+        pool = paged.make_budget_kv_pool(num_pages, page_size, kv_dtype, grouped=config.pages_by_layer_group)
         self.engine = Engine(paged, pool, config,
                              stop_ids=stop_ids, tokenizer=tokenizer)
         self.tokenizer = tokenizer

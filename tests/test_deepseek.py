@@ -190,6 +190,28 @@ def test_llm_serves_the_folder(checkpoint):
     assert [len(ids) for ids in got] == [6, 6]  # the tokens: test_quantized_latent_pages_match_transformers
 
 
+@pytest.mark.parametrize("checkpoint", ["moe"], indirect=True)
+def test_the_benchmarks_take_the_folder(checkpoint):
+    """The benchmarks' preflight reads the folder's DeepSeek config (its
+    latent pool's bytes a token, its weights) and their engines are built
+    on a latent pool (experiments.lib.serving.make_engine, which
+    bench_serving and the online figures build through)."""
+    import argparse
+
+    from experiments.lib import preflight, serving
+
+    _, folder, _, _ = checkpoint
+    config = preflight.model_config(str(folder))
+    assert config.kv_bytes_per_token("float32") == 3 * 40 * 4 and config.kv_bytes_per_token("int8") == 3 * 44
+    assert config.num_params > 0
+    assert preflight.check_kv_budget(argparse.ArgumentParser(), "--kv-budget-tokens", 64, 4, config,
+                                     kv_dtype="float32", weight_dtype="float32") == 17 * 4 * 480
+    engine = serving.make_engine(load_hf_deepseek(folder), kv_tokens=64, page_size=4, max_seqs=2, max_seq_len=32)
+    assert engine.kv.latent and engine.kv.num_pages == 17
+    (out,) = engine.run([Request(request_id=0, prompt_ids=PROMPTS[0][:9], max_new_tokens=3, ignore_eos=True)])
+    assert len(out.outputs[0].output_ids) == 3
+
+
 @pytest.mark.parametrize("checkpoint", ["moe"], indirect=True)  # one MoE checkpoint is enough for the server
 def test_the_server_serves_the_folder(checkpoint):
     """The OpenAI server on an MLA model (a DeepSeek folder without a

@@ -94,7 +94,7 @@ from experiments.lib.workloads import Conversation, Workload, describe, workload
 from models.config import LlamaConfig  # noqa: E402
 from models.llama import Llama  # noqa: E402
 from models.presets import PRESETS  # noqa: E402
-from models.ragged import RaggedModel  # noqa: E402
+from models.llm import as_paged_model  # noqa: E402
 from paged_jax.checks import check_bool, check_choice, check_float  # noqa: E402
 from paged_jax.engine.core import Engine  # noqa: E402
 from paged_jax.engine.requests import Request, RequestOutput  # noqa: E402
@@ -633,7 +633,7 @@ def load_setup(args) -> tuple[str, list[Request], EngineSpec, str]:
     requests, source = args.workload_.requests(tokenizer, vocab_size=model.config.vocab_size,
                                                num_requests=args.num_requests, max_output_len=args.max_output_len,
                                                seed=args.seed)
-    spec = EngineSpec(model=model, paged_model=RaggedModel(model), kv_tokens=args.kv_budget_tokens,
+    spec = EngineSpec(model=model, paged_model=as_paged_model(model), kv_tokens=args.kv_budget_tokens,
                       page_size=args.page_size, max_seqs=args.max_seqs, max_batched_tokens=args.max_batched_tokens,
                       prefix_caching=not args.no_prefix_caching, kv_dtype=kv_dtype,
                       speculative=args.speculative_config)
@@ -680,7 +680,7 @@ def sharegpt_engine(args, seeds: Sequence[int], **config):
                                         max_output_len=args.max_output_len, seed=seed) for seed in seeds]
     engine = serving.make_engine(model, kv_tokens=args.kv_budget_tokens, page_size=args.page_size,
                                  max_seqs=args.max_seqs, max_seq_len=args.max_seq_len,
-                                 max_batched_tokens=args.max_batched_tokens, paged_model=RaggedModel(model),
+                                 max_batched_tokens=args.max_batched_tokens, paged_model=as_paged_model(model),
                                  kv_dtype=resolve_kv_dtype(args.kv_dtype), **config)
     return engine, [requests for requests, _ in draws], model_name, draws[0][1]
 

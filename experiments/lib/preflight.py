@@ -27,8 +27,12 @@ from experiments.lib.online import TOY_CONFIG
 from experiments.lib.serving import pool_pages
 from experiments.lib.workloads import Workload
 from models.config import LlamaConfig
+from models.deepseek.config import MODEL_TYPES as DEEPSEEK_MODEL_TYPES
+from models.deepseek.config import DeepseekConfig
+from models.deepseek.loader import read_deepseek_config
 from models.loading.gguf_loader import open_gguf, read_config
-from models.loading.hf_loader import read_hf_config
+from models.loading.hf_config import CONFIG
+from models.loading.hf_loader import read_hf_config, read_json
 from models.llm import SMOLLM2
 from models.presets import PRESETS
 from paged_jax.engine.core import Engine
@@ -39,10 +43,12 @@ PROBE_TIMEOUT_S = 5.0
 the benchmark gives up on it."""
 
 
-def model_config(spec: str) -> LlamaConfig:
+def model_config(spec: str) -> LlamaConfig | DeepseekConfig:
     """The decoder config of a ``--model`` spec without its weights:
     ``toy``, a random-weight preset, ``smollm2`` or a ``.gguf`` (its
-    metadata), a Hugging Face folder (its ``config.json``).
+    metadata), a Hugging Face folder (its ``config.json``; a DeepSeek-V3 /
+    V2 / Kimi K2 one gives a :class:`models.deepseek.config.DeepseekConfig`,
+    which counts its latent pool's bytes the same way).
 
     Raises:
       FileNotFoundError, ValueError: from the readers; a spec that is none
@@ -58,6 +64,8 @@ def model_config(spec: str) -> LlamaConfig:
     if path.is_file() and path.suffix.lower() == ".gguf":
         return LlamaConfig(**read_config(open_gguf(path)))
     if path.is_dir():
+        if (path / CONFIG).is_file() and read_json(path / CONFIG).get("model_type") in DEEPSEEK_MODEL_TYPES:
+            return read_deepseek_config(path)
         return read_hf_config(path)
     raise ValueError(f"--model {spec!r}: expected 'smollm2', 'toy', a preset {sorted(PRESETS)}, a .gguf file or a "
                      "Hugging Face folder")

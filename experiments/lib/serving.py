@@ -34,7 +34,7 @@ from experiments.lib import provenance, workloads
 from experiments.lib.sharegpt import MAX_SEQ_LEN
 from experiments.lib.workloads import Workload
 from models import llm
-from models.ragged import RaggedModel, weight_matmuls
+from models.ragged import weight_matmuls
 from models.sharded import make_data_parallel_engine
 from paged_jax.checks import check_choice, check_int
 from paged_jax.distributed.data_parallel import DataParallelEngine, merged_stats
@@ -113,7 +113,8 @@ def make_engine(model, *, kv_tokens: int, page_size: int, max_seqs: int, max_seq
     """An engine serving ``model`` from a fresh pool of ``kv_tokens`` tokens.
 
     Args:
-      model: a ``models.llama.Llama`` (its config shapes the pool).
+      model: a ``models.llama.Llama`` or a ``models.deepseek.model.DeepseekModel``
+        (its config shapes the pool; no ``mesh`` for the latter).
       kv_tokens: K/V slots in the pool, tokens, rounded down to whole pages
         (:func:`pool_pages`); with ``mesh``, per data shard.
       page_size: tokens per page.
@@ -122,7 +123,7 @@ def make_engine(model, *, kv_tokens: int, page_size: int, max_seqs: int, max_seq
       max_batched_tokens: tokens per model call, decode tokens and prefill
         chunks together; raised to ``max_seqs`` so every running sequence
         can decode in one call.
-      paged_model: ``models.ragged.RaggedModel(model)`` (default a new one);
+      paged_model: ``models.llm.as_paged_model(model)`` (default a new one);
         pass the same one to several engines to share compiled programs.
         Not used with ``mesh``.
       mesh: a ``(data, model)`` device mesh (``paged_jax.distributed.sharding.make_mesh``):
@@ -154,7 +155,7 @@ def make_engine(model, *, kv_tokens: int, page_size: int, max_seqs: int, max_seq
             raise ValueError("tokenizer: the data-parallel engine (mesh) does not detokenize; pass tokenizer=None")
         return make_data_parallel_engine(model, mesh, engine_config_, pages_per_shard=num_pages, page_size=page_size,
                                          stop_ids=stop_ids, vocab_size=vocab_size, kv_dtype=kv_dtype)
-    paged_model = paged_model or RaggedModel(model)
+    paged_model = paged_model or llm.as_paged_model(model)
     pool = paged_model.make_budget_kv_pool(num_pages, page_size, kv_dtype,
                                            grouped=engine_config_.pages_by_layer_group)
     return Engine(paged_model, pool, engine_config_, stop_ids=stop_ids, vocab_size=vocab_size, tokenizer=tokenizer)

@@ -25,6 +25,7 @@ from models.layers.moe import RouterConfig
 from models.layers.rope import RopeScaling
 from models.loading.hf_config import CONFIG, Fields, read_rope
 from paged_jax.checks import check_bool, check_float, check_instance, check_int
+from pallas_kernels import common
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2", "deepseek_v2")
 """The ``config.json`` model types :func:`config_from_hf` reads."""
@@ -129,6 +130,20 @@ class DeepseekConfig:
         """Layers with a dense MLP: the first ``first_k_dense_replace``, or
         every layer of a model without a router."""
         return self.num_layers if self.router is None else min(self.first_k_dense_replace, self.num_layers)
+
+    def kv_bytes_per_token(self, dtype="float32") -> int:
+        """Latent-pool bytes one token occupies across all layers: one
+        latent of C + R values a layer (no V), plus a quantized pool's f32
+        scale (``paged_jax.paging.kv_cache.init_latent_pool``). The
+        counterpart of ``LlamaConfig.kv_bytes_per_token``."""
+        return self.num_layers * common.kv_bytes_per_token(self.latent_dim, dtype)
+
+    @property
+    def num_params(self) -> int:
+        """Weights the decoder holds (``models.deepseek.presets.num_params``)."""
+        from models.deepseek.presets import num_params  # the weights' layout lives beside the model
+
+        return num_params(self)
 
     @property
     def query_scale(self) -> float:

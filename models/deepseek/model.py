@@ -284,6 +284,13 @@ class DeepseekModel:
         check_latent_pool(self.config, pool)
         return pool
 
+    def make_budget_kv_pool(self, num_pages: int, page_size: int, dtype=None, *, grouped: bool = True) -> KVPool:
+        """:meth:`make_kv_pool` (every layer attends every token: one layer
+        group, so ``grouped`` changes nothing); the counterpart of
+        ``models.ragged.RaggedModel.make_budget_kv_pool``."""
+        del grouped
+        return self.make_kv_pool(num_pages, page_size, dtype)
+
     def check_kv_pool(self, kv: KVPool) -> None:
         """Raises ValueError unless ``kv`` fits (:func:`check_latent_pool`)."""
         check_latent_pool(self.config, kv)
