@@ -167,12 +167,18 @@ def ragged_paged_attention(
 def unchecked_ragged_paged_attention(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, *,
                                      num_tiles: int, tile_q: int = 32, pages_per_block: int = 4,
                                      work_chunk: int = 32, scale=None, soft_cap=None, sliding_window=None,
-                                     k_scales=None, v_scales=None) -> jax.Array:
+                                     k_scales=None, v_scales=None, value_dim: int | None = None) -> jax.Array:
     """:func:`ragged_paged_attention` trusting its inputs: the same arguments
     and result, with i32 lengths in their ranges (as :func:`check_attend`
     returns them), rows that do not overlap, ``num_tiles`` enough for the
-    lengths and ``layer`` an i32[] in the pool."""
+    lengths and ``layer`` an i32[] in the pool.
+
+    ``value_dim``: MLA's latent mode (:func:`attend`'s ``latent_dim``): a
+    value is the first ``value_dim`` columns of the key already gathered
+    (``v_pool`` and ``v_scales`` are not read), and the output is [T, N,
+    value_dim]: one gather a work item, not two."""
     t_total, num_q_heads, head_dim = q.shape
+    out_dim = head_dim if value_dim is None else value_dim
     num_kv_heads, page_size = k_pool.shape[1], k_pool.shape[3]
     group = num_q_heads // num_kv_heads
     pages_per_seq = block_tables.shape[1]
@@ -216,10 +222,14 @@ def unchecked_ragged_paged_attention(q, k_pool, v_pool, layer, block_tables, q_s
         # One gather from the stacked pool; ``k_pool[layer]`` first would
         # copy the whole layer.
         k = k_pool[layer, :, pages].astype(jnp.float32)  # [W, J, K, L, H]
-        v = v_pool[layer, :, pages].astype(jnp.float32)
         if k_scales is not None:  # quantized: dequantize the gathered item, never the pool
             k = k * k_scales[layer, :, pages][..., None]  # scales [W, J, K, L]
-            v = v * v_scales[layer, :, pages][..., None]
+        if value_dim is not None:  # a latent: the value is the key's first columns, gathered once
+            v = k[..., :value_dim]
+        else:
+            v = v_pool[layer, :, pages].astype(jnp.float32)
+            if v_scales is not None:
+                v = v * v_scales[layer, :, pages][..., None]
         logits = jnp.einsum("WKMH,WJKLH->WKMJL", q_tile[w_tile], k)
         logits = logits.reshape(work_chunk, num_kv_heads, rows_m, block_tokens)  # [W, K, M, C]
         if soft_cap is not None:
@@ -268,7 +278,7 @@ def unchecked_ragged_paged_attention(q, k_pool, v_pool, layer, block_tables, q_s
     acc = (
         jnp.full((num_tiles, num_kv_heads, rows_m), -jnp.inf, jnp.float32),
         jnp.zeros((num_tiles, num_kv_heads, rows_m), jnp.float32),
-        jnp.zeros((num_tiles, num_kv_heads, rows_m, head_dim), jnp.float32),
+        jnp.zeros((num_tiles, num_kv_heads, rows_m, out_dim), jnp.float32),
     )
     _, l_acc, o_acc = jax.lax.fori_loop(0, cdiv(total_work, work_chunk), chunk, acc)
     # Only padding rows see no key (a real row sees its own): zeros by row,
@@ -278,10 +288,10 @@ def unchecked_ragged_paged_attention(q, k_pool, v_pool, layer, block_tables, q_s
     o_tile = jnp.where(seen[..., None], o_acc / jnp.where(seen, l_acc, 1.0)[..., None], 0.0)
 
     # [U, K, G * Q, H] -> [U, Q, N, H] -> flat rows
-    o_tile = o_tile.reshape(num_tiles, num_kv_heads, group, tile_q, head_dim).transpose(0, 3, 1, 2, 4)
-    o_tile = o_tile.reshape(num_tiles * tile_q, num_q_heads, head_dim)
+    o_tile = o_tile.reshape(num_tiles, num_kv_heads, group, tile_q, out_dim).transpose(0, 3, 1, 2, 4)
+    o_tile = o_tile.reshape(num_tiles * tile_q, num_q_heads, out_dim)
     dest = jnp.where(row_real, tile_rows, t_total).reshape(-1)
-    out = jnp.zeros((t_total, num_q_heads, head_dim), jnp.float32).at[dest].set(o_tile, mode="drop")
+    out = jnp.zeros((t_total, num_q_heads, out_dim), jnp.float32).at[dest].set(o_tile, mode="drop")
     return out.astype(q.dtype)
 
 
@@ -428,7 +438,7 @@ def unchecked_attend(
         return _flat(q, None, None, k_pool, v_pool, layer, batch, None, k_scales, v_scales, impl, options,
                      latent_dim=latent_dim)[0]
     shape, tiling = batch.shape, batch.shape.tiling
-    out = jnp.zeros(q.shape, q.dtype)
+    out = jnp.zeros(q.shape[:2] + (latent_dim or q.shape[2],), q.dtype)
     decode, chunk = batch.q_lens == 1, batch.q_lens > 1
     for tiles_, tile_q, ppb, work_chunk, rows in (
         (shape.decode_tiles, 1, tiling.decode_pages_per_block, min(tiling.decode_work_chunk, shape.decode_tiles),
@@ -442,9 +452,9 @@ def unchecked_attend(
             q, k_pool, v_pool, layer, batch.block_tables, batch.q_starts,
             jnp.where(rows, batch.q_lens, 0), jnp.where(rows, batch.kv_lens, 0),
             num_tiles=tiles_, tile_q=tile_q, pages_per_block=ppb, work_chunk=work_chunk,
-            k_scales=k_scales, v_scales=v_scales, **options,
+            k_scales=k_scales, v_scales=v_scales, value_dim=latent_dim, **options,
         )
-    return out if latent_dim is None else out[..., :latent_dim]
+    return out
 
 
 def unchecked_write_attend(
