@@ -2,13 +2,15 @@
 
     python -m experiments.kernels.mla_decode_bench
 
-MLA in the absorbed form (:func:`paged_jax.attention.latent.absorbed_paged_attention`:
-``W_UK`` folded into each head's query, multi-query attention over the
-latent pages, ``W_UV`` after) at DeepSeek-V3's per-head sizes (C = 512,
+MLA in the absorbed form as the engine runs it
+(:func:`paged_jax.attention.latent.absorbed_ragged_attention` on the
+engine's flat batch: ``W_UK`` folded into each head's query, multi-query
+attention over the latent pages, each latent gathered once as key and
+value, ``W_UV`` after) at DeepSeek-V3's per-head sizes (C = 512,
 R = 64, H_nope = H_v = 128) with ``N`` query heads (16: DeepSeek-V3's 128
 heads over 8-way tensor parallelism, as vLLM and SGLang serve it; 128: one
-device), against GQA paged attention
-(:func:`paged_jax.attention.paged.paged_attention`, the same XLA path
+device), against GQA attention on the same flat batch
+(:func:`paged_jax.attention.ragged.attend`, the same XLA work list
 underneath) with ``--gqa-kv-heads`` KV heads of a head dim chosen so K and
 V together are C + R = 576 values a token (2 heads of 144), and 16 query
 heads. Both read the same pages a token, the same tokens, in the same
@@ -35,65 +37,80 @@ import numpy as np
 
 from experiments.lib import provenance
 from experiments.lib.cli import add_flag, check_out_dir, machine, time_call
-from paged_jax.attention.latent import absorbed_paged_attention
-from paged_jax.attention.paged import paged_attention, unchecked_xla_paged_attention
+from paged_jax.attention import ragged as ragged_attention
+from paged_jax.attention.batch import RaggedBatch, Tiling, batch_shape
+from paged_jax.attention.latent import absorbed_ragged_attention
 
 C, R, H, V = 512, 64, 128, 128  # DeepSeek-V3: kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim
 SEEDS = {"data": 0}
 TARGET = 1.5
 
 
-def _tables(batch: int, context: int, page_size: int) -> tuple[jax.Array, jax.Array, jax.Array, int]:
-    """Block tables (shuffled pages), kv_lens, q_lens for a uniform decode batch; pages in the pool."""
+def _batch(batch: int, context: int, page_size: int) -> tuple[RaggedBatch, int]:
+    """The engine's flat batch of ``batch`` decoding sequences of ``context``
+    tokens (one query token each, block tables of shuffled pages) and the
+    pages the pool needs."""
     per_seq = -(-context // page_size)
     rng = np.random.default_rng(SEEDS["data"])
     pages = rng.permutation(batch * per_seq).reshape(batch, per_seq).astype(np.int32)
-    return (jnp.asarray(pages), jnp.full((batch,), context, jnp.int32), jnp.ones((batch,), jnp.int32),
-            batch * per_seq)
+    q_lens = np.ones(batch, np.int32)
+    shape = batch_shape(q_lens, num_seq_rows=batch, tiling=Tiling())
+    z = jnp.zeros(shape.num_tokens, jnp.int32)
+    ragged = RaggedBatch(tokens=z, positions=z, slots=z, block_tables=jnp.asarray(pages),
+                         q_starts=jnp.arange(batch, dtype=jnp.int32), q_lens=jnp.asarray(q_lens),
+                         kv_lens=jnp.full((batch,), context, jnp.int32), logits_rows=jnp.zeros(1, jnp.int32),
+                         shape=shape)
+    return ragged, batch * per_seq
 
 
 def mla_call(batch: int, context: int, heads: int, page_size: int, dtype) -> tuple:
-    """The jitted absorbed decode step and its arguments."""
-    tables, kv_lens, q_lens, num_pages = _tables(batch, context, page_size)
+    """The jitted absorbed decode step (the engine's:
+    :func:`absorbed_ragged_attention` on its flat batch) and its arguments."""
+    ragged, num_pages = _batch(batch, context, page_size)
+    T = ragged.shape.num_tokens  # noqa: N806
     k = jax.random.split(jax.random.key(SEEDS["data"]), 5)
-    latent = jax.random.normal(k[0], (1, num_pages, page_size, C + R), dtype)
-    q_nope = jax.random.normal(k[1], (batch, 1, heads, H), jnp.float32)
-    q_pe = jax.random.normal(k[2], (batch, 1, heads, R), jnp.float32)
+    latent = jax.random.normal(k[0], (1, 1, num_pages, page_size, C + R), dtype)
+    q_nope = jax.random.normal(k[1], (T, heads, H), jnp.float32)
+    q_pe = jax.random.normal(k[2], (T, heads, R), jnp.float32)
     w_uk = 0.05 * jax.random.normal(k[3], (heads, H, C), jnp.float32)
     w_uv = 0.05 * jax.random.normal(k[4], (heads, C, V), jnp.float32)
 
-    def step(q_nope, q_pe, latent, tables, kv_lens, q_lens, w_uk, w_uv):
-        return absorbed_paged_attention(q_nope, q_pe, latent, tables, kv_lens, q_lens, w_uk, w_uv, kv_lora_rank=C,
-                                        scale=(H + R) ** -0.5)
-    return jax.jit(step), (q_nope, q_pe, latent, tables, kv_lens, q_lens, w_uk, w_uv)
+    def step(q_nope, q_pe, latent, ragged, w_uk, w_uv):
+        return absorbed_ragged_attention(q_nope, q_pe, latent, jnp.int32(0), ragged, w_uk, w_uv, kv_lora_rank=C,
+                                         scale=(H + R) ** -0.5, impl="xla")
+    return jax.jit(step), (q_nope, q_pe, latent, ragged, w_uk, w_uv)
 
 
 def mla_core_call(batch: int, context: int, heads: int, page_size: int, dtype) -> tuple:
     """The attention of :func:`mla_call` alone: the absorbed queries (C + R
-    values a head) over the latent pages, keys and values the same pages,
-    as :func:`absorbed_paged_attention` calls it."""
-    tables, kv_lens, q_lens, num_pages = _tables(batch, context, page_size)
+    values a head) over the latent pages, keys and values the same pages
+    (:func:`paged_jax.attention.ragged.attend`'s latent mode), as
+    :func:`absorbed_ragged_attention` calls it."""
+    ragged, num_pages = _batch(batch, context, page_size)
     k = jax.random.split(jax.random.key(SEEDS["data"]), 2)
-    latent = jax.random.normal(k[0], (1, num_pages, page_size, C + R), dtype)
-    q = jax.random.normal(k[1], (batch, 1, heads, C + R), jnp.float32)
+    latent = jax.random.normal(k[0], (1, 1, num_pages, page_size, C + R), dtype)
+    q = jax.random.normal(k[1], (ragged.shape.num_tokens, heads, C + R), jnp.float32)
 
-    def step(q, latent, tables, kv_lens, q_lens):
-        return unchecked_xla_paged_attention(q, latent, latent, tables, kv_lens, q_lens, scale=(H + R) ** -0.5)
-    return jax.jit(step), (q, latent, tables, kv_lens, q_lens)
+    def step(q, latent, ragged):
+        return ragged_attention.attend(q, latent, latent, jnp.int32(0), ragged, impl="xla", scale=(H + R) ** -0.5,
+                                       latent_dim=C)
+    return jax.jit(step), (q, latent, ragged)
 
 
 def gqa_call(batch: int, context: int, heads: int, kv_heads: int, page_size: int, dtype) -> tuple:
-    """The jitted GQA decode step (head dim ``(C + R) / (2 kv_heads)``) and its arguments."""
+    """The jitted GQA decode step (head dim ``(C + R) / (2 kv_heads)``; the
+    engine's: :func:`paged_jax.attention.ragged.attend` on its flat batch)
+    and its arguments."""
     head_dim = (C + R) // (2 * kv_heads)
-    tables, kv_lens, q_lens, num_pages = _tables(batch, context, page_size)
+    ragged, num_pages = _batch(batch, context, page_size)
     k = jax.random.split(jax.random.key(SEEDS["data"] + 1), 3)
-    kp = jax.random.normal(k[0], (kv_heads, num_pages, page_size, head_dim), dtype)
-    vp = jax.random.normal(k[1], (kv_heads, num_pages, page_size, head_dim), dtype)
-    q = jax.random.normal(k[2], (batch, 1, heads, head_dim), jnp.float32)
+    kp = jax.random.normal(k[0], (1, kv_heads, num_pages, page_size, head_dim), dtype)
+    vp = jax.random.normal(k[1], (1, kv_heads, num_pages, page_size, head_dim), dtype)
+    q = jax.random.normal(k[2], (ragged.shape.num_tokens, heads, head_dim), jnp.float32)
 
-    def step(q, kp, vp, tables, kv_lens, q_lens):
-        return paged_attention(q, kp, vp, tables, kv_lens, q_lens, impl="xla")
-    return jax.jit(step), (q, kp, vp, tables, kv_lens, q_lens)
+    def step(q, kp, vp, ragged):
+        return ragged_attention.attend(q, kp, vp, jnp.int32(0), ragged, impl="xla")
+    return jax.jit(step), (q, kp, vp, ragged)
 
 
 def parse_args(argv=None):
@@ -149,7 +166,8 @@ def main(argv=None) -> list[dict]:
         f"{args.dtype}, 576 values a token on both sides. MLA: absorbed form, DeepSeek-V3's per-head sizes "
         f"(C {C}, R {R}, H {H}, O {V}), N query heads, the absorption einsums included. GQA: "
         f"{args.gqa_kv_heads} KV heads of {head_dim} (K and V: {2 * args.gqa_kv_heads * head_dim} values a token), "
-        f"{args.gqa_heads} query heads. Both through the XLA paged path. Machine: {machine()}.",
+        f"{args.gqa_heads} query heads. Both as the engine runs them: its flat batch of one-token rows through "
+        f"the XLA ragged path (paged_jax.attention.ragged.attend). Machine: {machine()}.",
         "",
         "| batch | context | KV MB | GQA ms | MLA heads | MLA attention ms | x GQA | MLA step ms (with W_UK, W_UV) "
         "| x GQA |",

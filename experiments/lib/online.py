@@ -93,8 +93,8 @@ from experiments.lib.sharegpt import MAX_SEQ_LEN, PACKAGED_LIMIT  # noqa: E402
 from experiments.lib.workloads import Conversation, Workload, describe, workload  # noqa: E402, F401  (re-exported: bench_serving)
 from models.config import LlamaConfig  # noqa: E402
 from models.llama import Llama  # noqa: E402
-from models.presets import PRESETS  # noqa: E402
 from models.llm import as_paged_model  # noqa: E402
+from models.presets import PRESETS  # noqa: E402
 from paged_jax.checks import check_bool, check_choice, check_float  # noqa: E402
 from paged_jax.engine.core import Engine  # noqa: E402
 from paged_jax.engine.requests import Request, RequestOutput  # noqa: E402

@@ -30,10 +30,10 @@ from models.config import LlamaConfig
 from models.deepseek.config import MODEL_TYPES as DEEPSEEK_MODEL_TYPES
 from models.deepseek.config import DeepseekConfig
 from models.deepseek.loader import read_deepseek_config
+from models.llm import SMOLLM2
 from models.loading.gguf_loader import open_gguf, read_config
 from models.loading.hf_config import CONFIG
 from models.loading.hf_loader import read_hf_config, read_json
-from models.llm import SMOLLM2
 from models.presets import PRESETS
 from paged_jax.engine.core import Engine
 from paged_jax.engine.requests import Request
