@@ -112,8 +112,8 @@ check-tables: setup
 	$(PY) -m experiments.memory.check_reproducible
 
 # Two worker processes (pytest-xdist) stealing tests from each other: JAX compiles on one core per process, so
-# two use both cores of a 2-core machine (a clean clone on 2 quiet Intel Xeon cores: 1,128 tests in 11:54; on
-# 2026-12-05, 1,305 tests in 10:21 beside other work, in 31 min on a machine loaded to 12).
+# two use both cores of a 2-core machine (2026-12-07: 1,634 tests in about 17 min on 2 quiet Intel Xeon cores; a
+# fresh clone's run took 87 min on 2 cores loaded to 5-10 by other work).
 test: setup browser
 	$(PY) -m pytest -q -n 2 --dist worksteal
 

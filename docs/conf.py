@@ -59,6 +59,17 @@ def _copy_results() -> None:
 
 _copy_results()
 
+
+def _site_results_links(app, docname, source) -> None:
+    """A page links the committed tables as ``../results/x`` (right where the
+    Markdown is read, on GitHub or in a clone); in the site they are the
+    copies beside the pages (:func:`_copy_results`), ``results/x``."""
+    source[0] = source[0].replace("](../results/", "](results/")
+
+
+def setup(app):
+    app.connect("source-read", _site_results_links)
+
 html_theme = "sphinx_book_theme"
 html_title = "paged-jax"
 html_theme_options = {"show_toc_level": 2}

@@ -185,10 +185,9 @@ def test_relative_links_exist(path):
         if re.match(r"[a-z]+:", target) or target.startswith("#"):
             continue
         file = target.split("#")[0]
-        # results/ pages are copied into docs/ at build time (docs/conf.py)
-        base = ROOT if file.startswith("results/") else path.parent
+        # Relative to the page, as a Markdown reader resolves it (docs/conf.py rewrites ../results/ for the site).
         diagram = path.parent.name == "docs" and file.startswith("diagram/")
-        if not (base / file).exists() and not (diagram and (ROOT / "docs" / file).exists()):
+        if not (path.parent / file).exists() and not (diagram and (ROOT / "docs" / file).exists()):
             missing.append(target)
     assert not missing, f"{path.name} links to missing files: {missing}"
 
