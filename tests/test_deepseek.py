@@ -203,7 +203,6 @@ def test_the_benchmarks_take_the_folder(checkpoint):
     _, folder, _, _ = checkpoint
     config = preflight.model_config(str(folder))
     assert config.kv_bytes_per_token("float32") == 3 * 40 * 4 and config.kv_bytes_per_token("int8") == 3 * 44
-    assert config.num_params > 0
     assert preflight.check_kv_budget(argparse.ArgumentParser(), "--kv-budget-tokens", 64, 4, config,
                                      kv_dtype="float32", weight_dtype="float32") == 17 * 4 * 480
     engine = serving.make_engine(load_hf_deepseek(folder), kv_tokens=64, page_size=4, max_seqs=2, max_seq_len=32)

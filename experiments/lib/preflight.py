@@ -30,6 +30,7 @@ from models.config import LlamaConfig
 from models.deepseek.config import MODEL_TYPES as DEEPSEEK_MODEL_TYPES
 from models.deepseek.config import DeepseekConfig
 from models.deepseek.loader import read_deepseek_config
+from models.deepseek.presets import num_params as deepseek_num_params
 from models.llm import SMOLLM2
 from models.loading.gguf_loader import open_gguf, read_config
 from models.loading.hf_config import CONFIG
@@ -75,7 +76,7 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:,.1f} GB"
 
 
-def check_kv_budget(p: argparse.ArgumentParser, flag: str, kv_tokens: int, page_size: int, config: LlamaConfig, *,
+def check_kv_budget(p: argparse.ArgumentParser, flag: str, kv_tokens: int, page_size: int, config: LlamaConfig | DeepseekConfig, *,
                     kv_dtype, weight_dtype, available: int | None = None) -> int:
     """The KV pool's bytes, or an argparse error naming ``flag`` when the
     pool and the weights together need more than the device has available
@@ -91,7 +92,8 @@ def check_kv_budget(p: argparse.ArgumentParser, flag: str, kv_tokens: int, page_
     kv_dtype = jnp.dtype(kv_dtype)
     per_token = config.kv_bytes_per_token(kv_dtype)
     pool = pool_pages(kv_tokens, page_size) * page_size * per_token
-    weights = config.num_params * jnp.dtype(weight_dtype).itemsize
+    params = deepseek_num_params(config) if isinstance(config, DeepseekConfig) else config.num_params
+    weights = params * jnp.dtype(weight_dtype).itemsize
     have = available_memory_bytes() if available is None else available
     if have is not None and pool + weights > have:
         p.error(f"{flag} {kv_tokens:,}: the KV pool would take {_gb(pool)} ({per_token:,} bytes per token in "

@@ -139,13 +139,6 @@ class DeepseekConfig:
         return self.num_layers * common.kv_bytes_per_token(self.latent_dim, dtype)
 
     @property
-    def num_params(self) -> int:
-        """Weights the decoder holds (``models.deepseek.presets.num_params``)."""
-        from models.deepseek.presets import num_params  # the weights' layout lives beside the model
-
-        return num_params(self)
-
-    @property
     def query_scale(self) -> float:
         """The attention's softmax scale (:attr:`mscale_all_dim`)."""
         scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
