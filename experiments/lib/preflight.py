@@ -76,8 +76,9 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:,.1f} GB"
 
 
-def check_kv_budget(p: argparse.ArgumentParser, flag: str, kv_tokens: int, page_size: int, config: LlamaConfig | DeepseekConfig, *,
-                    kv_dtype, weight_dtype, available: int | None = None) -> int:
+def check_kv_budget(p: argparse.ArgumentParser, flag: str, kv_tokens: int, page_size: int,
+                    config: LlamaConfig | DeepseekConfig, *, kv_dtype, weight_dtype,
+                    available: int | None = None) -> int:
     """The KV pool's bytes, or an argparse error naming ``flag`` when the
     pool and the weights together need more than the device has available
     (:func:`experiments.lib.cli.available_memory_bytes`, or ``available``):
