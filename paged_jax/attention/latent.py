@@ -40,6 +40,14 @@ Two forms compute it (vLLM's MLA backends and FlashMLA use both):
   by flops once a sequence has more than about
   ``(H_nope + H_v) C / ((C + R) + C - (H_nope + R) - H_v) = 170`` query
   tokens in the call: long prefill chunks; decode (T = 1) is absorbed.
+  Measured (``experiments.kernels.mla_prefill_bench``,
+  ``results/mla_prefill_bench.md``: one sequence of 1,024 tokens, 16
+  heads, f32, 2 Xeon cores): expanded / absorbed time 6.05, 1.80, 1.65 at
+  16, 64 and 128 query tokens, 0.92, 0.83, 0.75 at 256, 512 and 1,024, so
+  the crossover lies between 128 and 256, where the flops put it. The
+  engine's flat batch runs the absorbed form for every row for now (one
+  ragged call for decode rows and chunks alike); the expanded form for
+  chunks of 256 tokens and more is the next step.
 
 Axis letters: the alphabet of ``models/__init__.py``; C latent rank, R
 RoPE key dim (``qk_rope_head_dim``), and here H is the non-RoPE query/key
