@@ -40,9 +40,12 @@ from flax import nnx
 
 from models.config import check_param_dtype
 from models.deepseek.config import MODEL_TYPES as DEEPSEEK_MODEL_TYPES
+from models.deepseek.gguf import ARCH as DEEPSEEK_GGUF_ARCH
+from models.deepseek.gguf import load_gguf_deepseek
 from models.deepseek.loader import load_hf_deepseek
 from models.deepseek.model import DeepseekModel
 from models.llama import Llama
+from models.loading.gguf_loader import metadata, open_gguf
 from models.loading.hf_config import CONFIG
 from models.loading.hf_loader import (
     TOKENIZER,
@@ -118,7 +121,9 @@ def load_model(spec: str | os.PathLike, *, dtype=jnp.float32) -> tuple[Llama | D
           no tokenizer (serving measurements; prompts must be token ids);
         - a path to a ``.gguf`` file (:mod:`models.loading.gguf_families`; its
           tokenizer when :func:`models.tokenizer.load_tokenizer` rebuilds it,
-          else None with a warning: prompts are then token ids);
+          else None with a warning: prompts are then token ids); a
+          ``deepseek2`` one (DeepSeek-V2 / V3, Kimi K2) gives a
+          :class:`models.deepseek.model.DeepseekModel` (:mod:`models.deepseek.gguf`);
         - a Hugging Face checkpoint folder (:mod:`models.loading.hf_loader`; its
           ``tokenizer.json`` when there is one, else None with a warning);
           a DeepSeek-V3 folder (``model_type`` ``deepseek_v3``) gives a
@@ -164,6 +169,8 @@ def load_model(spec: str | os.PathLike, *, dtype=jnp.float32) -> tuple[Llama | D
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"model {str(spec)!r} is a file but not a .gguf; {accepted}")
+        if metadata(open_gguf(path), "general.architecture", None) == DEEPSEEK_GGUF_ARCH:
+            return load_gguf_deepseek(path, param_dtype=dtype), load_tokenizer_if_supported(path), path.name
         return load_llama_gguf(path, param_dtype=dtype), load_tokenizer_if_supported(path), path.name
     text = os.fspath(spec)
     if not isinstance(spec, str) or os.sep in text or "/" in text or text.lower().endswith(".gguf"):

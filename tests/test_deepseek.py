@@ -76,7 +76,12 @@ ARCHITECTURES = {"v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM")}
 @pytest.fixture(scope="module", params=list(CHECKPOINTS))
 def checkpoint(request, tmp_path_factory):
     """(name, folder, the transformers model, its logits per prompt f32[n, V])."""
-    name = request.param
+    return write_checkpoint(request.param, tmp_path_factory)
+
+
+def write_checkpoint(name, tmp_path_factory):
+    """The checkpoint ``name`` of :data:`CHECKPOINTS` written by transformers: (name, folder, the model, its
+    logits per prompt f32[n, V])."""
     config_cls, model_cls = ARCHITECTURES.get(name, ("DeepseekV3Config", "DeepseekV3ForCausalLM"))
     config = getattr(transformers, config_cls)(**DIMS, **CHECKPOINTS[name])
     torch.manual_seed(0)

@@ -29,10 +29,12 @@ from experiments.lib.workloads import Workload
 from models.config import LlamaConfig
 from models.deepseek.config import MODEL_TYPES as DEEPSEEK_MODEL_TYPES
 from models.deepseek.config import DeepseekConfig
+from models.deepseek.gguf import ARCH as DEEPSEEK_GGUF_ARCH
+from models.deepseek.gguf import read_gguf_deepseek_config
 from models.deepseek.loader import read_deepseek_config
 from models.deepseek.presets import num_params as deepseek_num_params
 from models.llm import SMOLLM2
-from models.loading.gguf_loader import open_gguf, read_config
+from models.loading.gguf_loader import metadata, open_gguf, read_config
 from models.loading.hf_config import CONFIG
 from models.loading.hf_loader import read_hf_config, read_json
 from models.presets import PRESETS
@@ -48,8 +50,9 @@ def model_config(spec: str) -> LlamaConfig | DeepseekConfig:
     """The decoder config of a ``--model`` spec without its weights:
     ``toy``, a random-weight preset, ``smollm2`` or a ``.gguf`` (its
     metadata), a Hugging Face folder (its ``config.json``; a DeepSeek-V3 /
-    V2 / Kimi K2 one gives a :class:`models.deepseek.config.DeepseekConfig`,
-    which counts its latent pool's bytes the same way).
+    V2 / Kimi K2 one, folder or ``deepseek2`` GGUF, gives a
+    :class:`models.deepseek.config.DeepseekConfig`, which counts its latent
+    pool's bytes the same way).
 
     Raises:
       FileNotFoundError, ValueError: from the readers; a spec that is none
@@ -63,6 +66,8 @@ def model_config(spec: str) -> LlamaConfig | DeepseekConfig:
         return LlamaConfig(**read_config(open_gguf()))
     path = pathlib.Path(spec).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
+        if metadata(open_gguf(path), "general.architecture", None) == DEEPSEEK_GGUF_ARCH:
+            return read_gguf_deepseek_config(path)
         return LlamaConfig(**read_config(open_gguf(path)))
     if path.is_dir():
         if (path / CONFIG).is_file() and read_json(path / CONFIG).get("model_type") in DEEPSEEK_MODEL_TYPES:

@@ -78,7 +78,37 @@ def load_hf_deepseek(folder: str | os.PathLike, *, param_dtype=jnp.float32, impl
     folder = checkpoint_folder(folder)
     cfg = read_json(folder / CONFIG)
     config = config_from_hf(cfg, str(folder / CONFIG))
-    interleaved = rope_interleaved(cfg, str(folder / CONFIG))
+    tensors = Tensors(folder)
+    # A multi-token-prediction layer holds eh_proj (its projection of [embedding, hidden]): a decoder layer past
+    # num_hidden_layers does not, and is refused (a config that undercounts the layers would truncate the model).
+    mtp = {k for k in range(config.num_layers, config.num_layers + _nextn_layers(cfg, str(folder / CONFIG)))
+           if f"model.layers.{k}.eh_proj.weight" in tensors.where}
+    return model_from_tensors(config, tensors, interleaved=rope_interleaved(cfg, str(folder / CONFIG)),
+                              param_dtype=param_dtype, impl=impl,
+                              ignore=lambda name: name.startswith("model.layers.") and name.split(".")[2].isdigit()
+                              and int(name.split(".")[2]) in mtp)
+
+
+def model_from_tensors(config: DeepseekConfig, tensors, *, interleaved: bool, param_dtype=jnp.float32,
+                       impl: str = "auto", ignore=lambda name: False) -> DeepseekModel:
+    """A :class:`DeepseekModel` of ``config`` with the weights ``tensors``
+    holds under their Hugging Face names (a folder's
+    :class:`models.loading.hf_loader.Tensors`, or a GGUF's, renamed by
+    :mod:`models.deepseek.gguf`).
+
+    Args:
+      config: the decoder.
+      tensors: has ``where`` (the names it holds), ``listing`` (what to
+        blame a missing tensor on) and ``read(wanted, use)``.
+      interleaved: the RoPE dims come as interleaved pairs (reordered to
+        halves here; module docstring).
+      param_dtype, impl: as :func:`load_hf_deepseek`.
+      ignore: names not to refuse although the decoder has no place for
+        them.
+
+    Raises:
+      ValueError: a tensor missing, misshapen or unexpected (named).
+    """
     c = config
     D, N, C, R, H, Dv = c.model_dim, c.num_heads, c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim
     order = _halves(R) if interleaved else np.arange(R)
@@ -147,14 +177,7 @@ def load_hf_deepseek(folder: str | os.PathLike, *, param_dtype=jnp.float32, impl
             else:
                 params[stack][k][layer] = v
 
-    tensors = Tensors(folder)
-    # A multi-token-prediction layer holds eh_proj (its projection of [embedding, hidden]): a decoder layer past
-    # num_hidden_layers does not, and is refused (a config that undercounts the layers would truncate the model).
-    mtp = {k for k in range(c.num_layers, c.num_layers + _nextn_layers(cfg, str(folder / CONFIG)))
-           if f"model.layers.{k}.eh_proj.weight" in tensors.where}
-    refuse_unexpected(tensors, layout, tied=c.tie_embeddings,
-                      ignore=lambda name: name.startswith("model.layers.")
-                      and name.split(".")[2].isdigit() and int(name.split(".")[2]) in mtp)
+    refuse_unexpected(tensors, layout, tied=c.tie_embeddings, ignore=ignore)
     tensors.read({name: spec[0] for name, spec in layout.items()}, use)
 
     def cast(name, a):

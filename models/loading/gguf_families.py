@@ -94,13 +94,16 @@ REFUSED_ARCHS = {
     "qwen2moe": "a mixture of experts", "llama4": "a mixture of experts",
     "olmoe": "a mixture of experts", "gemma3n": "Gemma 3n (per-layer embeddings, AltUp), not Gemma 3",
     "gemma": "Gemma 1, not a supported family (Gemma 2 and 3 are)",
+    "deepseek2": "DeepSeek-V2 / V3 (MLA), not a Llama-family decoder: models.deepseek.gguf.load_gguf_deepseek "
+                 "(or models.llm.load_model) reads it",
 }
 _SCALING_KEYS = ("type", "factor", "original_context_length", "yarn_beta_fast", "yarn_beta_slow",
                  "yarn_attn_factor", "finetuned")
 """``<arch>.rope.scaling.*`` keys that map onto a transformers RoPE field (``finetuned`` is informational)."""
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 """Layer counts llama.cpp types as 27B, whose query scale is ``(n_embd / n_head) ** -0.5``."""
-_MISSING = object()
+MISSING = object()
+"""The default of `arch_keys`' `get` that makes a key required."""
 
 
 def f32_value(value: float) -> float:
@@ -108,6 +111,26 @@ def f32_value(value: float) -> float:
     the same f32 (1e-5 reads back as 9.9999997e-06): the value the
     checkpoint's author wrote."""
     return float(str(np.float32(value)))
+
+
+def arch_keys(meta: Mapping[str, Any], arch: str, path: str):
+    """``(get, bad)`` for the ``<arch>.*`` metadata keys: ``get(suffix[,
+    default])`` reads one (a ValueError naming the file and key when it is
+    absent without a default); ``bad(suffix, why)`` is the ValueError for a
+    value the decoder cannot take, naming the key and its value."""
+
+    def get(suffix: str, default=MISSING):
+        key = f"{arch}.{suffix}"
+        if key not in meta:
+            if default is MISSING:
+                raise ValueError(f"GGUF {path!r} lacks metadata key {key!r}")
+            return default
+        return meta[key]
+
+    def bad(suffix: str, why: str) -> ValueError:
+        return ValueError(f"GGUF {path!r}: {arch}.{suffix}={meta[f'{arch}.{suffix}']!r}; {why}")
+
+    return get, bad
 
 
 def hf_config_fields(meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]],
@@ -139,17 +162,7 @@ def hf_config_fields(meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[
     if arch not in ARCH_MODEL_TYPES:
         raise ValueError(f"GGUF {path!r}: architecture must be one of {sorted(ARCH_MODEL_TYPES)}, got {arch!r}")
 
-    def get(suffix: str, default=_MISSING):
-        key = f"{arch}.{suffix}"
-        if key not in meta:
-            if default is _MISSING:
-                raise ValueError(f"GGUF {path!r} lacks metadata key {key!r}")
-            return default
-        return meta[key]
-
-    def bad(suffix: str, why: str) -> ValueError:
-        return ValueError(f"GGUF {path!r}: {arch}.{suffix}={meta[f'{arch}.{suffix}']!r}; {why}")
-
+    get, bad = arch_keys(meta, arch, path)
     if get("expert_count", 0) and arch != "qwen3moe":
         raise bad("expert_count", f"mixture-of-experts {arch} models are not supported (qwen3moe is)")
     heads, layers, model_dim = int(get("attention.head_count")), int(get("block_count")), int(get("embedding_length"))

@@ -187,7 +187,7 @@ def read_config(reader) -> dict[str, Any]:
     tensors = {t.name: t for t in reader.tensors}
     factors = dequantize_tensor(tensors["rope_freqs.weight"]) if "rope_freqs.weight" in tensors else None
     shapes = {name: tuple(int(d) for d in reversed(t.shape)) for name, t in tensors.items()}
-    fields = hf_config_fields(_scalar_metadata(reader), shapes, factors, path)
+    fields = hf_config_fields(scalar_metadata(reader), shapes, factors, path)
     config = config_from_hf(fields, f"GGUF {path!r} (metadata read as config.json)")
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
@@ -196,8 +196,9 @@ _TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenize
                      "tokenizer.ggml.scores")
 
 
-def _scalar_metadata(reader) -> dict[str, Any]:
-    """Every metadata key but the tokenizer's arrays, as Python values."""
+def scalar_metadata(reader) -> dict[str, Any]:
+    """Every metadata key of a ``gguf.GGUFReader`` but the tokenizer's
+    arrays, as Python values."""
     return {k: f.contents() for k, f in reader.fields.items()
             if k not in _TOKENIZER_ARRAYS and not k.startswith("GGUF.")}
 
@@ -216,6 +217,27 @@ def dequantize_tensor(tensor) -> np.ndarray:
     if not np.isfinite(out).all():  # a corrupt file can parse and still hold garbage
         raise ValueError(f"tensor {tensor.name!r} holds NaN or infinite values: the GGUF file is corrupt")
     return out
+
+
+def dequantize_all(reader) -> dict[str, np.ndarray]:
+    """Every tensor of a ``gguf.GGUFReader``, dequantized to f32 numpy
+    (:func:`dequantize_tensor`), by GGUF name.
+
+    Raises:
+      ValueError: a tensor that cannot be dequantized or holds non-finite
+        values; names the file and tensor.
+    """
+    filename = str(reader.data.filename)
+    weights: dict[str, np.ndarray] = {}
+    for tensor in reader.tensors:
+        try:
+            weights[tensor.name] = dequantize_tensor(tensor)
+        except Exception as e:
+            raise ValueError(
+                f"GGUF {filename!r}: cannot dequantize tensor {tensor.name!r} "
+                f"({tensor.tensor_type.name}): {e}"
+            ) from e
+    return weights
 
 
 def load_gguf(path: str | os.PathLike | None = None) -> GGUFCheckpoint:
@@ -238,16 +260,8 @@ def load_gguf(path: str | os.PathLike | None = None) -> GGUFCheckpoint:
     reader = open_gguf(path)
     filename = str(reader.data.filename)
     config = read_config(reader)
-    weights: dict[str, np.ndarray] = {}
-    for tensor in reader.tensors:
-        try:
-            weights[tensor.name] = dequantize_tensor(tensor)
-        except Exception as e:
-            raise ValueError(
-                f"GGUF {filename!r}: cannot dequantize tensor {tensor.name!r} "
-                f"({tensor.tensor_type.name}): {e}"
-            ) from e
-    meta = _scalar_metadata(reader)
+    weights = dequantize_all(reader)
+    meta = scalar_metadata(reader)
     arch = meta["general.architecture"]
     for name, w in weights.items():
         if arch in PERMUTED_ARCHS and name.endswith((".attn_q.weight", ".attn_k.weight")):

@@ -94,7 +94,7 @@ def refuse_unexpected(tensors: "Tensors", expected, *, tied: bool, ignore=lambda
     if unexpected:
         raise ValueError(f"{str(tensors.listing)!r} holds tensors the decoder has no place for: "
                          f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)} in all); "
-                         f"does {CONFIG} describe this checkpoint?")
+                         f"does {getattr(tensors, 'described_by', CONFIG)} describe this checkpoint?")
 
 
 def read_json(path: pathlib.Path) -> dict:
