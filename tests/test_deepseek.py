@@ -133,11 +133,16 @@ def _check_schedule(name, got, want):
     print(f"{name}: largest logit difference {worst:.2e}")
 
 
-def test_ragged_batches_match_transformers(checkpoint):
+@pytest.mark.parametrize("expanded_min_tokens", [None, 6], ids=["absorbed", "expanded-from-6"])
+def test_ragged_batches_match_transformers(checkpoint, expanded_min_tokens):
     """Three sequences through flat mixed batches on a latent pool full of
-    NaN: each chunk's last logits equal transformers' at that position."""
+    NaN: each chunk's last logits equal transformers' at that position,
+    with every row absorbed and with chunks of 6 tokens and more expanded
+    (beside absorbed decode tokens in the same calls)."""
     name, folder, _, want = checkpoint
-    _check_schedule(name, mixed_calls(load_hf_deepseek(folder), SCHEDULE), want)
+    model = load_hf_deepseek(folder)
+    model = DeepseekModel(model.config, model.params, expanded_min_tokens=expanded_min_tokens)
+    _check_schedule(f"{name} {expanded_min_tokens}", mixed_calls(model, SCHEDULE), want)
 
 
 @pytest.mark.slow  # 2 min on 2 loaded cores; the kernel's latent mode by default: tests/test_latent_attention.py

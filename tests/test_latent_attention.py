@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 
 from paged_jax.attention.batch import RaggedBatch, Tiling, batch_shape
-from paged_jax.attention.latent import absorbed_paged_attention, absorbed_ragged_attention, expanded_paged_attention
+from paged_jax.attention.latent import (
+    absorbed_paged_attention,
+    absorbed_ragged_attention,
+    expanded_paged_attention,
+    expanded_ragged_attention,
+    latent_ragged_attention,
+)
 from paged_jax.memory import get_preset
 from paged_jax.paging.kv_cache import copy_pages, init_latent_pool, write_layer_kv, write_layer_latent
 from paged_jax.paging.swap import gather_pages, scatter_pages
@@ -166,6 +172,35 @@ def _check_flat_against_dense(impl, page_size, seed=4, dims=KERNEL_DIMS):
     np.testing.assert_array_equal(got[sum(q_lens):], 0)
 
 
+@pytest.mark.parametrize("page_size", [1, 4, 5])
+def test_the_flat_batch_picks_each_rows_form_and_both_equal_dense(page_size):
+    """Rows of at least ``min_tokens`` queries expanded (tiles of 3 queries
+    here, so a long row spans several, each projecting its key blocks up
+    once), the others absorbed, in one call: every row equals float64 dense
+    attention over NaN-filled unowned slots, and the expanded pass alone
+    leaves the short rows at zero."""
+    L = page_size
+    kv_lens, q_lens = [0, 1, L + 1, 3 * L + 7, 9, 2 * L + 6], [0, 1, L + 1, 7, 6, 2 * L + 6]
+    pool, tables, latents, q_nope, q_pe, w_uk, w_uv = _case(L, kv_lens, q_lens, layers=2, seed=5)
+    batch, flat_nope, flat_pe, starts = _flat(tables, kv_lens, q_lens, q_nope, q_pe)
+    args = (jnp.asarray(flat_nope), jnp.asarray(flat_pe), jnp.asarray(pool), jnp.int32(1), batch, jnp.asarray(w_uk),
+            jnp.asarray(w_uv))
+    both = np.asarray(latent_ragged_attention(*args, kv_lora_rank=C, scale=0.25, impl="xla", expanded_min_tokens=6,
+                                              expanded_tile_q=3))
+    expanded = np.asarray(expanded_ragged_attention(*args, kv_lora_rank=C, scale=0.25, min_tokens=6, tile_q=3))
+    for b, (s0, n, q) in enumerate(zip(starts, kv_lens, q_lens)):
+        want = _dense(q_nope[b].astype(np.float64), q_pe[b].astype(np.float64), latents[b][1].astype(np.float64),
+                      w_uk.astype(np.float64), w_uv.astype(np.float64), n, q, 0.25)
+        np.testing.assert_allclose(both[s0:s0 + q], want, atol=2e-5, rtol=1e-4, err_msg=f"row {b}")
+        if q >= 6:
+            np.testing.assert_allclose(expanded[s0:s0 + q], want, atol=2e-5, rtol=1e-4, err_msg=f"row {b}")
+        else:
+            np.testing.assert_array_equal(expanded[s0:s0 + q], 0)
+    np.testing.assert_array_equal(both[sum(q_lens):], 0)
+    with pytest.raises(ValueError, match="tile_q must be"):
+        expanded_ragged_attention(*args, kv_lora_rank=C, scale=0.25, min_tokens=6, tile_q=0)
+
+
 @pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
 @pytest.mark.parametrize("page_size", [4, 16])
 def test_the_flat_kernels_latent_mode_equals_dense(impl, page_size):
@@ -316,4 +351,6 @@ def test_mla_prefill_bench_times_both_forms(tmp_path):
     rows = mla_prefill_bench.main(["--context", "32", "--tokens", "4", "32", "--heads", "2", "--page-size", "8",
                                    "--min-seconds", "0.01", "--out", str(tmp_path)])
     assert [r["tokens"] for r in rows] == [4, 32] and all(r["absorbed_ms"] > 0 < r["expanded_ms"] for r in rows)
-    assert "expanded / absorbed" in (tmp_path / "mla_prefill_bench.md").read_text()
+    assert all(r["flat_absorbed_ms"] > 0 < r["flat_expanded_ms"] for r in rows)
+    text = (tmp_path / "mla_prefill_bench.md").read_text()
+    assert "| flat expanded / absorbed |" in text and "The engine expands rows of 256 query tokens" in text

@@ -30,10 +30,11 @@ RMSNorm, then the dense SwiGLU, or the routed experts
 (:func:`models.layers.moe.route`, :func:`models.layers.moe.routed_experts`)
 plus the shared experts; a residual.
 
-Prefill is absorbed too, for now: the expanded form wins by flops only
-for chunks of more than about 170 query tokens a sequence at DeepSeek-V3's
-sizes (:mod:`paged_jax.attention.latent`), and measuring where it wins on
-each backend is issue 36's open part.
+Each row of the flat batch attends in the form its cost picks
+(:func:`paged_jax.attention.latent.latent_ragged_attention`): decode
+tokens and chunks under 256 tokens absorbed, longer prefill chunks expanded
+to per-head keys and values (the crossover measured on CPU,
+:mod:`paged_jax.attention.latent`).
 
 Axis letters as in ``models/__init__.py``, with :mod:`paged_jax.attention.latent`'s
 C, R, H (non-RoPE head dim), O (value head dim); Q the query LoRA rank, E
@@ -52,7 +53,7 @@ from models.layers.moe import route, routed_experts
 from models.layers.rope import apply_rope, rope_angles
 from paged_jax.attention import paged as paged_attn
 from paged_jax.attention.batch import RaggedBatch
-from paged_jax.attention.latent import absorbed_ragged_attention
+from paged_jax.attention.latent import EXPANDED_MIN_TOKENS, latent_ragged_attention
 from paged_jax.checks import check_choice, check_instance, check_int
 from paged_jax.paging.kv_cache import KVPool, check_slots, default_kv_dtype, init_latent_pool, write_layer_latent
 from paged_jax.paging.kv_groups import KVGroups, kv_groups
@@ -149,7 +150,8 @@ def check_latent_pool(config: DeepseekConfig, kv: KVPool) -> None:
 
 
 def forward_ragged(config: DeepseekConfig, params: dict, batch: RaggedBatch, kv: KVPool, *,
-                   impl: str = "auto") -> tuple[jax.Array, KVPool, jax.Array]:
+                   impl: str = "auto", expanded_min_tokens: int | None = EXPANDED_MIN_TOKENS
+                   ) -> tuple[jax.Array, KVPool, jax.Array]:
     """Runs the decoder over a flat ragged batch (mixed prefill chunks and
     decode tokens), writing each token's latent into the pool.
 
@@ -160,6 +162,9 @@ def forward_ragged(config: DeepseekConfig, params: dict, batch: RaggedBatch, kv:
       kv: the latent pool, ``[layers, 1, P, L, C + R]``.
       impl: the attention implementation
         (:func:`paged_jax.attention.ragged.attend`).
+      expanded_min_tokens: rows of at least this many query tokens attend
+        in the expanded form, the others absorbed; None: all absorbed
+        (:func:`paged_jax.attention.latent.latent_ragged_attention`).
 
     Returns:
       ``(logits f32[R, V] at batch.logits_rows, kv, finite bool[T])``, as
@@ -189,8 +194,9 @@ def forward_ragged(config: DeepseekConfig, params: dict, batch: RaggedBatch, kv:
         k_pe = apply_rope(latent[None, :, None, C:], cos, sin)[0, :, 0]
         latent = jnp.concatenate([_rms(latent[:, :C], p["kv_a_norm"], eps), k_pe], axis=-1)
         kv = write_layer_latent(kv, layer, latent.astype(jnp.float32), batch.slots)
-        out = absorbed_ragged_attention(q_nope, q_pe, kv.k, layer, batch, p["w_uk"], p["w_uv"], kv_lora_rank=C,
-                                        scale=c.query_scale, impl=impl, latent_scales=kv.k_scale)  # f32[T, N, O]
+        out = latent_ragged_attention(q_nope, q_pe, kv.k, layer, batch, p["w_uk"], p["w_uv"], kv_lora_rank=C,
+                                      scale=c.query_scale, impl=impl, latent_scales=kv.k_scale,
+                                      expanded_min_tokens=expanded_min_tokens)  # f32[T, N, O]
         return jnp.einsum("TNO,NOD->TD", out.astype(h.dtype), p["o"]), kv
 
     def dense_mlp(p, h):
@@ -235,6 +241,9 @@ class DeepseekModel:
       config: the architecture.
       params: weights as :func:`init_params` lays them out.
       impl: the attention implementation.
+      expanded_min_tokens: rows of a call with at least this many query
+        tokens attend in the expanded form (:func:`forward_ragged`); None:
+        every row absorbed.
 
     Raises:
       ValueError: a ``config`` that is not a :class:`DeepseekConfig`,
@@ -245,9 +254,12 @@ class DeepseekModel:
 
     kv_window = None
 
-    def __init__(self, config: DeepseekConfig, params: dict, *, impl: str = "auto"):
+    def __init__(self, config: DeepseekConfig, params: dict, *, impl: str = "auto",
+                 expanded_min_tokens: int | None = EXPANDED_MIN_TOKENS):
         check_instance("config", config, DeepseekConfig, what="models.deepseek.config.DeepseekConfig")
         check_choice("impl", impl, paged_attn.IMPLS)
+        if expanded_min_tokens is not None:
+            check_int("expanded_min_tokens", expanded_min_tokens)
         want, got = _flat_shapes(param_shapes(config)), _flat_shapes(params)
         for name in sorted(want.keys() | got.keys()):
             if want.get(name) != got.get(name):
@@ -259,7 +271,7 @@ class DeepseekModel:
                 raise ValueError(f"params{name} has dtype {dtype}; the router's weights are float32")
             if dtype.name not in PARAM_DTYPES:
                 raise ValueError(f"params{name} has dtype {dtype}; expected one of {PARAM_DTYPES}")
-        self.config, self.params, self.impl = config, params, impl
+        self.config, self.params, self.impl, self.expanded_min_tokens = config, params, impl, expanded_min_tokens
         self.vocab_size = config.vocab_size
 
     @property
@@ -298,7 +310,8 @@ class DeepseekModel:
     def apply(self, params, batch: RaggedBatch, kv: KVPool) -> tuple[jax.Array, KVPool, jax.Array]:
         """:func:`forward_ragged` with this model's config and ``impl``:
         ``(logits f32[R, V], kv, finite bool[T])``."""
-        return forward_ragged(self.config, params, batch, kv, impl=self.impl)
+        return forward_ragged(self.config, params, batch, kv, impl=self.impl,
+                              expanded_min_tokens=self.expanded_min_tokens)
 
 
 def _flat_shapes(tree) -> dict[str, tuple[int, ...]]:

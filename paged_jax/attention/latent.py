@@ -42,12 +42,25 @@ Two forms compute it (vLLM's MLA backends and FlashMLA use both):
   tokens in the call: long prefill chunks; decode (T = 1) is absorbed.
   Measured (``experiments.kernels.mla_prefill_bench``,
   ``results/mla_prefill_bench.md``: one sequence of 1,024 tokens, 16
-  heads, f32, 2 Xeon cores): expanded / absorbed time 6.05, 1.80, 1.65 at
-  16, 64 and 128 query tokens, 0.92, 0.83, 0.75 at 256, 512 and 1,024, so
-  the crossover lies between 128 and 256, where the flops put it. The
-  engine's flat batch runs the absorbed form for every row for now (one
-  ragged call for decode rows and chunks alike); the expanded form for
-  chunks of 256 tokens and more is the next step.
+  heads, f32, 2 Xeon cores): on the engine's flat batch expanded /
+  absorbed time 1.31, 1.75, 1.31 at 16, 64 and 128 query tokens, 0.82,
+  0.79, 0.80 at 256, 512 and 1,024 (padded, 4.12, 2.16, 1.69 and 0.96,
+  0.95, 0.98), so the crossover lies between 128 and 256, where the flops
+  put it.
+
+On the engine's flat batch (:func:`latent_ragged_attention`, what
+:mod:`models.deepseek.model` calls) the choice is made per row, inside one
+program: rows that bring at least :data:`EXPANDED_MIN_TOKENS` (256) query
+tokens go expanded (:func:`expanded_ragged_attention`: the XLA ragged
+path's work items, each block of latents projected up once for a tile of
+:data:`EXPANDED_TILE_Q` queries), every other row (decode tokens, short
+chunks) absorbed through :func:`paged_jax.attention.ragged.attend`. The
+expanded pass is compiled only into programs of at least 256 tokens, and
+costs nothing in a call without a long row (its work loop's trip count is
+the call's). The Pallas kernels' latent mode serves every row absorbed
+(FlashMLA's and tpu-inference's choice for their kernels; where expanded
+prefill wins on an accelerator was not measured here: no device), so the
+split applies to ``impl="xla"``.
 
 Axis letters: the alphabet of ``models/__init__.py``; C latent rank, R
 RoPE key dim (``qk_rope_head_dim``), and here H is the non-RoPE query/key
@@ -65,6 +78,7 @@ from paged_jax.attention.paged import (
     check_paged_attention,
     gather_pages,
     query_positions,
+    resolve_impl,
     unchecked_xla_paged_attention,
 )
 from paged_jax.checks import check_int
@@ -240,3 +254,94 @@ def absorbed_ragged_attention(q_nope: jax.Array, q_pe: jax.Array, latent_pool: j
                         v_scales=latent_scales, latent_dim=C)  # [T, N, C]
     return per_head_matmul(out, w_uv)
 
+
+
+EXPANDED_MIN_TOKENS = 256
+"""Query tokens from which a row of the flat batch attends in the expanded
+form (:func:`latent_ragged_attention`): the crossover measured between 128
+and 256 (module docstring), where DeepSeek-V3's sizes put it (~170)."""
+EXPANDED_TILE_Q = 256
+"""Query tokens per tile of the expanded pass: each block of latents is
+projected up once per tile, so a tile must hold enough queries to repay it
+(the crossover's count)."""
+
+
+def expanded_ragged_attention(q_nope: jax.Array, q_pe: jax.Array, latent_pool: jax.Array, layer: jax.Array,
+                              batch: RaggedBatch, w_uk: jax.Array, w_uv: jax.Array, *, kv_lora_rank: int,
+                              scale: float, latent_scales: jax.Array | None = None,
+                              min_tokens: int = EXPANDED_MIN_TOKENS, tile_q: int = EXPANDED_TILE_Q) -> jax.Array:
+    """MLA in the expanded form on the engine's flat batch, for the rows
+    with at least ``min_tokens`` query tokens (others get zeros): the XLA
+    ragged path's tiles and work items
+    (:func:`paged_jax.attention.ragged.unchecked_ragged_paged_attention`'s
+    ``expand``), each work item's latents projected up to per-head keys and
+    values once for its tile of ``tile_q`` queries.
+
+    Args:
+      q_nope, q_pe, latent_pool, layer, batch, w_uk, w_uv, kv_lora_rank,
+        scale, latent_scales: as :func:`absorbed_ragged_attention`.
+      min_tokens: a row's query tokens from which it is served here
+        (static).
+      tile_q: query tokens per tile (static).
+
+    Returns:
+      f32[T, N, O]; zeros in the other rows and in padding rows.
+
+    Raises:
+      ValueError: shapes that disagree (named); ``min_tokens`` or
+        ``tile_q`` not a positive int.
+    """
+    C, _ = _check_shapes(q_nope, q_pe, latent_pool, w_uk, w_uv, kv_lora_rank, flat=True)
+    check_int("min_tokens", min_tokens)
+    check_int("tile_q", tile_q)
+    T, N = q_nope.shape[:2]
+    if T < min_tokens:  # no row of this program can be long
+        return jnp.zeros((T, N, w_uv.shape[2]), jnp.float32)
+    long = batch.q_lens >= min_tokens
+    tiling = batch.shape.tiling
+    q = jnp.concatenate([q_nope.astype(jnp.float32), q_pe.astype(jnp.float32)], axis=-1)  # [T, N, H + R]
+    out = ragged.unchecked_ragged_paged_attention(
+        q, latent_pool, latent_pool, layer, batch.block_tables, batch.q_starts, jnp.where(long, batch.q_lens, 0),
+        jnp.where(long, batch.kv_lens, 0),
+        # each long row adds at most one partial tile: T // tile_q + (long rows <= T // min_tokens)
+        num_tiles=T // tile_q + T // min_tokens, tile_q=tile_q, pages_per_block=tiling.prefill_pages_per_block,
+        work_chunk=1, scale=scale, k_scales=latent_scales, value_dim=C,
+        expand=(w_uk, w_uv))
+    return out.astype(jnp.float32)
+
+
+def latent_ragged_attention(q_nope: jax.Array, q_pe: jax.Array, latent_pool: jax.Array, layer: jax.Array,
+                            batch: RaggedBatch, w_uk: jax.Array, w_uv: jax.Array, *, kv_lora_rank: int,
+                            scale: float, impl: str = "auto", latent_scales: jax.Array | None = None,
+                            expanded_min_tokens: int | None = EXPANDED_MIN_TOKENS,
+                            expanded_tile_q: int = EXPANDED_TILE_Q) -> jax.Array:
+    """MLA on the engine's flat batch, each row in the form its cost picks
+    (module docstring): rows of at least ``expanded_min_tokens`` query
+    tokens expanded (:func:`expanded_ragged_attention`), the others absorbed
+    (:func:`absorbed_ragged_attention`); every row absorbed on the Pallas
+    kernels or with ``expanded_min_tokens=None``.
+
+    Args:
+      q_nope, q_pe, latent_pool, layer, batch, w_uk, w_uv, kv_lora_rank,
+        scale, impl, latent_scales: as :func:`absorbed_ragged_attention`.
+      expanded_min_tokens: static; None: absorbed only.
+      expanded_tile_q: the expanded pass's tile (static).
+
+    Returns:
+      f32[T, N, O]; zeros in padding rows.
+
+    Raises:
+      ValueError: as the two forms.
+    """
+    T = q_nope.shape[0]
+    if expanded_min_tokens is None or resolve_impl(impl) not in ("xla", "xla_loop") or T < expanded_min_tokens:
+        return absorbed_ragged_attention(q_nope, q_pe, latent_pool, layer, batch, w_uk, w_uv,
+                                         kv_lora_rank=kv_lora_rank, scale=scale, impl=impl,
+                                         latent_scales=latent_scales)
+    long = batch.q_lens >= expanded_min_tokens
+    short = batch.replace(q_lens=jnp.where(long, 0, batch.q_lens))
+    out = absorbed_ragged_attention(q_nope, q_pe, latent_pool, layer, short, w_uk, w_uv, kv_lora_rank=kv_lora_rank,
+                                    scale=scale, impl=impl, latent_scales=latent_scales)
+    return out + expanded_ragged_attention(q_nope, q_pe, latent_pool, layer, batch, w_uk, w_uv,
+                                           kv_lora_rank=kv_lora_rank, scale=scale, latent_scales=latent_scales,
+                                           min_tokens=expanded_min_tokens, tile_q=expanded_tile_q)

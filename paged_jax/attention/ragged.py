@@ -167,7 +167,8 @@ def ragged_paged_attention(
 def unchecked_ragged_paged_attention(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, *,
                                      num_tiles: int, tile_q: int = 32, pages_per_block: int = 4,
                                      work_chunk: int = 32, scale=None, soft_cap=None, sliding_window=None,
-                                     k_scales=None, v_scales=None, value_dim: int | None = None) -> jax.Array:
+                                     k_scales=None, v_scales=None, value_dim: int | None = None,
+                                     expand: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """:func:`ragged_paged_attention` trusting its inputs: the same arguments
     and result, with i32 lengths in their ranges (as :func:`check_attend`
     returns them), rows that do not overlap, ``num_tiles`` enough for the
@@ -176,10 +177,25 @@ def unchecked_ragged_paged_attention(q, k_pool, v_pool, layer, block_tables, q_s
     ``value_dim``: MLA's latent mode (:func:`attend`'s ``latent_dim``): a
     value is the first ``value_dim`` columns of the key already gathered
     (``v_pool`` and ``v_scales`` are not read), and the output is [T, N,
-    value_dim]: one gather a work item, not two."""
+    value_dim]: one gather a work item, not two.
+
+    ``expand``: MLA's expanded form
+    (:func:`paged_jax.attention.latent.expanded_ragged_attention`):
+    ``(w_uk [N, H, C], w_uv [N, C, O])`` with ``value_dim`` = C; ``k_pool``
+    a latent pool (one KV head of ``[c, k_pe]`` rows) and ``q`` [T, N, H +
+    R] the query as the checkpoint computes it (not absorbed). Each work
+    item's gathered latents are projected up to per-head keys ``[W_UK c,
+    k_pe]`` and values ``W_UV^T c`` once for the tile's ``tile_q``
+    queries, which then attend as N heads of a group of one; the output is
+    [T, N, O]."""
     t_total, num_q_heads, head_dim = q.shape
     out_dim = head_dim if value_dim is None else value_dim
     num_kv_heads, page_size = k_pool.shape[1], k_pool.shape[3]
+    if expand is not None:  # the up-projections as one matmul each over the gathered latents: [C, N * H], [C, N * O]
+        lat_dim, out_dim = value_dim, expand[1].shape[2]
+        w_k = expand[0].astype(jnp.float32).transpose(2, 0, 1).reshape(lat_dim, -1)
+        w_v = expand[1].astype(jnp.float32).transpose(1, 0, 2).reshape(lat_dim, -1)
+        num_kv_heads = num_q_heads
     group = num_q_heads // num_kv_heads
     pages_per_seq = block_tables.shape[1]
     block_tokens = pages_per_block * page_size
@@ -224,7 +240,13 @@ def unchecked_ragged_paged_attention(q, k_pool, v_pool, layer, block_tables, q_s
         k = k_pool[layer, :, pages].astype(jnp.float32)  # [W, J, K, L, H]
         if k_scales is not None:  # quantized: dequantize the gathered item, never the pool
             k = k * k_scales[layer, :, pages][..., None]  # scales [W, J, K, L]
-        if value_dim is not None:  # a latent: the value is the key's first columns, gathered once
+        if expand is not None:  # [W, J, 1, L, C + R] latents -> per-head keys and values [W, J, N, L, H + R | O]
+            lat = k[:, :, 0]
+            up = lambda w: (lat[..., :value_dim] @ w).reshape(*lat.shape[:3], num_kv_heads, -1).swapaxes(2, 3)  # noqa: E731
+            k_pe = jnp.broadcast_to(lat[:, :, None, :, value_dim:], (*lat.shape[:2], num_kv_heads, *lat.shape[2:3],
+                                                                     lat.shape[3] - value_dim))
+            k, v = jnp.concatenate([up(w_k), k_pe], axis=-1), up(w_v)
+        elif value_dim is not None:  # a latent: the value is the key's first columns, gathered once
             v = k[..., :value_dim]
         else:
             v = v_pool[layer, :, pages].astype(jnp.float32)
