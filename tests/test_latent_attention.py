@@ -321,9 +321,12 @@ def test_mla_decode_bench_compares_equal_bytes(tmp_path):
 
     rows = mla_decode_bench.main(["--batches", "2", "--contexts", "32", "--mla-heads", "4", "--gqa-heads", "4",
                                   "--min-seconds", "0.01", "--out", str(tmp_path)])
-    assert [(r["batch"], r["context"], r["mla_heads"], r["kv_mb"]) for r in rows] == [(2, 32, 4, 0.1)]
-    assert rows[0]["x_gqa"] > 0 and rows[0]["core_x_gqa"] > 0
-    assert "Target (issue 36): the MLA step at 4 heads within 1.5x" in (tmp_path / "mla_decode_bench.md").read_text()
+    assert [(r["batch"], r["context"], r["mla_heads"], r["gqa_kv_heads"], r["kv_mb"]) for r in rows] == [
+        (2, 32, 4, 1, 0.1), (2, 32, 4, 2, 0.1)]
+    assert all(r["x_gqa"] > 0 and r["core_x_gqa"] > 0 for r in rows)
+    text = (tmp_path / "mla_decode_bench.md").read_text()
+    assert "the MLA step at 4 heads within 1.5x the GQA step with 1 KV head:" in text
+    assert "the MLA step at 4 heads within 1.5x the GQA step with 2 KV heads:" in text and "1 KV head of 288" in text
 
 
 @pytest.mark.parametrize("argv, words", [(["--min-seconds", "nan"], "--min-seconds: must be a finite number > 0"),

@@ -150,8 +150,8 @@ def check_latent_pool(config: DeepseekConfig, kv: KVPool) -> None:
 
 
 def forward_ragged(config: DeepseekConfig, params: dict, batch: RaggedBatch, kv: KVPool, *,
-                   impl: str = "auto", expanded_min_tokens: int | None = EXPANDED_MIN_TOKENS
-                   ) -> tuple[jax.Array, KVPool, jax.Array]:
+                   impl: str = "auto", expanded_min_tokens: int | None = EXPANDED_MIN_TOKENS,
+                   axis: str | None = None) -> tuple[jax.Array, KVPool, jax.Array]:
     """Runs the decoder over a flat ragged batch (mixed prefill chunks and
     decode tokens), writing each token's latent into the pool.
 
@@ -165,6 +165,12 @@ def forward_ragged(config: DeepseekConfig, params: dict, batch: RaggedBatch, kv:
       expanded_min_tokens: rows of at least this many query tokens attend
         in the expanded form, the others absorbed; None: all absorbed
         (:func:`paged_jax.attention.latent.latent_ragged_attention`).
+      axis: under ``shard_map`` over a mesh axis (tensor and expert
+        parallelism, :class:`models.deepseek.sharded.ShardedDeepseekModel`):
+        ``params`` hold this device's share (its query heads, MLP columns,
+        experts and shared-expert columns; the rest replicated), and the
+        attention's and the MLP's partial outputs are summed over ``axis``
+        (two all-reduces a layer). None: one device.
 
     Returns:
       ``(logits f32[R, V] at batch.logits_rows, kv, finite bool[T])``, as
@@ -183,6 +189,7 @@ def forward_ragged(config: DeepseekConfig, params: dict, batch: RaggedBatch, kv:
     T, C, R, H, eps = batch.tokens.shape[0], c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.rms_norm_eps
     check_slots(kv, batch.slots, T)
     cos, sin = rope_angles(batch.positions[None], R, c.rope_theta, c.rope_scaling)  # [1, T, R/2]
+    reduce = (lambda y: y) if axis is None else (lambda y: jax.lax.psum(y, axis))  # noqa: E731
 
     def attention(p, h, kv, layer):
         if c.q_lora_rank is None:
@@ -197,18 +204,19 @@ def forward_ragged(config: DeepseekConfig, params: dict, batch: RaggedBatch, kv:
         out = latent_ragged_attention(q_nope, q_pe, kv.k, layer, batch, p["w_uk"], p["w_uv"], kv_lora_rank=C,
                                       scale=c.query_scale, impl=impl, latent_scales=kv.k_scale,
                                       expanded_min_tokens=expanded_min_tokens)  # f32[T, N, O]
-        return jnp.einsum("TNO,NOD->TD", out.astype(h.dtype), p["o"]), kv
+        return reduce(jnp.einsum("TNO,NOD->TD", out.astype(h.dtype), p["o"])), kv
 
     def dense_mlp(p, h):
-        return _swiglu(h, p["gate"], p["up"], p["down"])
+        return reduce(_swiglu(h, p["gate"], p["up"], p["down"]))
 
     def moe_mlp(p, h):
-        logits = h.astype(jnp.float32) @ p["router"].T  # [T, E]
+        logits = h.astype(jnp.float32) @ p["router"].T  # [T, E], every expert: the router is replicated
         weights, experts = route(logits, c.router, p.get("bias"))
-        y = routed_experts(h, experts, weights, p["w_gate"], p["w_up"], p["w_down"])
+        first = 0 if axis is None else jax.lax.axis_index(axis) * p["w_gate"].shape[0]  # this shard's experts
+        y = routed_experts(h, experts, weights, p["w_gate"], p["w_up"], p["w_down"], first_expert=first)
         if "shared_gate" in p:
             y = y + _swiglu(h, p["shared_gate"], p["shared_up"], p["shared_down"])
-        return y
+        return reduce(y)
 
     def stack(x, kv, layers: dict, first: int, mlp):
         def body(carry, p):
