@@ -24,3 +24,33 @@ def _release_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+SLOW_LIST = os.path.join(os.path.dirname(__file__), "slow.txt")
+
+
+def _slow_nodes() -> dict[str, str]:
+    """tests/slow.txt: node id -> the seconds it was measured at."""
+    nodes = {}
+    with open(SLOW_LIST) as f:
+        for line in f:
+            if line.strip() and not line.startswith("#"):
+                seconds, node = line.split(maxsplit=1)
+                nodes[node.strip()] = seconds
+    return nodes
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests listed in tests/slow.txt ``slow`` (its header says
+    why), and warns about listed ids that a whole-suite collection did not
+    find (a renamed test or parameter would otherwise silently rejoin the
+    default run)."""
+    nodes = _slow_nodes()
+    for item in items:
+        if item.nodeid in nodes:
+            item.add_marker(pytest.mark.slow)
+    whole = not config.args or [os.path.normpath(a) for a in config.args] in (["tests"], ["."])
+    missing = sorted(set(nodes) - {item.nodeid for item in items})
+    if whole and missing and not config.getoption("keyword"):
+        config.issue_config_time_warning(pytest.PytestConfigWarning(
+            f"tests/slow.txt lists {len(missing)} test(s) that were not collected: {missing[:5]}"), stacklevel=2)

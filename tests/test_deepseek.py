@@ -33,7 +33,6 @@ import pytest
 import tests.family_helpers  # noqa: F401
 
 import torch
-import transformers
 
 from models.deepseek.config import config_from_hf
 from models.deepseek.loader import load_hf_deepseek
@@ -44,63 +43,21 @@ from paged_jax.memory import ModelPreset
 from paged_jax.paging.kv_cache import init_kv_pool
 from paged_jax.tiers.connector import KVTransferConfig
 from tests.decoder_helpers import mixed_calls
-
-LOGIT_ATOL = 5e-5
-VOCAB = 96
-PROMPTS = [[(7 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((23, 17, 30))]
-NEW_TOKENS = 8
-
-DIMS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
-            max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1)
-CHECKPOINTS = {
-    "dense": dict(q_lora_rank=None, first_k_dense_replace=3, n_routed_experts=8, num_experts_per_tok=2,
-                  rope_interleave=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
-    "moe": dict(q_lora_rank=48, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
-                topk_group=2, n_shared_experts=1, moe_intermediate_size=32, routed_scaling_factor=2.5,
-                norm_topk_prob=True, rope_interleave=True,
-                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                 "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
-                                 "mscale": 0.707, "mscale_all_dim": 0.707}),
-    # DeepSeek-V2's softmax routing (group_limited_greedy, unnormalized weights) and complex-pair RoPE.
-    "v2": dict(q_lora_rank=None, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
-               topk_group=2, topk_method="group_limited_greedy", n_shared_experts=2, moe_intermediate_size=32,
-               routed_scaling_factor=1.5,
-               rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
-                                "mscale": 0.707, "mscale_all_dim": 0.707}),
-}
-ARCHITECTURES = {"v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM")}
+from tests.deepseek_helpers import (
+    CHECKPOINTS,
+    DIMS,
+    NEW_TOKENS,
+    PROMPTS,
+    SCHEDULE,
+    check_schedule,
+    write_checkpoint,
+)
 
 
 @pytest.fixture(scope="module", params=list(CHECKPOINTS))
 def checkpoint(request, tmp_path_factory):
     """(name, folder, the transformers model, its logits per prompt f32[n, V])."""
     return write_checkpoint(request.param, tmp_path_factory)
-
-
-def write_checkpoint(name, tmp_path_factory):
-    """The checkpoint ``name`` of :data:`CHECKPOINTS` written by transformers: (name, folder, the model, its
-    logits per prompt f32[n, V])."""
-    config_cls, model_cls = ARCHITECTURES.get(name, ("DeepseekV3Config", "DeepseekV3ForCausalLM"))
-    config = getattr(transformers, config_cls)(**DIMS, **CHECKPOINTS[name])
-    torch.manual_seed(0)
-    hf = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():
-        for pname, p in hf.named_parameters():
-            if pname.endswith("norm.weight") or "layernorm" in pname:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
-        for module in hf.modules():
-            if isinstance(module, transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter):
-                module.e_score_correction_bias.copy_(0.3 * torch.randn_like(module.e_score_correction_bias))
-    folder = tmp_path_factory.mktemp(f"deepseek-{name}")
-    hf.save_pretrained(folder)
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        logits = [hf(torch.tensor([p])).logits[0].numpy() for p in PROMPTS]
-    return name, folder, hf, logits
 
 
 def test_the_config_reads_what_transformers_computes(checkpoint):
@@ -114,25 +71,6 @@ def test_the_config_reads_what_transformers_computes(checkpoint):
         assert (config.router.scoring, config.router.n_group, config.router.norm_topk_prob) == ("softmax", 4, False)
 
 
-SCHEDULE = [
-    [(0, PROMPTS[0][:13]), (1, PROMPTS[1][:6])],
-    [(0, PROMPTS[0][13:20]), (1, PROMPTS[1][6:7]), (2, PROMPTS[2][:22])],
-    [(0, PROMPTS[0][20:21]), (1, PROMPTS[1][7:17]), (2, PROMPTS[2][22:23])],
-]
-
-
-def _check_schedule(name, got, want):
-    seen = [0, 0, 0]
-    worst = 0.0
-    for call, logits in zip(SCHEDULE, got):
-        for row, chunk in call:
-            seen[row] += len(chunk)
-            w = want[row][seen[row] - 1]
-            worst = max(worst, float(np.abs(logits[row] - w).max()))
-            np.testing.assert_allclose(logits[row], w, atol=LOGIT_ATOL, err_msg=f"{name} row {row} at {seen[row]}")
-    print(f"{name}: largest logit difference {worst:.2e}")
-
-
 @pytest.mark.parametrize("expanded_min_tokens", [None, 6], ids=["absorbed", "expanded-from-6"])
 def test_ragged_batches_match_transformers(checkpoint, expanded_min_tokens):
     """Three sequences through flat mixed batches on a latent pool full of
@@ -142,7 +80,7 @@ def test_ragged_batches_match_transformers(checkpoint, expanded_min_tokens):
     name, folder, _, want = checkpoint
     model = load_hf_deepseek(folder)
     model = DeepseekModel(model.config, model.params, expanded_min_tokens=expanded_min_tokens)
-    _check_schedule(f"{name} {expanded_min_tokens}", mixed_calls(model, SCHEDULE), want)
+    check_schedule(f"{name} {expanded_min_tokens}", mixed_calls(model, SCHEDULE), want)
 
 
 @pytest.mark.slow  # 2 min on 2 loaded cores; the kernel's latent mode by default: tests/test_latent_attention.py
@@ -154,7 +92,7 @@ def test_the_tpu_kernels_latent_mode_serves_the_model(checkpoint):
     powers of two >= 16, this checkpoint's R is 8: tests/test_latent_attention.py
     runs it at such sizes.)"""
     name, folder, _, want = checkpoint
-    _check_schedule(name, mixed_calls(load_hf_deepseek(folder, impl="pallas_tpu"), SCHEDULE), want)
+    check_schedule(name, mixed_calls(load_hf_deepseek(folder, impl="pallas_tpu"), SCHEDULE), want)
 
 
 @pytest.mark.parametrize("pages", [pytest.param(256, id="roomy"),

@@ -34,7 +34,7 @@ from models.deepseek.gguf import load_gguf_deepseek, read_gguf_deepseek_config
 from models.llm import LLM, load_model
 from models.smollm2 import load_llama_gguf
 from tests.decoder_helpers import mixed_calls
-from tests.test_deepseek import DIMS, PROMPTS, SCHEDULE, _check_schedule, write_checkpoint
+from tests.deepseek_helpers import DIMS, PROMPTS, SCHEDULE, check_schedule, write_checkpoint
 
 BOTH = pytest.mark.parametrize("checkpoint", ["moe", "v2"], indirect=True)
 """The interleaved-RoPE checkpoints (llama.cpp rotates adjacent pairs for ``deepseek2``, so the ``dense``
@@ -43,7 +43,7 @@ checkpoint, written with ``rope_interleave`` off, has no faithful GGUF)."""
 
 @pytest.fixture(scope="module")
 def checkpoint(request, tmp_path_factory):
-    """tests/test_deepseek.py's checkpoint ``request.param``."""
+    """tests/deepseek_helpers.py's checkpoint ``request.param``."""
     return write_checkpoint(request.param, tmp_path_factory)
 
 
@@ -155,7 +155,7 @@ def test_ragged_batches_match_transformers_on_the_folder(checkpoint, tmp_path):
     from an older converter's layout)."""
     name, folder, _, want = checkpoint
     path = write_gguf(folder, tmp_path / "m.gguf", split_kv_b=name != "v2", gating=name != "v2")
-    _check_schedule(f"{name} gguf", mixed_calls(load_gguf_deepseek(path), SCHEDULE), want)
+    check_schedule(f"{name} gguf", mixed_calls(load_gguf_deepseek(path), SCHEDULE), want)
 
 
 @pytest.mark.parametrize("checkpoint", ["moe"], indirect=True)

@@ -278,8 +278,8 @@ def expanded_ragged_attention(q_nope: jax.Array, q_pe: jax.Array, latent_pool: j
     values once for its tile of ``tile_q`` queries.
 
     Args:
-      q_nope, q_pe, latent_pool, layer, batch, w_uk, w_uv, kv_lora_rank,
-        scale, latent_scales: as :func:`absorbed_ragged_attention`.
+      q_nope, q_pe, latent_pool, layer, batch: as :func:`absorbed_ragged_attention`.
+      w_uk, w_uv, kv_lora_rank, scale, latent_scales: as there too.
       min_tokens: a row's query tokens from which it is served here
         (static).
       tile_q: query tokens per tile (static).
@@ -322,8 +322,8 @@ def latent_ragged_attention(q_nope: jax.Array, q_pe: jax.Array, latent_pool: jax
     kernels or with ``expanded_min_tokens=None``.
 
     Args:
-      q_nope, q_pe, latent_pool, layer, batch, w_uk, w_uv, kv_lora_rank,
-        scale, impl, latent_scales: as :func:`absorbed_ragged_attention`.
+      q_nope, q_pe, latent_pool, layer, batch: as :func:`absorbed_ragged_attention`.
+      w_uk, w_uv, kv_lora_rank, scale, impl, latent_scales: as there too.
       expanded_min_tokens: static; None: absorbed only.
       expanded_tile_q: the expanded pass's tile (static).
 
