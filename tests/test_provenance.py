@@ -81,7 +81,10 @@ def test_dirty_flag(tmp_path):
     (tmp_path / "a.py").write_text("x = 3\n")
     assert record(repo=tmp_path).dirty != first  # another edit, another hash
     (tmp_path / "new.py").write_text("")  # an untracked file counts too
-    assert record(repo=tmp_path).dirty.startswith("yes (2 paths")
+    with_new = record(repo=tmp_path).dirty
+    assert with_new.startswith("yes (2 paths")
+    (tmp_path / "new.py").write_text("y = 1\n")  # and its contents: git diff HEAD leaves it out
+    assert record(repo=tmp_path).dirty not in (with_new, first)
 
 
 def test_outside_a_git_checkout(tmp_path, monkeypatch):

@@ -6,8 +6,8 @@ and ``.csv`` file under ``results/`` therefore carries the same block:
 * ``command``: the command line as run (``python -m experiments.memory.sharing --parts a``);
 * ``commit`` and ``dirty``: ``git rev-parse HEAD`` of this checkout and
   whether ``git status --porcelain`` listed anything (with the number of
-  paths and a hash of ``git diff HEAD``, so two dirty runs can be told
-  apart); ``unknown`` when git or the repository is absent;
+  paths and a hash of ``git diff HEAD`` and of the untracked files' names
+  and contents, so two dirty runs can be told apart); ``unknown`` when git or the repository is absent;
 * ``python``, ``jax``, ``jaxlib``, ``flax``, ``numpy``: versions;
 * ``backend``, ``device_kind``, ``device_count``: ``jax.default_backend()``,
   ``jax.devices()[0].device_kind`` and ``len(jax.devices())``;
@@ -216,8 +216,9 @@ def _parse_lines(lines: Iterable[str], prefix: str) -> dict[str, str]:
 
 def _git_state(repo: pathlib.Path) -> tuple[str, str]:
     """``(commit, dirty)`` of ``repo``: ``dirty`` is ``no``, or ``yes (N
-    paths, diff sha256 XXXXXXXXXXXX)``; both ``unknown (why)`` when git
-    cannot say."""
+    paths, diff sha256 XXXXXXXXXXXX)`` (the hash of ``git diff HEAD`` and of
+    every untracked, not ignored file's name and contents); both ``unknown
+    (why)`` when git cannot say."""
 
     def git(*cmd: str) -> str:
         return subprocess.run(["git", "-C", str(repo), *cmd], capture_output=True, text=True, check=True,
@@ -230,14 +231,21 @@ def _git_state(repo: pathlib.Path) -> tuple[str, str]:
         commit = git("rev-parse", "HEAD").strip()
         status = git("status", "--porcelain").splitlines()
         diff = git("diff", "HEAD") if status else ""
+        untracked = sorted(p for p in git("ls-files", "--others", "--exclude-standard", "-z").split("\0") if p)
     except FileNotFoundError:
         return f"{UNKNOWN} (git not found)", UNKNOWN
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError):
         return f"{UNKNOWN} (not a git checkout)", UNKNOWN
     if not status:
         return commit, "no"
-    digest = hashlib.sha256(diff.encode()).hexdigest()[:12]
-    return commit, f"yes ({len(status)} paths, diff sha256 {digest})"
+    h = hashlib.sha256(diff.encode())
+    for path in untracked:  # git diff leaves them out: their names and contents count too
+        h.update(b"\0" + path.encode() + b"\0")
+        try:
+            h.update((repo / path).read_bytes())
+        except OSError:
+            h.update(b"<unreadable>")
+    return commit, f"yes ({len(status)} paths, diff sha256 {h.hexdigest()[:12]})"
 
 
 def _version(dist: str) -> str:
