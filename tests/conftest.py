@@ -29,14 +29,32 @@ def _release_compiled_programs():
 SLOW_LIST = os.path.join(os.path.dirname(__file__), "slow.txt")
 
 
-def _slow_nodes() -> dict[str, str]:
-    """tests/slow.txt: node id -> the seconds it was measured at."""
+def _slow_nodes() -> dict[str, float]:
+    """tests/slow.txt: node id -> the seconds it was measured at. A ``#``
+    starts a comment (a whole line or a line's end).
+
+    Raises:
+      pytest.UsageError: the file is missing or unreadable, or a line is
+        not ``<seconds> <node id>``; names the file, the line and its text.
+    """
     nodes = {}
-    with open(SLOW_LIST) as f:
-        for line in f:
-            if line.strip() and not line.startswith("#"):
-                seconds, node = line.split(maxsplit=1)
-                nodes[node.strip()] = seconds
+    try:
+        with open(SLOW_LIST, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise pytest.UsageError(f"{SLOW_LIST}: cannot read the list of slow tests ({e})") from e
+    for number, line in enumerate(lines, 1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        fields = text.split()
+        try:
+            seconds = float(fields[0])
+        except ValueError:
+            seconds = None
+        if len(fields) != 2 or seconds is None or "::" not in fields[1]:
+            raise pytest.UsageError(f"{SLOW_LIST}:{number}: expected '<seconds> <node id>', got {line!r}")
+        nodes[fields[1]] = seconds
     return nodes
 
 

@@ -106,7 +106,9 @@ def write_gguf(folder: pathlib.Path, path: pathlib.Path, *, split_kv_b: bool = T
         w.add_expert_weights_norm(True)
     w.add_rope_dimension_count(R)
     for suffix, value in (meta or {}).items():
-        (w.add_uint32 if isinstance(value, int) else w.add_float32)(f"deepseek2.{suffix}", value)  # overwrites
+        add = (w.add_bool if isinstance(value, bool) else w.add_uint32 if isinstance(value, int)
+               else w.add_string if isinstance(value, str) else w.add_float32)
+        add(f"deepseek2.{suffix}", value)  # overwrites
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, cfg["num_hidden_layers"])
     tensors = safetensors.numpy.load_file(folder / "model.safetensors")
     out = {}
@@ -201,6 +203,16 @@ def test_what_the_decoder_cannot_take_is_refused_by_name(checkpoint, tmp_path):
     refused(r"deepseek2.attention.head_count_kv=4; MLA converted as multi-query", meta={"attention.head_count_kv": 4})
     refused(r"'blk.1.attn_kv_a_norm.weight' gives .* the shape \[31\]",
             extra={"blk.1.attn_kv_a_norm.weight": np.ones(31)})
+    # A layer id written another way is not layer 1 (it would overwrite it); both forms of kv_b at once.
+    refused(r"no place for: \['blk.01.attn_norm.weight'\]", extra={"blk.01.attn_norm.weight": np.ones(64)})
+    refused(r"'blk.0.attn_kv_b.weight' and 'blk.0.attn_k_b.weight \+ blk.0.attn_v_b.weight' both hold",
+            extra={"blk.0.attn_kv_b.weight": np.ones((4 * 32, 32))})
+    # Metadata of the wrong type is refused, not converted.
+    refused(r"deepseek2.expert_weights_norm='false'; expected true or false", meta={"expert_weights_norm": "false"})
+    refused(r"deepseek2.expert_gating_func=True; expected one integer", meta={"expert_gating_func": True})
+    refused(r"deepseek2.rope.freq_base='1e4'; expected a number", meta={"rope.freq_base": "1e4"})
+    refused(r"deepseek2.leading_dense_block_count=5; more leading dense layers than block_count=3",
+            meta={"leading_dense_block_count": 5})
 
 
 @pytest.mark.parametrize("checkpoint", ["moe"], indirect=True)

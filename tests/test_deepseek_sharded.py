@@ -58,6 +58,15 @@ def test_an_engine_over_four_devices_gives_one_devices_greedy_outputs(model):
     assert [o.outputs[0].output_ids for o in got] == [o.outputs[0].output_ids for o in want]
 
 
+def test_a_pool_off_the_mesh_is_refused_before_any_step(model):
+    sharded = ShardedDeepseekModel(model, mesh(1, 4))
+    elsewhere = jax.device_put(model.make_kv_pool(16, 4), jax.devices()[5])
+    with pytest.raises(ValueError, match=r"kv.k lies on devices \[5\], outside the mesh's \[0, 1, 2, 3\]"):
+        Engine(sharded, elsewhere, EngineConfig(max_seqs=2, max_seq_len=32, max_num_batched_tokens=16))
+    with pytest.raises(ValueError, match="page_size must be an int >= 1"):
+        sharded.kv_bytes_per_device(16, "x")
+
+
 def test_what_does_not_split_is_named(model):
     mesh3 = mesh(1, 3)
     with pytest.raises(ValueError, match="num_heads=4 does not split evenly over model=3 devices"):

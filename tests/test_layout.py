@@ -146,3 +146,20 @@ def test_old_public_paths_still_import():
     # What researchers imported before the rooms existed keeps working through the packages' re-exports.
     from paged_jax.attention import paged_attention, xla_paged_attention  # noqa: F401
     from paged_jax.engine import Engine, EngineConfig, Request, SamplingParams  # noqa: F401
+
+
+@pytest.mark.parametrize("line", ["tests/test_layout.py::test_x", "abc tests/test_layout.py::test_x",
+                                  "12 not-a-node-id", "12 tests/a.py::b extra"])
+def test_a_malformed_slow_list_line_is_named(tmp_path, monkeypatch, line):
+    """tests/slow.txt (read by tests/conftest.py): a line that is not
+    ``<seconds> <node id>`` stops the run naming the file and line; ``#``
+    comments may end a line."""
+    from tests import conftest
+
+    path = tmp_path / "slow.txt"
+    path.write_text(f"# header\n12 tests/a.py::b  # a comment\n   # indented comment\n{line}\n")
+    monkeypatch.setattr(conftest, "SLOW_LIST", str(path))
+    with pytest.raises(pytest.UsageError, match="slow.txt:4: expected '<seconds> <node id>'"):
+        conftest._slow_nodes()
+    path.write_text("12 tests/a.py::b  # a comment\n")
+    assert conftest._slow_nodes() == {"tests/a.py::b": 12.0}

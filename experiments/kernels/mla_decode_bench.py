@@ -143,6 +143,13 @@ def parse_args(argv=None):
     for name in ("gqa_heads", "page_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("batches", "contexts", "mla_heads", "gqa_kv_heads"):
+        values = getattr(args, name)
+        if len(set(values)) != len(values):
+            p.error(f"--{name.replace('_', '-')} must not repeat a value, got {values}")
+    if args.page_size > max(args.contexts):
+        p.error(f"--page-size {args.page_size} is longer than every --contexts {args.contexts}: a page past the "
+                "longest sequence holds nothing")
     if any(args.gqa_heads % kv for kv in args.gqa_kv_heads):
         p.error(f"--gqa-heads must be a multiple of every --gqa-kv-heads, got {args.gqa_heads} and "
                 f"{args.gqa_kv_heads}")

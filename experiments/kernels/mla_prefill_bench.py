@@ -88,6 +88,10 @@ def parse_args(argv=None):
     for name in ("context", "heads", "page_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if len(set(args.tokens)) != len(args.tokens):
+        p.error(f"--tokens must not repeat a value, got {args.tokens}")
+    if args.page_size > args.context:
+        p.error(f"--page-size {args.page_size} is longer than --context {args.context}")
     if min(args.tokens) < 1 or max(args.tokens) > args.context:
         p.error(f"--tokens must all be in [1, --context={args.context}], got {args.tokens}")
     check_out_dir(p, args.out)  # now, not after the benchmark
@@ -135,7 +139,7 @@ def main(argv=None) -> list[dict]:
         "",
         (f"Padded, the expanded form was faster at T = {', '.join(map(str, wins))}." if wins else
          "Padded, the absorbed form was faster at every T measured.") + " " +
-        (f"On the flat batch, at T = {', '.join(map(str, flat_wins))}." if flat_wins else
+        (f"On the flat batch, the expanded form was faster at T = {', '.join(map(str, flat_wins))}." if flat_wins else
          "On the flat batch, the absorbed form was faster at every T measured.") +
         f" The engine expands rows of {EXPANDED_MIN_TOKENS} query tokens and more.",
     ])

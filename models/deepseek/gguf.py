@@ -122,6 +122,18 @@ def hf_config_fields(meta: Mapping[str, Any], path: str) -> dict[str, Any]:
             raise bad(suffix, "expected one integer (a value per layer is not supported)")
         return int(value)
 
+    def number(suffix: str, default=MISSING) -> float:
+        value = get(suffix, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise bad(suffix, "expected a number")
+        return f32_value(value)
+
+    def flag(suffix: str, default: bool) -> bool:
+        value = get(suffix, default)
+        if not isinstance(value, (bool, np.bool_)):
+            raise bad(suffix, "expected true or false")
+        return bool(value)
+
     heads, rope_dim, latent = count("attention.head_count"), count("rope.dimension_count"), \
         count("attention.kv_lora_rank")
     if f"{arch}.attention.key_length_mla" in meta:  # MLA as MQA over the latent (llama.cpp since early 2025)
@@ -141,23 +153,27 @@ def hf_config_fields(meta: Mapping[str, Any], path: str) -> dict[str, Any]:
         intermediate_size=count("feed_forward_length"), num_attention_heads=heads, num_key_value_heads=heads,
         kv_lora_rank=latent, q_lora_rank=count("attention.q_lora_rank", 0) or None,
         qk_rope_head_dim=rope_dim, qk_nope_head_dim=qk_head - rope_dim, v_head_dim=v_head,
-        rms_norm_eps=f32_value(get("attention.layer_norm_rms_epsilon")),
+        rms_norm_eps=number("attention.layer_norm_rms_epsilon"),
         max_position_embeddings=count("context_length", 4096), vocab_size=count("vocab_size"),
         rope_interleave=True, attention_bias=False, hidden_act="silu",
     )
     experts = count("expert_count", 0)
-    gating = get("expert_gating_func", 1)
+    gating = count("expert_gating_func", 1)
     if gating not in GATING:
         raise bad("expert_gating_func", f"supported: {GATING} (llama.cpp's gating function types)")
     sigmoid = GATING[gating] == "sigmoid"
     groups, kept = count("expert_group_count", 1), count("expert_group_used_count", 1)
+    dense = count("leading_dense_block_count", 0)
+    if dense > layers:
+        raise bad("leading_dense_block_count", f"more leading dense layers than block_count={layers}")
     if experts:
         fields.update(n_routed_experts=experts, num_experts_per_tok=count("expert_used_count"),
                       moe_intermediate_size=count("expert_feed_forward_length"),
                       n_shared_experts=count("expert_shared_count", 0),
-                      first_k_dense_replace=count("leading_dense_block_count", 0),
-                      routed_scaling_factor=f32_value(get("expert_weights_scale", 1.0) or 1.0),
-                      n_group=groups, topk_group=kept, norm_topk_prob=bool(get("expert_weights_norm", False)))
+                      first_k_dense_replace=dense,
+                      # 0 (or absent) is llama.cpp's "no scaling" (its scale_w off): a factor of 1
+                      routed_scaling_factor=number("expert_weights_scale", 1.0) or 1.0,
+                      n_group=groups, topk_group=kept, norm_topk_prob=flag("expert_weights_norm", False))
     else:
         fields["first_k_dense_replace"] = layers
     if sigmoid or not experts:
@@ -165,26 +181,25 @@ def hf_config_fields(meta: Mapping[str, Any], path: str) -> dict[str, Any]:
     else:
         fields.update(model_type="deepseek_v2", scoring_func="softmax",
                       topk_method="group_limited_greedy" if groups > 1 else "greedy")
-    fields["rope_parameters"] = _rope(get, bad, path)
+    fields["rope_parameters"] = _rope(get, bad, count, number)
     return fields
 
 
-def _rope(get, bad, path: str) -> dict[str, Any]:
+def _rope(get, bad, count, number) -> dict[str, Any]:
     """The ``rope_parameters`` of a ``deepseek2`` GGUF (module docstring)."""
-    theta = f32_value(get("rope.freq_base", 10000.0))
+    theta = number("rope.freq_base", 10000.0)
     kind = get("rope.scaling.type", "none")
     if kind == "none":
         return {"rope_type": "default", "rope_theta": theta}
     if kind != "yarn":
         raise bad("rope.scaling.type", "DeepSeek GGUFs use 'none' or 'yarn'")
-    mscale = f32_value(get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
-    rope = {"rope_type": "yarn", "rope_theta": theta, "factor": f32_value(get("rope.scaling.factor")),
-            "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+    mscale = number("rope.scaling.yarn_log_multiplier", 0.0) / 0.1
+    rope = {"rope_type": "yarn", "rope_theta": theta, "factor": number("rope.scaling.factor"),
+            "original_max_position_embeddings": count("rope.scaling.original_context_length"),
             "mscale": mscale, "mscale_all_dim": mscale}
     for suffix, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
-        value = get(f"rope.scaling.{suffix}", None)
-        if value is not None:
-            rope[name] = f32_value(value)
+        if get(f"rope.scaling.{suffix}", None) is not None:
+            rope[name] = number(f"rope.scaling.{suffix}")
     return rope
 
 
@@ -212,8 +227,8 @@ class GGUFTensors:
                 self._add(_GLOBAL[name], array, name)
                 continue
             parts = name.split(".", 2)
-            if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit() or \
-                    int(parts[1]) >= config.num_layers:
+            if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit() or parts[1] != str(int(parts[1])) \
+                    or int(parts[1]) >= config.num_layers:
                 unplaced.append(name)
                 continue
             layer, rest = int(parts[1]), parts[2]
@@ -252,7 +267,14 @@ class GGUFTensors:
         self.where = dict(self._source)
 
     def _add(self, hf_name: str, array: np.ndarray, source: str) -> None:
+        if hf_name in self._source:  # e.g. a layer's attn_kv_b beside its attn_k_b / attn_v_b
+            raise ValueError(f"GGUF {self.listing!r}: {self._source[hf_name]!r} and {source!r} both hold "
+                             f"{hf_name!r}; a file holds one of them")
         self._arrays[hf_name], self._source[hf_name] = array, source
+
+    def display(self, hf_name: str) -> str:
+        """The GGUF tensor(s) ``hf_name`` was read from, for messages."""
+        return self._source.get(hf_name, hf_name)
 
     def default(self, hf_name: str, array: np.ndarray, why: str) -> None:
         """Holds ``array`` under ``hf_name`` unless the file gave one."""

@@ -39,9 +39,10 @@ from jax.sharding import PartitionSpec as P
 
 from models.deepseek.model import DeepseekModel, forward_ragged
 from paged_jax.attention.batch import RaggedBatch
-from paged_jax.checks import check_instance
+from paged_jax.checks import check_instance, check_int
 from paged_jax.distributed.sharding import DATA, MODEL, split_evenly
 from paged_jax.paging.kv_cache import KVPool
+from pallas_kernels import common
 
 SPLIT_AXIS = {  # stacked weight -> its axis split over the model axis (the layer axis first); absent: replicated
     "q": 2, "q_b": 2, "w_uk": 1, "w_uv": 1, "o": 1,  # [n, D | Q, N, H + R], [n, N, H, C], [n, N, C, O], [n, N, O, D]
@@ -130,10 +131,24 @@ class ShardedDeepseekModel:
 
     def check_kv_pool(self, kv: KVPool) -> None:
         """Raises ValueError unless ``kv`` fits the model
-        (:meth:`DeepseekModel.check_kv_pool`)."""
+        (:meth:`DeepseekModel.check_kv_pool`) and lies on the mesh's
+        devices (a pool on others would fail inside the first step)."""
         self.model.check_kv_pool(kv)
+        mesh_devices = set(self.mesh.devices.flat)
+        for name, leaf in (("k", kv.k), ("k_scale", kv.k_scale)):
+            devices = getattr(getattr(leaf, "sharding", None), "device_set", None)
+            if devices is not None and not devices <= mesh_devices:
+                raise ValueError(f"kv.{name} lies on devices {sorted(d.id for d in devices)}, outside the mesh's "
+                                 f"{sorted(d.id for d in mesh_devices)}; make the pool with make_kv_pool")
 
     def kv_bytes_per_device(self, num_pages: int, page_size: int, dtype=jnp.float32) -> int:
         """Bytes of latent pages one device holds: the whole pool (replicated;
-        module docstring), ``num_pages * page_size * config.kv_bytes_per_token``."""
-        return num_pages * page_size * self.config.kv_bytes_per_token(dtype)
+        module docstring), ``num_pages * page_size * config.kv_bytes_per_token``.
+
+        Raises:
+          ValueError: ``num_pages`` below 2, ``page_size`` below 1 (or not
+            ints), a dtype the pool does not take.
+        """
+        check_int("num_pages", num_pages, 2)
+        check_int("page_size", page_size)
+        return num_pages * page_size * self.config.kv_bytes_per_token(common.check_kv_dtype("dtype", dtype))

@@ -92,6 +92,7 @@ def refuse_unexpected(tensors: "Tensors", expected, *, tied: bool, ignore=lambda
                         if not (name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight")
                                 or ignore(name)))
     if unexpected:
+        unexpected = [getattr(tensors, "display", str)(name) for name in unexpected]  # a GGUF's own names
         raise ValueError(f"{str(tensors.listing)!r} holds tensors the decoder has no place for: "
                          f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)} in all); "
                          f"does {getattr(tensors, 'described_by', CONFIG)} describe this checkpoint?")

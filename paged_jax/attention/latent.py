@@ -331,8 +331,13 @@ def latent_ragged_attention(q_nope: jax.Array, q_pe: jax.Array, latent_pool: jax
       f32[T, N, O]; zeros in padding rows.
 
     Raises:
-      ValueError: as the two forms.
+      ValueError: ``expanded_min_tokens`` (unless None) or
+        ``expanded_tile_q`` not a positive int, whatever the batch; as the
+        two forms.
     """
+    if expanded_min_tokens is not None:
+        check_int("expanded_min_tokens", expanded_min_tokens)
+    check_int("expanded_tile_q", expanded_tile_q)
     T = q_nope.shape[0]
     if expanded_min_tokens is None or resolve_impl(impl) not in ("xla", "xla_loop") or T < expanded_min_tokens:
         return absorbed_ragged_attention(q_nope, q_pe, latent_pool, layer, batch, w_uk, w_uv,
