@@ -40,12 +40,10 @@ from flax import nnx
 
 from models.config import check_param_dtype
 from models.deepseek.config import MODEL_TYPES as DEEPSEEK_MODEL_TYPES
-from models.deepseek.gguf import ARCH as DEEPSEEK_GGUF_ARCH
-from models.deepseek.gguf import load_gguf_deepseek
+from models.deepseek.gguf import is_deepseek_gguf, load_gguf_deepseek
 from models.deepseek.loader import load_hf_deepseek
 from models.deepseek.model import DeepseekModel
 from models.llama import Llama
-from models.loading.gguf_loader import metadata, open_gguf
 from models.loading.hf_config import CONFIG
 from models.loading.hf_loader import (
     TOKENIZER,
@@ -169,7 +167,7 @@ def load_model(spec: str | os.PathLike, *, dtype=jnp.float32) -> tuple[Llama | D
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"model {str(spec)!r} is a file but not a .gguf; {accepted}")
-        if metadata(open_gguf(path), "general.architecture", None) == DEEPSEEK_GGUF_ARCH:
+        if is_deepseek_gguf(path):
             return load_gguf_deepseek(path, param_dtype=dtype), load_tokenizer_if_supported(path), path.name
         return load_llama_gguf(path, param_dtype=dtype), load_tokenizer_if_supported(path), path.name
     text = os.fspath(spec)

@@ -29,12 +29,11 @@ from experiments.lib.workloads import Workload
 from models.config import LlamaConfig
 from models.deepseek.config import MODEL_TYPES as DEEPSEEK_MODEL_TYPES
 from models.deepseek.config import DeepseekConfig
-from models.deepseek.gguf import ARCH as DEEPSEEK_GGUF_ARCH
-from models.deepseek.gguf import read_gguf_deepseek_config
+from models.deepseek.gguf import is_deepseek_gguf, read_gguf_deepseek_config
 from models.deepseek.loader import read_deepseek_config
 from models.deepseek.presets import num_params as deepseek_num_params
 from models.llm import SMOLLM2
-from models.loading.gguf_loader import metadata, open_gguf, read_config
+from models.loading.gguf_loader import open_gguf, read_config
 from models.loading.hf_config import CONFIG
 from models.loading.hf_loader import read_hf_config, read_json
 from models.presets import PRESETS
@@ -66,7 +65,7 @@ def model_config(spec: str) -> LlamaConfig | DeepseekConfig:
         return LlamaConfig(**read_config(open_gguf()))
     path = pathlib.Path(spec).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
-        if metadata(open_gguf(path), "general.architecture", None) == DEEPSEEK_GGUF_ARCH:
+        if is_deepseek_gguf(path):
             return read_gguf_deepseek_config(path)
         return LlamaConfig(**read_config(open_gguf(path)))
     if path.is_dir():

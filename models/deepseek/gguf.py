@@ -264,7 +264,10 @@ class GGUFTensors:
             kv_b = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)  # [N, H + O, C], kv_b_proj's rows
             self._add(f"model.layers.{layer}.self_attn.kv_b_proj.weight", kv_b.reshape(-1, kv_b.shape[-1]),
                       " + ".join(names))
-        self.where = dict(self._source)
+    @property
+    def where(self) -> dict[str, str]:
+        """The Hugging Face names held -> the GGUF tensor(s) each came from."""
+        return self._source
 
     def _add(self, hf_name: str, array: np.ndarray, source: str) -> None:
         if hf_name in self._source:  # e.g. a layer's attn_kv_b beside its attn_k_b / attn_v_b
@@ -280,7 +283,6 @@ class GGUFTensors:
         """Holds ``array`` under ``hf_name`` unless the file gave one."""
         if hf_name not in self._arrays:
             self._add(hf_name, array, why)
-            self.where[hf_name] = why
 
     def read(self, wanted: Mapping[str, tuple[int, ...]], use: Callable[[str, np.ndarray], None]) -> None:
         """Passes each tensor in ``wanted`` (Hugging Face name -> shape) to
@@ -314,6 +316,18 @@ def _gguf_name(hf_name: str) -> str:
         stacked = {v: k for k, v in _EXPERTS.items()}[parts[6]]
         return repr(f"blk.{layer}.{stacked}")
     return repr(f"blk.{layer}.{ {v: k for k, v in _BLOCK.items()}[rest]}")
+
+
+def is_deepseek_gguf(path: str | os.PathLike) -> bool:
+    """Whether the GGUF at ``path`` is a ``deepseek2`` one (its
+    ``general.architecture``; the header only).
+
+    Raises:
+      FileNotFoundError, ValueError: as ``models.loading.gguf_loader.open_gguf``.
+    """
+    from models.loading.gguf_loader import metadata, open_gguf
+
+    return metadata(open_gguf(path), "general.architecture", None) == ARCH
 
 
 def read_gguf_deepseek_config(path: str | os.PathLike) -> DeepseekConfig:
