@@ -211,10 +211,10 @@ def flat_ragged_paged_attention(
       latent_dim: MLA's absorbed form (``paged_jax.attention.latent``): C,
         the pool holds latents ``[c, k_pe]`` (H = C + R, one KV head),
         ``v_pool`` is ``k_pool`` and a value is a key's first C columns; the
-        output is [T, N, C] and nothing is written (``k_new`` None). The
-        GPU kernel reads each latent once, as two power-of-two tiles (C and
-        R each a power of two >= 16); the TPU kernel reads the pool as keys
-        and as values and drops the R columns of its output.
+        output is [T, N, C] and nothing is written (``k_new`` None). Both
+        kernels read each latent once: the GPU kernel as two power-of-two
+        tiles (C and R each a power of two >= 16), the TPU kernel as one
+        page DMA into one VMEM buffer whose first C columns are the values.
 
     Returns:
       ``(out, k_pool, v_pool, k_scales, v_scales)``: out [T, N, H] (latent:
@@ -245,7 +245,7 @@ def flat_ragged_paged_attention(
     if not isinstance(block_sizes, FlatBlockSizes):
         raise ValueError(f"block_sizes must be a FlatBlockSizes, got {type(block_sizes).__name__}")
     common.validate_options(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    check_latent_dim(latent_dim, k_pool, v_pool, k_new, impl)  # before the pools are converted: v_pool is k_pool
+    check_latent_dim(latent_dim, k_pool, v_pool, k_new, impl, k_scales, v_scales)  # before conversion: v_pool is k_pool
     traced = isinstance(q_starts, jax.core.Tracer) or isinstance(q_lens, jax.core.Tracer)
     claimed = (q_starts, q_lens)  # as given: the clamped starts below could hide a start past T
     layer, (q_starts, q_lens, kv_lens) = check_flat_batch(q, k_pool, v_pool, layer, block_tables, q_starts, q_lens,
@@ -273,11 +273,11 @@ def flat_ragged_paged_attention(
     return (out, *pool)
 
 
-def check_latent_dim(latent_dim, k_pool, v_pool, k_new, impl: str) -> None:
+def check_latent_dim(latent_dim, k_pool, v_pool, k_new, impl: str, k_scales=None, v_scales=None) -> None:
     """Raises ValueError unless ``latent_dim`` is None or an MLA latent
-    split the ``impl`` can run: an int in (0, H), the same pool as keys and
-    values, nothing to write, and on ``"gpu"`` both parts (C and H - C)
-    powers of two >= 16."""
+    split the ``impl`` can run: an int in (0, H), the same pool (and the
+    same scales) as keys and values, nothing to write, and on ``"gpu"`` both
+    parts (C and H - C) powers of two >= 16."""
     if latent_dim is None:
         return
     head_dim = k_pool.shape[-1]
@@ -286,6 +286,8 @@ def check_latent_dim(latent_dim, k_pool, v_pool, k_new, impl: str) -> None:
                          f"latent_dim={latent_dim!r}")
     if v_pool is not k_pool:
         raise ValueError("latent_dim: the values are the latents, so v_pool must be k_pool (the same array)")
+    if v_scales is not k_scales:
+        raise ValueError("latent_dim: a latent has one scale, so v_scales must be k_scales (the same array)")
     if k_new is not None:
         raise ValueError("latent_dim: the latent attention writes nothing; write the latents first and pass "
                          "k_new=v_new=slots=None")
@@ -358,8 +360,8 @@ def unchecked_flat_ragged_paged_attention(q, k_new, v_new, k_pool, v_pool, layer
             v_scales, block_q=block_sizes.block_q(q.shape[1] // k_pool.shape[1]),
             pages_per_compute_block=block_sizes.pages_per_compute_block(k_pool.shape[3]),
             decode_tiles=decode_tiles, prefill_chunks=prefill_chunks,
-            interpret=common.interpret_default(interpret, "tpu"), **options)
-        return (out if latent_dim is None else out[..., :latent_dim], *pool)
+            interpret=common.interpret_default(interpret, "tpu"), latent_dim=latent_dim, **options)
+        return (out, *pool)
     if k_new is not None:
         k_pool, v_pool, k_scales, v_scales = write_new_kv(k_pool, v_pool, k_scales, v_scales, layer, k_new, v_new,
                                                           slots)

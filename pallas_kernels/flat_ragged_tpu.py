@@ -100,19 +100,26 @@ def _kernel(
     sliding_window: int | None,
     quantized: bool,
     write: bool,
+    latent: int | None,
 ):
-    n_pool = 4 if quantized else 2  # K, V pages (and their scales)
+    # K, V pages (and their scales); MLA's latent mode: the latent pages (and their scales) alone, read once
+    n_pool = (2 if quantized else 1) if latent else (4 if quantized else 2)
     q_ref, refs = refs[0], refs[1:]  # q: [M, H] this tile's rows of KV head h
     new = refs[:n_pool] if write else ()  # f32[T, K, H] K/V (quantized values), f32[T, K, 1] scales; in HBM
     refs = refs[len(new):]
     pool_in, refs = refs[:n_pool], refs[n_pool:]  # [layers, K, P, L, H] (scales [layers, K, P, L]) in HBM
-    o_ref, refs = refs[0], refs[1:]  # f32[M, H]
+    o_ref, refs = refs[0], refs[1:]  # f32[M, H] (latent: f32[M, C])
     pool = refs[:n_pool] if write else pool_in  # aliased outputs: the same buffers, written
     refs = refs[n_pool:] if write else refs
     bufs, refs = refs[:n_pool], refs[n_pool:]  # VMEM [2, ppcb, L(, H)] each
-    # VMEM: [2, K, C, H] in the pool's dtype and in f32, f32[2, K, H]; (quantized) f32[2, K, L] and f32[2, K, 1]
-    chunk_io, chunk_f32, new_rows = refs[:3]
-    scale_rows, new_scales = refs[3:5] if quantized else (None, None)
+    n_data = n_pool // 2 if quantized else n_pool  # the pages' buffers; the scales' follow
+    k_buf, v_buf = bufs[0], (None if latent else bufs[1])
+    k_scale_buf = bufs[n_data] if quantized else None
+    v_scale_buf = (k_scale_buf if latent else bufs[n_data + 1]) if quantized else None
+    # The write's VMEM (a call that writes): [2, K, C, H] in the pool's dtype and in f32, f32[2, K, H];
+    # (quantized) f32[2, K, L] and f32[2, K, 1]
+    chunk_io, chunk_f32, new_rows = refs[:3] if write else (None,) * 3
+    scale_rows, new_scales = refs[3:5] if write and quantized else (None, None)
     sems, write_sem = refs[-2:]
 
     u, h = pl.program_id(0), pl.program_id(1)
@@ -222,13 +229,15 @@ def _kernel(
 
     def body(j, carry):
         slot = next_block_ready(j, block_lo, block_hi, copies)
-        k = bufs[0][slot].reshape(keys, head_dim).astype(jnp.float32)
-        v = bufs[1][slot].reshape(keys, head_dim).astype(jnp.float32)
+        k = k_buf[slot].reshape(keys, head_dim).astype(jnp.float32)
+        # A latent [c, k_pe] is a key; its c (the first C columns, lane-aligned when C is a multiple of 128)
+        # is the value: one DMA and one VMEM buffer per block instead of two.
+        v = k[:, :latent] if latent else v_buf[slot].reshape(keys, head_dim).astype(jnp.float32)
         k_pos, k_pos_col = key_positions(j * keys, keys)  # i32[1, keys], i32[keys, 1]
         key_real = k_pos < end  # keys past the tile's causal limit: unwritten or another's
         logits = jnp.einsum("mh,kh->mk", q, k, preferred_element_type=jnp.float32)  # f32[M, keys]
         if quantized:
-            logits = logits * bufs[2][slot].reshape(1, keys)
+            logits = logits * k_scale_buf[slot].reshape(1, keys)
         if soft_cap is not None:
             logits = soft_cap * jnp.tanh(logits / soft_cap)
         visible = (k_pos <= q_pos) & key_real
@@ -236,7 +245,7 @@ def _kernel(
             visible &= k_pos > q_pos - sliding_window
         logits = jnp.where(visible, logits, MASK_VALUE)
         return online_softmax_step(carry, logits, visible, key_real, k_pos_col < end, v,
-                                   bufs[3][slot].reshape(1, keys) if quantized else None)
+                                   v_scale_buf[slot].reshape(1, keys) if quantized else None)
 
     @pl.when(block_lo < block_hi)
     def _prefetch_first():
@@ -244,7 +253,7 @@ def _kernel(
             c.start()
 
     init = (
-        jnp.zeros((rows_m, head_dim), jnp.float32),
+        jnp.zeros((rows_m, latent or head_dim), jnp.float32),
         jnp.zeros((rows_m, 1), jnp.float32),
         jnp.full((rows_m, 1), MASK_VALUE, jnp.float32),
     )
@@ -255,19 +264,23 @@ def _kernel(
 
 
 def _call(q, new, pool, layer, block_tables, tile, first_row, slots, *, tile_q, pages_per_compute_block, scale,
-          soft_cap, sliding_window, interpret):
+          soft_cap, sliding_window, interpret, latent=None):
     """One class's tiles (``tile``, ``flat_batch.Tiles``; ``first_row`` i32[U]
     their first flat rows) through the kernel (``new`` empty: no write).
+    ``pool`` is (K, V pages, K, V scales if quantized), or with ``latent``
+    (C) the latent pages (and their scales) alone, and ``new`` empty.
 
     Returns:
-      ``(o f32[U, Q, N, H], pool)``.
+      ``(o f32[U, Q, N, H] (latent: [U, Q, N, C]), pool)``.
     """
     t_total, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, page_size, _ = pool[0].shape
     group = num_q_heads // num_kv_heads
     num_tiles = tile.seq.shape[0]
     rows_m = tile_q * group
-    quantized = len(pool) == 4
+    n_data = 1 if latent else 2  # page arrays; scales follow them
+    quantized = len(pool) == 2 * n_data
+    out_dim = latent or head_dim
     block_tables = common.pad_block_tables(block_tables, pages_per_compute_block)
     pages_per_seq = block_tables.shape[1]
 
@@ -280,16 +293,20 @@ def _call(q, new, pool, layer, block_tables, tile, first_row, slots, *, tile_q, 
 
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     tile_spec = pl.BlockSpec((None, None, rows_m, head_dim), lambda u, h, *_: (u, h, 0, 0))
-    scratch = [pltpu.VMEM((2, pages_per_compute_block, page_size, head_dim), x.dtype) for x in pool[:2]]
-    scratch += [pltpu.VMEM((2, pages_per_compute_block, page_size), jnp.float32) for _ in pool[2:]]
-    chunk = write_chunk_rows(page_size)
-    scratch += [pltpu.VMEM((2, num_kv_heads, chunk, head_dim), pool[0].dtype),
-                pltpu.VMEM((2, num_kv_heads, chunk, head_dim), jnp.float32),
-                pltpu.VMEM((2, num_kv_heads, head_dim), jnp.float32)]
-    if quantized:
-        scratch += [pltpu.VMEM((2, num_kv_heads, page_size), jnp.float32), pltpu.VMEM((2, num_kv_heads, 1), jnp.float32)]
-    scratch += [pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA(())]
+    out_spec = pl.BlockSpec((None, None, rows_m, out_dim), lambda u, h, *_: (u, h, 0, 0))
+    scratch = [pltpu.VMEM((2, pages_per_compute_block, page_size, head_dim), x.dtype) for x in pool[:n_data]]
+    scratch += [pltpu.VMEM((2, pages_per_compute_block, page_size), jnp.float32) for _ in pool[n_data:]]
     write = bool(new)
+    assert not (write and latent), "the latent mode writes nothing"
+    if write:  # the write's chunks: only the call that writes holds them
+        chunk = write_chunk_rows(page_size)
+        scratch += [pltpu.VMEM((2, num_kv_heads, chunk, head_dim), pool[0].dtype),
+                    pltpu.VMEM((2, num_kv_heads, chunk, head_dim), jnp.float32),
+                    pltpu.VMEM((2, num_kv_heads, head_dim), jnp.float32)]
+        if quantized:
+            scratch += [pltpu.VMEM((2, num_kv_heads, page_size), jnp.float32),
+                        pltpu.VMEM((2, num_kv_heads, 1), jnp.float32)]
+    scratch += [pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA(())]
     # The write's order: rows with a slot by slot (the chunks' rows together), then the rest.
     has_slot = slots >= 0
     write_order = jnp.argsort(jnp.where(has_slot, slots, jnp.iinfo(jnp.int32).max)).astype(jnp.int32)
@@ -300,41 +317,47 @@ def _call(q, new, pool, layer, block_tables, tile, first_row, slots, *, tile_q, 
     first_pool = len(prefetch) + 1 + len(new)
     kernel = functools.partial(
         _kernel, group=group, pages_per_seq=pages_per_seq, pages_per_compute_block=pages_per_compute_block,
-        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, quantized=quantized, write=write)
+        scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, quantized=quantized, write=write,
+        latent=latent)
     outs = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch),
             grid=(num_tiles, num_kv_heads),
             in_specs=[tile_spec] + [any_spec] * (len(new) + len(pool)),
-            out_specs=[tile_spec] + ([any_spec] * len(pool) if write else []),
+            out_specs=[out_spec] + ([any_spec] * len(pool) if write else []),
             scratch_shapes=scratch,
         ),
-        out_shape=[jax.ShapeDtypeStruct(qt.shape, jnp.float32)]
+        out_shape=[jax.ShapeDtypeStruct((num_tiles, num_kv_heads, rows_m, out_dim), jnp.float32)]
         + ([jax.ShapeDtypeStruct(x.shape, x.dtype) for x in pool] if write else []),
         input_output_aliases={first_pool + i: 1 + i for i in range(len(pool))} if write else {},
         # Sequential: the first program's writes must precede every read.
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret else False,
-        name=f"flat_ragged_tpu_q{tile_q}_ppcb{pages_per_compute_block}",
+        name=f"flat_ragged_tpu_q{tile_q}_ppcb{pages_per_compute_block}" + (f"_latent{latent}" if latent else ""),
     )(*prefetch, qt, *new, *pool)
-    o = outs[0].reshape(num_tiles, num_kv_heads, tile_q, group, head_dim).transpose(0, 2, 1, 3, 4)
-    return o.reshape(num_tiles, tile_q, num_q_heads, head_dim), (tuple(outs[1:]) if write else pool)
+    o = outs[0].reshape(num_tiles, num_kv_heads, tile_q, group, out_dim).transpose(0, 2, 1, 3, 4)
+    return o.reshape(num_tiles, tile_q, num_q_heads, out_dim), (tuple(outs[1:]) if write else pool)
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "pages_per_compute_block", "decode_tiles", "prefill_chunks",
-                                             "scale", "soft_cap", "sliding_window", "interpret"))
+                                             "scale", "soft_cap", "sliding_window", "interpret", "latent_dim"))
 def flat_ragged_tpu(q, k_new, v_new, k_pool, v_pool, layer, block_tables, q_starts, q_lens, kv_lens, slots, k_scales,
                     v_scales, *, block_q, pages_per_compute_block, decode_tiles, prefill_chunks, scale, soft_cap,
-                    sliding_window, interpret):
+                    sliding_window, interpret, latent_dim=None):
     """``flat_ragged_attention``'s ``impl="tpu"``: the same arguments (all
     checked, ``scale`` resolved, tiling resolved) and result ``(out, k_pool,
     v_pool, k_scales, v_scales)``. The first class's call writes the new
     K/V (the entry's door makes sure a class runs); with ``k_new`` None
-    nothing is written."""
+    nothing is written. With ``latent_dim`` (C; ``v_pool`` is ``k_pool``,
+    nothing to write) each latent page is copied into VMEM once, attended as
+    keys and its first C columns as values: out [T, N, C]."""
     t_total, num_q_heads, head_dim = q.shape
     quantized = k_scales is not None
-    pool = (k_pool, v_pool) + ((k_scales, v_scales) if quantized else ())
+    if latent_dim:
+        pool = (k_pool,) + ((k_scales,) if quantized else ())
+    else:
+        pool = (k_pool, v_pool) + ((k_scales, v_scales) if quantized else ())
     new = ()
     if k_new is not None:
         if quantized:
@@ -344,7 +367,8 @@ def flat_ragged_tpu(q, k_new, v_new, k_pool, v_pool, layer, block_tables, q_star
             new = tuple(x.astype(p.dtype).astype(jnp.float32) for x, p in ((k_new, k_pool), (v_new, v_pool)))
     else:
         slots = jnp.full((t_total,), -1, jnp.int32)
-    out = jnp.zeros(q.shape, q.dtype)
+    out_dim = latent_dim or head_dim
+    out = jnp.zeros((t_total, num_q_heads, out_dim), q.dtype)
     classes = [(q_lens == 1, decode_tiles, 1), (q_lens > 1, prefill_tiles(t_total, prefill_chunks, block_q), block_q)]
     for rows, num_tiles, tile_q in classes:
         if num_tiles == 0:
@@ -353,11 +377,13 @@ def flat_ragged_tpu(q, k_new, v_new, k_pool, v_pool, layer, block_tables, q_star
         first_row = q_starts[t.seq] + t.row0  # [U]
         o, pool = _call(q, new, pool, layer, block_tables, t, first_row, slots, tile_q=tile_q,
                         pages_per_compute_block=pages_per_compute_block, scale=scale, soft_cap=soft_cap,
-                        sliding_window=sliding_window, interpret=interpret)
+                        sliding_window=sliding_window, interpret=interpret, latent=latent_dim)
         new = ()  # written once, by the first class's call
         r = jnp.arange(tile_q, dtype=jnp.int32)
         dest = jnp.where(r[None, :] < t.rows[:, None], first_row[:, None] + r[None, :], t_total)
-        out = out.at[dest.reshape(-1)].set(o.reshape(-1, num_q_heads, head_dim).astype(q.dtype), mode="drop")
+        out = out.at[dest.reshape(-1)].set(o.reshape(-1, num_q_heads, out_dim).astype(q.dtype), mode="drop")
+    if latent_dim:  # read only
+        return out, k_pool, v_pool, k_scales, v_scales
     pool = tuple(pool) + (None, None) * (not quantized)
     return (out, *pool)
 

@@ -204,9 +204,10 @@ def test_the_flat_batch_picks_each_rows_form_and_both_equal_dense(page_size):
 @pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
 @pytest.mark.parametrize("page_size", [4, 16])
 def test_the_flat_kernels_latent_mode_equals_dense(impl, page_size):
-    """The Pallas kernels (interpret mode) in their latent mode: the GPU
-    kernel reads each latent once as two tiles (c and k_pe), the TPU kernel
-    the pool as keys and values; both equal dense attention."""
+    """The Pallas kernels (interpret mode) in their latent mode, each
+    reading a latent once (the GPU kernel as two tiles, c and k_pe; the TPU
+    kernel as one page copy whose first C columns are the values): both
+    equal dense attention."""
     _check_flat_against_dense(impl, page_size)
 
 
@@ -252,14 +253,20 @@ def test_the_latent_mode_is_refused_where_it_cannot_run():
                                                    (C, pool, None, "gpu", "power of two >= 16")):  # R = 4
         with pytest.raises(ValueError, match=needle):
             check_latent_dim(latent_dim, pool, other, k_new, impl)
+    scales = jnp.ones((1, 1, 4, 16))
+    with pytest.raises(ValueError, match="v_scales must be k_scales"):  # a latent has one scale
+        check_latent_dim(C, pool, pool, None, "tpu", scales, scales + 0)
     check_latent_dim(C, pool, pool, None, "tpu")  # any split on the TPU kernel and in XLA
+    check_latent_dim(C, pool, pool, None, "tpu", scales, scales)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas_tpu"])
 @pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
-def test_quantized_latent_pages_through_the_door_equal_their_dequantized_values(kv_dtype):
+def test_quantized_latent_pages_through_the_door_equal_their_dequantized_values(kv_dtype, impl):
     """An int8 / fp8 latent pool (one scale a token, keys and values alike)
     gives what a float pool holding the dequantized latents gives: the
-    scales reach the attention and are applied once to keys and values."""
+    scales reach the attention and are applied once to keys and values (on
+    the TPU kernel, from the one scale buffer its single page copy fills)."""
     from pallas_kernels.common import dequantize_kv, quantize_kv
 
     kv_lens, q_lens = [7, 1, 12, 4], [1, 1, 5, 3]
@@ -270,7 +277,7 @@ def test_quantized_latent_pages_through_the_door_equal_their_dequantized_values(
     args = (jnp.asarray(flat_nope), jnp.asarray(flat_pe))
     weights = (batch, jnp.asarray(w_uk), jnp.asarray(w_uv))
     got = absorbed_ragged_attention(*args, q_pages, jnp.int32(1), *weights, kv_lora_rank=C, scale=0.25,
-                                    latent_scales=scales)
+                                    latent_scales=scales, impl=impl)
     want = absorbed_ragged_attention(*args, dequantize_kv(q_pages, scales), jnp.int32(1), *weights, kv_lora_rank=C,
                                      scale=0.25)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)

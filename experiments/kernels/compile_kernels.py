@@ -6,10 +6,10 @@ device: ``results/kernel_compile.{md,csv}`` and
 Usage: ``python -m experiments.kernels.compile_kernels [--full]
 [--chips v5e sm90] [--jobs 2] [--no-step | --step-only] [--out DIR]``
 (needs ``.venv-aot``, which ``make setup`` builds; see
-:mod:`experiments.lib.aot`). Default: the test suite's kernel matrix (116
-cases, about 2 minutes on 2 cores) and the step for v5e, v6e and sm90
-(about 5 minutes); ``--full``: the kernels' product (960 cases, about 12
-minutes). Exits 1 when a case fails to compile or is over its chip's
+:mod:`experiments.lib.aot`). Default: the test suite's kernel matrix (124
+cases, a few minutes on 2 cores) and the step for v5e, v6e and sm90
+(about 5 minutes); ``--full``: the kernels' product (1,056 cases, 12
+minutes and more). Exits 1 when a case fails to compile or is over its chip's
 on-chip memory, or the step does not fit its chip's HBM.
 """
 

@@ -367,7 +367,7 @@ def check_attend(
     shape, tiling = batch.shape, batch.shape.tiling
     if impl in FLAT_KERNELS:
         FLAT_BLOCK_SIZES.check(FLAT_KERNELS[impl], k_pool.shape[3])
-    flat.check_latent_dim(latent_dim, k_pool, v_pool, None, FLAT_KERNELS.get(impl, "xla"))
+    flat.check_latent_dim(latent_dim, k_pool, v_pool, None, FLAT_KERNELS.get(impl, "xla"), k_scales, v_scales)
     if not isinstance(q_lens, jax.core.Tracer):
         ql, kl = np.asarray(q_lens), np.asarray(kv_lens)
         chunks = int(np.sum(ql > 1))
