@@ -128,11 +128,14 @@ def quantized_max(dtype) -> float:
     return INT8_MAX if jnp.issubdtype(dtype, jnp.integer) else float(jnp.finfo(dtype).max)
 
 
-def check_scales(name: str, pages_dtype, pages_shape: tuple[int, ...], k_scales, v_scales) -> None:
+def check_scales(name: str, pages_dtype, pages_shape: tuple[int, ...], k_scales, v_scales, *,
+                 scale_names: tuple[str, str] = ("k_scales", "v_scales")) -> None:
     """The dtype-and-scales check of every attention door: pages (the
     argument ``name``) of a :data:`KV_DTYPES` dtype, with ``k_scales`` and
     ``v_scales`` f32 ``pages_shape[:-1]`` given exactly when that dtype is
     quantized (:func:`is_quantized`). Static facts only (runs under ``jit``).
+    ``scale_names``: the scales' argument names in messages (a door whose
+    one argument is both, MLA's ``latent_scales``, names it twice).
 
     Raises:
       ValueError: a page dtype outside :data:`KV_DTYPES`, scales missing
@@ -145,13 +148,14 @@ def check_scales(name: str, pages_dtype, pages_shape: tuple[int, ...], k_scales,
                          f"{pages_dtype}")
     quantized = is_quantized(pages_dtype)
     if quantized != (k_scales is not None) or quantized != (v_scales is not None):
+        given = dict(zip(scale_names, ("set" if x is not None else "None" for x in (k_scales, v_scales))))
         raise ValueError(
-            f"k_scales and v_scales must be given exactly when {name} is quantized "
-            f"({', '.join(d.name for d in QUANTIZED_KV_DTYPES)}), got {name} {pages_dtype}, k_scales "
-            f"{'set' if k_scales is not None else 'None'}, v_scales {'set' if v_scales is not None else 'None'}"
+            f"{' and '.join(given)} must be given exactly when {name} is quantized "
+            f"({', '.join(d.name for d in QUANTIZED_KV_DTYPES)}), got {name} {pages_dtype}, "
+            + ", ".join(f"{k} {v}" for k, v in given.items())
         )
     if quantized:
-        for scale_name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
+        for scale_name, s in zip(dict.fromkeys(scale_names), (k_scales, v_scales)):
             shape, dtype = getattr(s, "shape", None), getattr(s, "dtype", None)
             if shape is None or dtype is None:  # a list or a number: named, not an AttributeError
                 raise ValueError(f"{scale_name} must be an f32{list(pages_shape[:-1])} array, got "

@@ -277,7 +277,9 @@ def check_latent_dim(latent_dim, k_pool, v_pool, k_new, impl: str, k_scales=None
     """Raises ValueError unless ``latent_dim`` is None or an MLA latent
     split the ``impl`` can run: an int in (0, H), the same pool (and the
     same scales) as keys and values, nothing to write, and on ``"gpu"`` both
-    parts (C and H - C) powers of two >= 16."""
+    parts (C and H - C) powers of two >= 16. "The same" is identity: under
+    ``jit`` pass the one array once and use it twice inside the traced
+    function (two arguments are two tracers, refused though equal)."""
     if latent_dim is None:
         return
     head_dim = k_pool.shape[-1]

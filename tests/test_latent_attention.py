@@ -5,6 +5,7 @@ K/V projected up) equals dense attention in float64 over the same latents,
 for page sizes and lengths 0, 1, L - 1, L, L + 1, decode and prefill rows,
 with NaN in every slot no sequence owns."""
 
+import functools
 import re
 
 import jax.numpy as jnp
@@ -283,6 +284,27 @@ def test_quantized_latent_pages_through_the_door_equal_their_dequantized_values(
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
     exact = absorbed_ragged_attention(*args, jnp.asarray(pool), jnp.int32(1), *weights, kv_lora_rank=C, scale=0.25)
     assert np.abs(np.asarray(got) - np.asarray(exact)).max() > 1e-4  # the pages really were quantized
+
+
+def test_latent_scales_are_checked_by_their_own_name_in_both_forms():
+    """Both flat forms refuse an int8 pool without scales, scales beside a
+    float pool and scales of the wrong shape, naming ``latent_scales`` (the
+    expanded form took any of them before: an int8 pool read unscaled)."""
+    from pallas_kernels.common import quantize_kv
+
+    kv_lens, q_lens = [7, 4], [1, 3]
+    pool, tables, _, q_nope, q_pe, w_uk, w_uv = _case(4, kv_lens, q_lens, layers=2, seed=5)
+    q_pages, scales = quantize_kv(jnp.asarray(np.nan_to_num(pool)), jnp.dtype("int8"))
+    batch, flat_nope, flat_pe, _ = _flat(tables, kv_lens, q_lens, q_nope, q_pe)
+    args = (jnp.asarray(flat_nope), jnp.asarray(flat_pe))
+    weights = (batch, jnp.asarray(w_uk), jnp.asarray(w_uv))
+    for form in (absorbed_ragged_attention,
+                 functools.partial(expanded_ragged_attention, min_tokens=1, tile_q=2)):
+        for pages, sc, needle in ((q_pages, None, "latent_scales must be given exactly when latent_pool is quantized"),
+                                  (jnp.asarray(pool), scales, "latent_scales must be given exactly when"),
+                                  (q_pages, scales[..., :2], r"latent_scales must be f32\[2, 1, ")):
+            with pytest.raises(ValueError, match=needle):
+                form(*args, pages, jnp.int32(1), *weights, kv_lora_rank=C, scale=0.25, latent_scales=sc)
 
 
 # ------------------------------------------------------------ the latent pool

@@ -82,6 +82,7 @@ from paged_jax.attention.paged import (
     unchecked_xla_paged_attention,
 )
 from paged_jax.checks import check_int
+from pallas_kernels import common
 
 
 def per_head_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -119,6 +120,14 @@ def _check_shapes(q_nope, q_pe, latent, w_uk, w_uv, kv_lora_rank, *, flat: bool)
     if w_uv.ndim != 3 or w_uv.shape[:2] != (N, C):
         raise ValueError(f"w_uv must be [N, C, O] with N={N}, C={C}, got {list(w_uv.shape)}")
     return C, R
+
+
+def _check_latent_scales(latent_pool, latent_scales) -> None:
+    """``latent_scales`` f32[layers, 1, P, L] exactly when ``latent_pool`` is
+    int8 / fp8 (one scale a token: keys and values are the same vector); a
+    ValueError names ``latent_pool`` and ``latent_scales``."""
+    common.check_scales("latent_pool", latent_pool.dtype, latent_pool.shape, latent_scales, latent_scales,
+                        scale_names=("latent_scales", "latent_scales"))
 
 
 def check_latent(q_nope, q_pe, latent_pages, block_tables, kv_lens, q_lens, w_uk, w_uv, kv_lora_rank: int, *,
@@ -245,9 +254,12 @@ def absorbed_ragged_attention(q_nope: jax.Array, q_pe: jax.Array, latent_pool: j
       f32[T, N, O]; zeros in padding rows.
 
     Raises:
-      ValueError: shapes that disagree (named), or what ``attend`` refuses.
+      ValueError: shapes that disagree (named); ``latent_scales`` not
+        f32[layers, 1, P, L] exactly when the pool is int8 / fp8; what
+        ``attend`` refuses.
     """
     C, _ = _check_shapes(q_nope, q_pe, latent_pool, w_uk, w_uv, kv_lora_rank, flat=True)
+    _check_latent_scales(latent_pool, latent_scales)
     q_lat = per_head_matmul(q_nope, w_uk)
     q = jnp.concatenate([q_lat, q_pe.astype(jnp.float32)], axis=-1)  # [T, N, C + R]
     out = ragged.attend(q, latent_pool, latent_pool, layer, batch, impl=impl, scale=scale, k_scales=latent_scales,
@@ -288,10 +300,12 @@ def expanded_ragged_attention(q_nope: jax.Array, q_pe: jax.Array, latent_pool: j
       f32[T, N, O]; zeros in the other rows and in padding rows.
 
     Raises:
-      ValueError: shapes that disagree (named); ``min_tokens`` or
-        ``tile_q`` not a positive int.
+      ValueError: shapes that disagree (named); ``latent_scales`` not
+        f32[layers, 1, P, L] exactly when the pool is int8 / fp8;
+        ``min_tokens`` or ``tile_q`` not a positive int.
     """
     C, _ = _check_shapes(q_nope, q_pe, latent_pool, w_uk, w_uv, kv_lora_rank, flat=True)
+    _check_latent_scales(latent_pool, latent_scales)
     check_int("min_tokens", min_tokens)
     check_int("tile_q", tile_q)
     T, N = q_nope.shape[:2]
