@@ -112,8 +112,8 @@ check-tables: setup
 	$(PY) -m experiments.memory.check_reproducible
 
 # Two worker processes (pytest-xdist) stealing tests from each other: JAX compiles on one core per process, so
-# two use both cores of a 2-core machine (2026-12-07: 1,558 tests in about 11 min on 2 quiet Intel Xeon cores, 22 min
-# in CI; the slower tests, tests/slow.txt, run with `make test-all`).
+# two use both cores of a 2-core machine (2026-12-07: 1,560 tests in about 11 min on 2 quiet Intel Xeon cores,
+# 22-27 min on busy ones and in CI; the slower tests, tests/slow.txt, run with `make test-all`).
 test: setup browser
 	$(PY) -m pytest -q -n 2 --dist worksteal
 

@@ -43,6 +43,8 @@ from models.deepseek.config import MODEL_TYPES as DEEPSEEK_MODEL_TYPES
 from models.deepseek.gguf import is_deepseek_gguf, load_gguf_deepseek
 from models.deepseek.loader import load_hf_deepseek
 from models.deepseek.model import DeepseekModel
+from models.deepseek.presets import PRESETS as DEEPSEEK_PRESETS
+from models.deepseek.presets import num_params
 from models.llama import Llama
 from models.loading.hf_config import CONFIG
 from models.loading.hf_loader import (
@@ -150,6 +152,11 @@ def load_model(spec: str | os.PathLike, *, dtype=jnp.float32) -> tuple[Llama | D
     if isinstance(spec, str):
         if spec in PRESETS:
             return random_model(spec, param_dtype=dtype), None, f"{spec} (random weights)"
+        if spec in DEEPSEEK_PRESETS:
+            raise ValueError(
+                f"model {spec!r} is a DeepSeek preset ({num_params(DEEPSEEK_PRESETS[spec]):,} weights at full "
+                "size), built by hand at a size that fits: LLM((models.deepseek.presets.random_deepseek("
+                f"narrow(get_preset({spec!r})), num_layers=4), None)) (docs/models.md); {accepted}")
         if spec == SMOLLM2:
             return (*load_smollm2(param_dtype=dtype), "SmolLM2-135M-Instruct")
     path = pathlib.Path(spec).expanduser()
@@ -220,7 +227,8 @@ class LLM:
       tokenizer: the :class:`models.tokenizer.Tokenizer`, or None (a
         random-weight preset).
       name: the model's display name.
-      config: the model's :class:`models.config.LlamaConfig`.
+      config: the model's :class:`models.config.LlamaConfig` (a
+        :class:`models.deepseek.config.DeepseekConfig` for a DeepSeek model).
 
     Raises:
       ValueError, FileNotFoundError: from :func:`load_model`; an argument

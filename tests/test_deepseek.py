@@ -159,6 +159,22 @@ def test_the_benchmarks_take_the_folder(checkpoint):
     assert len(out.outputs[0].output_ids) == 3
 
 
+@pytest.mark.parametrize("checkpoint", ["moe"], indirect=True)
+def test_what_cannot_take_a_deepseek_model_says_where_it_goes(checkpoint, capsys):
+    """serve_sharegpt (paged against a contiguous cache, which has no latent
+    form) refuses the folder before loading it, naming what serves it; LLM
+    refuses a DeepSeek preset's name (671B weights) with how to build one."""
+    from experiments.serving import serve_sharegpt
+
+    _, folder, _, _ = checkpoint
+    with pytest.raises(SystemExit):
+        serve_sharegpt.main(["--model", str(folder), "--num-requests", "2"])
+    err = capsys.readouterr().err
+    assert "is a DeepSeek (MLA) model" in err and "bench_serving" in err
+    with pytest.raises(ValueError, match=r"DeepSeek preset \(671,026,419,200 weights.*random_deepseek"):
+        LLM("deepseek-v3")
+
+
 @pytest.mark.parametrize("checkpoint", ["moe"], indirect=True)  # one MoE checkpoint is enough for the server
 def test_the_server_serves_the_folder(checkpoint):
     """The OpenAI server on an MLA model (a DeepSeek folder without a

@@ -14,17 +14,18 @@ device), against GQA attention on the same flat batch
 underneath) with each of ``--gqa-kv-heads`` KV heads of a head dim chosen
 so K and V together are C + R = 576 values a token (1 head of 288: MQA, 2
 heads of 144), and 16 query heads. Both read the same pages a token, the same tokens, in the same
-dtype; the MLA step also pays the two absorption einsums, which belong to
+dtype; the MLA step also pays the two absorption matmuls, which belong to
 its decode step. Each row times one call per layer (best of 5 loops,
 :func:`experiments.lib.cli.time_call`) on uniform batches, and
 gives ``x GQA`` = MLA time / GQA time.
 
-Per key token MLA does ``N (2 (C + R) + 2 C)`` flops on one 576-value read;
-GQA does ``2 N (2 D)`` on the same read (D = 576 / (2 x KV heads)). At
-N = 16 that is 17,408 against 18,432 (one KV head of 288) or 9,216 (two of
-144) flops a token: all light enough to stay near memory speed on an
-accelerator; on a CPU, where a core's flops per byte are fewer, the ratio
-shows how much the extra work costs. Writes
+Per key token MLA needs ``N (2 (C + R) + 2 C)`` flops on one 576-value read
+(the XLA path weighs all C + R columns for the values and keeps C: ``N x 2 x
+2 (C + R)`` as run); GQA does ``2 N (2 D)`` on the same read (D = 576 / (2 x
+KV heads)). At N = 16 that is 34,816 (36,864 as run) against 18,432 (one KV
+head of 288) or 9,216 (two of 144) flops a token: all light enough to stay
+near memory speed on an accelerator; on a CPU, where a core's flops per
+byte are fewer, the ratio shows how much the extra work costs. Writes
 ``results/mla_decode_bench.{md,csv}`` (with provenance).
 """
 
@@ -185,7 +186,7 @@ def main(argv=None) -> list[dict]:
         "",
         f"One layer's decode attention, one query token a sequence; pages of {args.page_size} tokens in "
         f"{args.dtype}, 576 values a token on both sides. MLA: absorbed form, DeepSeek-V3's per-head sizes "
-        f"(C {C}, R {R}, H {H}, O {V}), N query heads, the absorption einsums included. GQA: "
+        f"(C {C}, R {R}, H {H}, O {V}), N query heads, the absorption matmuls included. GQA: "
         + ", ".join(f"{kv} KV head{'s' if kv > 1 else ''} of {d}" for kv, d in dims.items())
         + f" (K and V: 576 values a token), {args.gqa_heads} query heads. Both as the engine runs them: its flat "
         f"batch of one-token rows through the XLA ragged path (paged_jax.attention.ragged.attend). "

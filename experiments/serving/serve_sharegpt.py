@@ -61,11 +61,11 @@ from experiments.lib.cli import (
     resolve_kv_dtype,
     setup_compile_cache,
 )
+from experiments.lib.preflight import model_config
 from experiments.lib.serving import CSV_COLUMNS, MODES, MatmulFloor, ServeResult, load_model, serve
 from experiments.lib.sharegpt import MAX_SEQ_LEN, PACKAGED_LIMIT, PACKAGED_REQUESTS, build_requests, packaged_requests
 from experiments.lib.tables import markdown_table, write_table
-from models.loading.gguf_loader import open_gguf, read_config
-from models.loading.hf_loader import read_hf_config
+from models.deepseek.config import DeepseekConfig
 from models.presets import PRESETS, bytes_to_build
 from models.ragged import RaggedModel
 from paged_jax.distributed.sharding import init_distributed, make_mesh, parse_mesh
@@ -149,13 +149,14 @@ def parse_args(argv=None):
                     "preset, or an accelerator)")
     if args.model != "smollm2" and args.model not in PRESETS:  # fail now, not after loading: reads config.json or the GGUF header only
         try:
-            if str(args.model).lower().endswith(".gguf"):
-                read_config(open_gguf(args.model))
-            else:
-                read_hf_config(args.model)
+            config = model_config(args.model)  # the loaders' readers, DeepSeek folders and GGUFs included
         except (OSError, ValueError) as e:
             p.error(f"--model {args.model!r} is neither 'smollm2', a preset ({', '.join(sorted(PRESETS))}), a "
                     f"supported .gguf file nor a supported checkpoint folder: {e}")
+        if isinstance(config, DeepseekConfig):
+            p.error(f"--model {args.model!r} is a DeepSeek (MLA) model: this demo compares the paged engine with a "
+                    "contiguous KV cache, which has no latent form; serve it with experiments.serving.bench_serving, "
+                    "the online benchmarks, the server (python -m server --model PATH) or models.llm.LLM")
     if args.mesh is not None and args.stream:
         p.error("--stream is not supported with --mesh (the data-parallel engine does not stream)")
     if args.mesh is not None:
