@@ -14,6 +14,11 @@ starting block ``j + 1``'s copy before computing block ``j``, and walks only
 the blocks its queries see (:func:`pallas_kernels.flat_batch.tile_blocks`,
 the XLA work list's formula). Online softmax in f32.
 
+MLA's latent mode (``latent_dim`` C): the pool holds latents ``[c, k_pe]``
+and nothing is written; a block is one page DMA into one VMEM buffer, scored
+as keys, its first C columns the values (one scale row for an int8 / fp8
+pool), so each latent is read once and the output is C wide.
+
 The write. The pool is both an input and an output (``input_output_aliases``;
 the caller donates it). The grid's first program writes every new token's
 K/V (and scales) into its slot before it attends, and only then does any
