@@ -155,7 +155,7 @@ def check_scales(name: str, pages_dtype, pages_shape: tuple[int, ...], k_scales,
             + ", ".join(f"{k} {v}" for k, v in given.items())
         )
     if quantized:
-        for scale_name, s in zip(dict.fromkeys(scale_names), (k_scales, v_scales)):
+        for scale_name, s in zip(scale_names, (k_scales, v_scales)):
             shape, dtype = getattr(s, "shape", None), getattr(s, "dtype", None)
             if shape is None or dtype is None:  # a list or a number: named, not an AttributeError
                 raise ValueError(f"{scale_name} must be an f32{list(pages_shape[:-1])} array, got "
